@@ -1,0 +1,133 @@
+"""KVOffloadSystem: the one seam between the decoder and a KV-cache policy.
+
+The decoder calls, per layer:
+  prefill(layer, k, v)          once, with the whole prompt's post-RoPE K/V            [B, Hkv, T, D]
+  prepare(layer, q_spec)        during layer-1 of a decode step, with a speculative query [B, Hq, D]
+                                (only when `wants_speculative_query`)
+  decode(layer, q, k, v) -> o   appends the new token's K/V [B, Hkv, D] and attends      [B, Hq, D]
+and, per step, begin_step() / end_step(). A system never sees the model, the model never sees the system's
+internals: they share shapes (KVSpec) and statistics (StepStats) only.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from clo.errors import ConfigError
+from clo.kv.timer import PhaseTimer
+
+GB = 1024**3
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    num_layers: int
+    batch: int
+    max_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    gpu_budget_bytes: int | None = None  # None: no budget set (CPU runs, or the whole device)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def layer_kv_bytes(self) -> int:
+        """Full-length K+V bytes of one layer."""
+        return 2 * self.batch * self.num_kv_heads * self.max_len * self.head_dim * self.dtype_bytes
+
+
+@dataclass
+class MemoryEstimate:
+    device_bytes: int  # on the accelerator (on a CPU run, the same RAM as host_bytes)
+    host_bytes: int  # pinned or plain host memory
+
+
+@dataclass
+class StepStats:
+    """Counters of one decode step. Systems add to them; the runner averages them over the run."""
+
+    lookups: int = 0  # (layer, sequence, kv-head) cache decisions taken
+    hits: int = 0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    host_syncs: int = 0
+    phase_ms: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class KVOffloadSystem(ABC):
+    name: str = "abstract"
+    wants_speculative_query: bool = False
+
+    def __init__(self) -> None:
+        self.spec: KVSpec | None = None
+        self.timer: PhaseTimer | None = None
+        self.step = StepStats()
+        self.length = 0  # tokens held per sequence
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    @abstractmethod
+    def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
+        """What allocate(spec) would take; must not allocate. Used to refuse a run before it starts."""
+
+    def allocate(self, spec: KVSpec, timer: PhaseTimer | None = None) -> None:
+        est = self.estimate_memory(spec)
+        if spec.gpu_budget_bytes is not None and est.device_bytes > spec.gpu_budget_bytes:
+            raise ConfigError(
+                f"{self.name} needs {est.device_bytes / GB:.2f} GB of device memory for its KV state but the "
+                f"budget is {spec.gpu_budget_bytes / GB:.2f} GB; lower seqlen/batch or raise hardware.gpu_mem_gb"
+            )
+        self.spec = spec
+        self.timer = timer or PhaseTimer(spec.device)
+        self.length = 0
+        self._allocate(spec)
+
+    @abstractmethod
+    def _allocate(self, spec: KVSpec) -> None: ...
+
+    # ---- per layer ---------------------------------------------------------------------------------------
+    @abstractmethod
+    def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def prepare(self, layer: int, q_spec: torch.Tensor) -> None:
+        """One layer ahead: a speculative query for `layer`, given while the layer before it computes."""
+
+    @abstractmethod
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    # ---- per step ----------------------------------------------------------------------------------------
+    def end_prefill(self, prompt_len: int) -> None:
+        self.length = prompt_len
+
+    def begin_step(self) -> None:
+        self.step = StepStats()
+        assert self.timer is not None
+        self.timer.begin_step()
+
+    def end_step(self) -> StepStats:
+        assert self.timer is not None
+        self.length += 1
+        self.step.phase_ms = self.timer.end_step()
+        return self.step
+
+    def phase(self, name: str):
+        assert self.timer is not None
+        return self.timer.phase(name)
+
+    @abstractmethod
+    def memory_held(self) -> MemoryEstimate:
+        """Bytes the system holds now (from its real buffers, not from the estimate)."""
+

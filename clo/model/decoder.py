@@ -1,0 +1,159 @@
+"""A lean decoder for the Llama and Qwen2 families (gpt-fast style). Module names mirror HuggingFace's so a
+checkpoint's state dict loads as it is. Prefill attends densely over the prompt and hands each layer's K/V to
+the KV system; decode asks the KV system for attention, one layer at a time."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clo.kv.interface import KVOffloadSystem
+from clo.model.config import ModelConfig
+from clo.model.rope import Rotary, apply_rotary
+
+# Prefill runs the MLP (and lm_head) over at most this many tokens at a time: at 128K tokens an unchunked
+# Llama-3-8B MLP intermediate alone is 3.7 GB.
+PREFILL_CHUNK = 8192
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, bias = cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden] -> post-RoPE q: [B, H, T, D]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
+        return apply_rotary(q, cos, sin)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, t, _ = x.shape
+        q = self.query(x, cos, sin)
+        k = self.k_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)
+        return q, apply_rotary(k, cos, sin), v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def mlp_block(self, x: torch.Tensor) -> torch.Tensor:
+        for s in range(0, x.shape[1], PREFILL_CHUNK):
+            chunk = x[:, s : s + PREFILL_CHUNK]
+            x[:, s : s + PREFILL_CHUNK] = chunk + self.mlp(self.post_attention_layernorm(chunk))
+        return x
+
+
+class Body(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._rotary: Rotary | None = None
+
+    def rotary(self) -> Rotary:
+        dev = self.lm_head.weight.device
+        if self._rotary is None or self._rotary.inv_freq.device != dev:
+            self._rotary = Rotary(self.cfg, dev)
+        return self._rotary
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        kv: KVOffloadSystem,
+        all_logits: bool = False,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """tokens [B, T] -> logits of the last position [B, V] (or of every position [B, T, V])."""
+        b, t = tokens.shape
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rotary().cos_sin(torch.arange(t, device=tokens.device), x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
+            kv.prefill(i, k, v)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            del q, k, v
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            x = layer.mlp_block(x)
+            if on_layer is not None:
+                on_layer(i)
+        kv.end_prefill(t)
+        if all_logits:
+            return self._chunked_logits(x)
+        return self.lm_head(self.model.norm(x[:, -1])).float()
+
+    def _chunked_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(
+            [self.lm_head(self.model.norm(x[:, s : s + PREFILL_CHUNK])).float() for s in range(0, x.shape[1], PREFILL_CHUNK)],
+            dim=1,
+        )
+
+    @torch.inference_mode()
+    def decode(self, token: torch.Tensor, position: int, kv: KVOffloadSystem) -> torch.Tensor:
+        """One step for every sequence of the batch. token [B] at `position` -> logits [B, V]."""
+        b = token.shape[0]
+        x = self.model.embed_tokens(token)[:, None, :]  # [B, 1, hidden]
+        cos, sin = self.rotary().cos_sin(torch.tensor([position], device=token.device), x.dtype)
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            if kv.wants_speculative_query and i + 1 < len(layers):
+                # One layer ahead (spec 2.3): layer i+1's query from layer i's input, through layer i+1's
+                # norm and q_proj, so its lookup and transfers overlap layer i's compute.
+                nxt = layers[i + 1]
+                kv.prepare(i + 1, nxt.self_attn.query(nxt.input_layernorm(x), cos, sin)[:, :, 0])
+            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
+            o = kv.decode(i, q[:, :, 0], k[:, :, 0], v[:, :, 0])  # [B, H, D]
+            x = x + attn.o_proj(o.reshape(b, 1, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.model.norm(x))[:, 0].float()

