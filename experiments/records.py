@@ -1,0 +1,90 @@
+"""Run records: one folder per run under results_dir, named after the run's overrides (so a sweep that is run
+again finds its finished runs), holding record.json written atomically."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Overrides that change where or how a run is reported, not what it measures.
+NOT_IDENTITY = ("results_dir", "force", "wandb.", "hydra.")
+
+
+def run_name(overrides: list[str]) -> str:
+    """A readable, filesystem-safe name plus a hash of the overrides that define the run."""
+    ident = sorted(o for o in overrides if not o.lstrip("+~").startswith(NOT_IDENTITY))
+    digest = hashlib.sha1("\n".join(ident).encode()).hexdigest()[:8]
+    readable = ",".join(ident) or "defaults"
+    safe = "".join(c if c.isalnum() or c in "=,.-_" else "_" for c in readable)[:120]
+    return f"{safe}-{digest}"
+
+
+def record_path(results_dir: Path, overrides: list[str]) -> Path:
+    return results_dir / run_name(overrides) / "record.json"
+
+
+def finished(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("status") == "ok"
+    except (OSError, json.JSONDecodeError):
+        return False  # a damaged record counts as not done: the run is repeated
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def git_commit(repo: Path) -> dict[str, Any]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": None}
+    return {"commit": commit or "unknown", "dirty": dirty if commit else None}
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "git": git_commit(Path(__file__).resolve().parent.parent),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        env["gpu_mem_total_gb"] = round(torch.cuda.get_device_properties(device).total_memory / 1024**3, 1)
+    try:
+        import flashinfer
+
+        env["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        env["flashinfer"] = None
+    return env
