@@ -61,8 +61,10 @@ def git_commit(repo: Path) -> dict[str, Any]:
         commit = git("rev-parse", "HEAD")
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
-        return {"commit": "unknown", "dirty": None}
-    return {"commit": commit or "unknown", "dirty": dirty if commit else None}
+        commit, dirty = "", None
+    if not commit:  # a copy without .git (the GPU machine's working tree): the launcher says which commit it is
+        return {"commit": os.environ.get("CLO_GIT_COMMIT", "unknown"), "dirty": None, "from": "CLO_GIT_COMMIT"}
+    return {"commit": commit, "dirty": dirty}
 
 
 def environment(device: torch.device) -> dict[str, Any]:

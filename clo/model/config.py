@@ -66,6 +66,10 @@ class ModelConfig:
         model_type = hf.get("model_type", "llama")
         family = "qwen2" if model_type == "qwen2" else "llama"
         heads = hf["num_attention_heads"]
+        # transformers >= 5 folds rope_theta and rope_scaling into one `rope_parameters` dict
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         return cls(
             name=name,
             family=family,
@@ -76,10 +80,10 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads", heads),
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             vocab_size=hf["vocab_size"],
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_theta=float(theta),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-            rope_scaling=hf.get("rope_scaling"),
+            rope_scaling=scaling,
         )

@@ -1,0 +1,110 @@
+"""The run command as a user runs it: the default needle run, a sweep that survives a failing run and resumes,
+W&B offline logging, and bad input refused with a clear message before any long work."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["model.weights=synthetic", "workload.prompt=random", "workload.gen_tokens=4", "wandb.enabled=false"]
+
+
+def run(*args: str, tmp: Path, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0"}
+    flags = [a for a in args if a.startswith("--")]  # hydra wants its flags before the overrides
+    overrides = [a for a in args if not a.startswith("--")]
+    p = subprocess.run([sys.executable, "-m", "experiments.run", *flags, f"results_dir={tmp / 'results'}",
+                        f"hydra.run.dir={tmp / 'out'}", f"hydra.sweep.dir={tmp / 'multi'}", *overrides],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def records(tmp: Path) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text()) for p in (tmp / "results").glob("*/record.json")}
+
+
+@pytest.mark.slow
+def test_default_run_finds_the_needle_with_real_weights(tmp_path):
+    p = run("wandb.enabled=false", tmp=tmp_path)
+    (rec,) = records(tmp_path).values()
+    assert rec["status"] == "ok" and rec["answer"]["found"] is True, rec["answer"]
+    assert "real SmolLM2" in rec["weights"] and rec["prompt"]["kind"] == "needle"
+    assert rec["prompt"]["tokens"] == 3072
+    m = rec["metrics"]
+    assert m["decode_tokens_per_s"] > 0 and m["dense_floor_ms_per_step"] > 0
+    assert m["phase_ms_per_step"]["attention"] > 0
+    assert rec["environment"]["git"]["commit"] and rec["config"]["model"]["name"] == "smollm2"
+    assert "FOUND" in p.stdout
+
+
+def test_sweep_survives_a_failing_run_and_resumes(tmp_path):
+    p = run("--multirun", "seqlen=64,96,9000", *FAST, tmp=tmp_path)
+    recs = records(tmp_path)
+    status = {name.split("-")[0]: r["status"] for name, r in recs.items()}
+    assert sorted(status.values()) == ["failed", "ok", "ok"], status
+    failed = next(r for r in recs.values() if r["status"] == "failed")
+    assert "max_position_embeddings" in failed["error"] and failed["error_kind"] == "config"
+    assert "the sweep continues" in p.stderr
+    again = run("--multirun", "seqlen=64,96,9000", *FAST, tmp=tmp_path)
+    assert again.stderr.count("skip:") == 2  # finished runs are skipped, the failed one is retried
+
+
+def test_records_are_complete_json_with_provenance(tmp_path):
+    run("seqlen=64", *FAST, tmp=tmp_path)
+    (rec,) = records(tmp_path).values()
+    assert rec["weights"].startswith("synthetic") and rec["prompt"]["kind"] == "random"
+    assert rec["metrics"]["decode_steps"] == 3 and len(rec["steps"]) == 3
+    assert {"torch", "transformers", "git", "device"} <= set(rec["environment"])
+    assert not list((tmp_path / "results").rglob("*.tmp"))
+
+
+def test_wandb_offline_run(tmp_path):
+    run("seqlen=64", *FAST[:-1], "wandb.enabled=true", "wandb.mode=offline", f"wandb.dir={tmp_path}", tmp=tmp_path)
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def bad(tmp, *args):
+    p = run(*args, tmp=tmp, check=False)
+    assert p.returncode != 0
+    return p.stderr
+
+
+def test_unknown_names_list_the_valid_ones(tmp_path):
+    assert "fullattn" in bad(tmp_path, "system=nope")
+    err = bad(tmp_path, "model=nope")
+    assert "llama3" in err and "qwen25" in err and "smollm2" in err
+    assert "decode" in bad(tmp_path, "workload=nope")
+
+
+def test_seqlen_beyond_max_positions(tmp_path):
+    assert "max_position_embeddings=8192" in bad(tmp_path, "seqlen=8k", *FAST)
+
+
+def test_llama3_128k_fullattn_refused_with_estimate(tmp_path):
+    err = bad(tmp_path, "system=fullattn", "model=llama3", "seqlen=128k", "device=cpu", "wandb.enabled=false")
+    assert "GB" in err and "available" in err and "Ways out" in err
+    assert "Traceback" not in err
+
+
+def test_gpu_budget_too_small(tmp_path):
+    err = bad(tmp_path, "hardware.gpu_mem_gb=0.05", "seqlen=64", *FAST)
+    assert "budget is 0.1 GB" in err or "budget is 0.0 GB" in err
+
+
+def test_weights_path_missing(tmp_path):
+    assert "does not exist" in bad(tmp_path, f"model.path={tmp_path / 'nowhere'}", "seqlen=64", *FAST[1:])
+
+
+def test_weights_path_with_other_shapes(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "tiny"
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=100)).save_pretrained(folder)
+    err = bad(tmp_path, f"model.path={folder}", "seqlen=64", *FAST[1:])
+    assert "does not match model=smollm2" in err and "hidden_size" in err
