@@ -1,9 +1,12 @@
 """FullAttn: every token's K/V stays in device memory and each decode step attends densely. The ideal where it
-fits. Attention is flashinfer's decode kernel on CUDA when flashinfer is installed, torch SDPA otherwise."""
+fits. Attention is flashinfer's decode kernel on CUDA when flashinfer is installed (bf16/fp16), torch SDPA
+otherwise. The cache is token-major ([layer, batch, token, kv_head, dim], flashinfer's NHD) so that the first
+n tokens of a sequence are one contiguous block."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from clo.errors import ConfigError
 from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
@@ -33,39 +36,47 @@ class FullAttn(KVOffloadSystem):
         return MemoryEstimate(device_bytes=kv, host_bytes=0)
 
     def _allocate(self, spec: KVSpec) -> None:
-        shape = (spec.num_layers, spec.batch, spec.num_kv_heads, spec.max_len, spec.head_dim)
+        shape = (spec.num_layers, spec.batch, spec.max_len, spec.num_kv_heads, spec.head_dim)
         self.k = torch.empty(shape, dtype=spec.dtype, device=spec.device)
         self.v = torch.empty(shape, dtype=spec.dtype, device=spec.device)
-        fi = _flashinfer() if spec.device.type == "cuda" else None
+        usable = spec.device.type == "cuda" and spec.dtype in (torch.bfloat16, torch.float16)
+        fi = _flashinfer() if usable else None
         if self.attention_backend == "flashinfer" and fi is None:
-            raise ConfigError("attention_backend=flashinfer needs CUDA and the flashinfer package")
+            raise ConfigError("attention_backend=flashinfer needs CUDA, bf16/fp16 and the flashinfer package")
         self.backend = "flashinfer" if fi is not None and self.attention_backend != "sdpa" else "sdpa"
 
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         t = k.shape[2]
-        self.k[layer, :, :, :t] = k
-        self.v[layer, :, :, :t] = v
+        self.k[layer, :, :t] = k.transpose(1, 2)
+        self.v[layer, :, :t] = v.transpose(1, 2)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pos = self.length
         with self.phase("attention"):
-            self.k[layer, :, :, pos] = k
-            self.v[layer, :, :, pos] = v
-            keys, values = self.k[layer, :, :, : pos + 1], self.v[layer, :, :, : pos + 1]
+            self.k[layer, :, pos] = k
+            self.v[layer, :, pos] = v
+            keys, values = self.k[layer, :, : pos + 1], self.v[layer, :, : pos + 1]  # [B, T, Hkv, D]
             if self.backend == "flashinfer":
                 import flashinfer
 
                 return torch.stack([
-                    flashinfer.single_decode_with_kv_cache(q[b], keys[b], values[b], kv_layout="HND")
+                    flashinfer.single_decode_with_kv_cache(q[b], keys[b], values[b], kv_layout="NHD")
                     for b in range(q.shape[0])
                 ])
-            return dense_decode_attention(q, keys, values)
+            return dense_decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2))
 
     def memory_held(self) -> MemoryEstimate:
         return MemoryEstimate(device_bytes=self.k.nbytes + self.v.nbytes, host_bytes=0)
 
 
+# cuDNN's SDPA builds a plan per new key length, i.e. at every decode step: milliseconds each.
+_DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Reference decode attention. q [B, H, D]; k, v [B, Hkv, T, D] -> [B, H, D]."""
-    o = F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
-    return o[:, :, 0]
+    """Reference decode attention. q [B, H, D]; k, v [B, Hkv, T, D] (unit stride in D) -> [B, H, D].
+    The G query heads of a KV head become G query rows of that head, so K/V are read once, not G times."""
+    b, h, d = q.shape
+    with sdpa_kernel(_DECODE_BACKENDS):
+        o = F.scaled_dot_product_attention(q.view(b, k.shape[1], h // k.shape[1], d), k, v)
+    return o.reshape(b, h, d)

@@ -59,6 +59,7 @@ def test_records_are_complete_json_with_provenance(tmp_path):
     (rec,) = records(tmp_path).values()
     assert rec["weights"].startswith("synthetic") and rec["prompt"]["kind"] == "random"
     assert rec["metrics"]["decode_steps"] == 3 and len(rec["steps"]) == 3
+    assert rec["metrics"]["decode_steps_measured"] == 1  # two warm-up steps left out of the means
     assert {"torch", "transformers", "git", "device"} <= set(rec["environment"])
     assert not list((tmp_path / "results").rglob("*.tmp"))
 
