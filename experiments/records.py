@@ -55,10 +55,11 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 def git_commit(repo: Path) -> dict[str, Any]:
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10).stdout.strip()
+        p = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
+        return p.stdout.strip() if p.returncode == 0 else ""
 
     try:
-        commit = git("rev-parse", "HEAD")
+        commit = git("rev-parse", "--verify", "HEAD")
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", None
