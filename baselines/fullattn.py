@@ -23,6 +23,7 @@ def _flashinfer():
 
 class FullAttn(KVOffloadSystem):
     name = "fullattn"
+    supports_cuda_graph = True
 
     def __init__(self, attention_backend: str = "auto") -> None:
         super().__init__()
@@ -44,6 +45,7 @@ class FullAttn(KVOffloadSystem):
         if self.attention_backend == "flashinfer" and fi is None:
             raise ConfigError("attention_backend=flashinfer needs CUDA, bf16/fp16 and the flashinfer package")
         self.backend = "flashinfer" if fi is not None and self.attention_backend != "sdpa" else "sdpa"
+        self.token_index = torch.arange(spec.max_len, device=spec.device)
 
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         t = k.shape[2]
@@ -51,11 +53,16 @@ class FullAttn(KVOffloadSystem):
         self.v[layer, :, :t] = v.transpose(1, 2)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        pos = self.length
         with self.phase("attention"):
-            self.k[layer, :, pos] = k
-            self.v[layer, :, pos] = v
-            keys, values = self.k[layer, :, : pos + 1], self.v[layer, :, : pos + 1]  # [B, T, Hkv, D]
+            self.k[layer].index_copy_(1, self.position, k[:, None])
+            self.v[layer].index_copy_(1, self.position, v[:, None])
+            if self.static_shapes:
+                # Graph replay: fixed shapes, so attend over the whole buffer with the unwritten tail masked.
+                # max_len is the prompt plus the tokens to generate, so the extra bytes are few.
+                valid = (self.token_index <= self.position)[None, None, None, :]
+                return dense_decode_attention(q, self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2), valid)
+            end = self.length + 1
+            keys, values = self.k[layer, :, :end], self.v[layer, :, :end]  # [B, T, Hkv, D]
             if self.backend == "flashinfer":
                 import flashinfer
 
@@ -73,10 +80,12 @@ class FullAttn(KVOffloadSystem):
 _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Reference decode attention. q [B, H, D]; k, v [B, Hkv, T, D] (unit stride in D) -> [B, H, D].
-    The G query heads of a KV head become G query rows of that head, so K/V are read once, not G times."""
+def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference decode attention. q [B, H, D]; k, v [B, Hkv, T, D] (unit stride in D); mask: bool,
+    broadcastable to [B, Hkv, G, T], True = attend -> [B, H, D]. The G query heads of a KV head become G
+    query rows of that head, so K/V are read once, not G times."""
     b, h, d = q.shape
     with sdpa_kernel(_DECODE_BACKENDS):
-        o = F.scaled_dot_product_attention(q.view(b, k.shape[1], h // k.shape[1], d), k, v)
+        o = F.scaled_dot_product_attention(q.view(b, k.shape[1], h // k.shape[1], d), k, v, attn_mask=mask)
     return o.reshape(b, h, d)

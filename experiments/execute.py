@@ -60,7 +60,9 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     what = f"system={system_name} model={model_cfg.name} seqlen={seqlen} batch={batch}"
     budget = preflight.check_memory(plan, device, cfg.hardware.gpu_mem_gb, what)
     spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget})
-    timer = PhaseTimer(device, enabled=bool(cfg.profile_phases))
+    cuda_graph = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
+    # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
+    timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and not cuda_graph)
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
 
     # ---- long work ---------------------------------------------------------------------------------------
@@ -70,7 +72,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     prompt = build_prompt(cfg.workload.prompt, seqlen, batch, int(cfg.seed), tokenizer, model_cfg.vocab_size,
                           float(cfg.workload.needle_depth))
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
-    gen = run_generation(model, system, prompt.tokens.to(device), gen_tokens, stop)
+    gen = run_generation(model, system, prompt.tokens.to(device), gen_tokens, stop, cuda_graph)
 
     text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
     hbm = cfg.hardware.hbm_gb_s or copy_bandwidth_gb_s(device)
@@ -80,6 +82,8 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         "weights": weights_desc,
         "seqlen": seqlen,
         "batch": batch,
+        "decode_mode": "graph" if cuda_graph else "eager",
+        "phases_timed": timer.enabled,
         "prompt": {"kind": prompt.kind, "tokens": int(prompt.tokens.shape[1]), **prompt.meta},
         "answer": {"expected": prompt.answer, "text": text,
                    "found": (prompt.answer in text) if prompt.answer and text is not None else None},
@@ -94,12 +98,13 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_generation(model, system, tokens, gen_tokens, stop) -> Generation:
+def run_generation(model, system, tokens, gen_tokens, stop, cuda_graph) -> Generation:
     n_layers = model.cfg.num_layers
     with tqdm(total=n_layers, desc=f"prefill {tokens.shape[1]} tokens", unit="layer", file=sys.stderr,
               leave=False) as bar_p, tqdm(total=gen_tokens - 1, desc="decode", unit="tok", file=sys.stderr,
                                           leave=False) as bar_d:
-        return generate(model, system, tokens, gen_tokens, stop, on_prefill_layer=lambda _: bar_p.update(1),
+        return generate(model, system, tokens, gen_tokens, stop, cuda_graph,
+                        on_prefill_layer=lambda _: bar_p.update(1),
                         on_token=lambda _: bar_d.update(1))
 
 

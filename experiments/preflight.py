@@ -46,6 +46,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return valid[name]
 
 
+def resolve_decode_mode(mode: str, device: torch.device, system: KVOffloadSystem) -> bool:
+    """True: capture the decode step in a CUDA graph. auto = graph on CUDA when the system supports it."""
+    if mode not in ("auto", "eager", "graph"):
+        raise ConfigError(f"decode_mode={mode!r}; valid: auto, eager, graph")
+    if mode == "graph" and device.type != "cuda":
+        raise ConfigError("decode_mode=graph needs CUDA; use decode_mode=eager or auto on the CPU")
+    if mode == "graph" and not system.supports_cuda_graph:
+        raise ConfigError(f"system {system.name} cannot be captured in a CUDA graph; use decode_mode=eager")
+    return mode == "graph" or (mode == "auto" and device.type == "cuda" and system.supports_cuda_graph)
+
+
 def check_length(cfg: ModelConfig, seqlen: int, gen_tokens: int) -> None:
     if seqlen + gen_tokens > cfg.max_position_embeddings:
         raise ConfigError(f"seqlen={seqlen} + gen_tokens={gen_tokens} exceeds {cfg.name}'s "

@@ -40,7 +40,7 @@ def check_prefill_and_decode(ref, ours: Decoder, seq: int = 40, batch: int = 2, 
     torch.testing.assert_close(got_prefill, want[:, : seq - 8], atol=atol, rtol=1e-4)
     for t in range(seq - 8, seq):  # the remaining tokens one decode step each
         kv.begin_step()
-        got = ours.decode(ids[:, t], t, kv)
+        got = ours.decode(ids[:, t], kv.position, kv)
         kv.end_step()
         torch.testing.assert_close(got, want[:, t], atol=atol, rtol=1e-4)
 

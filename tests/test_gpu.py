@@ -56,6 +56,23 @@ def test_decoder_on_cuda_matches_transformers():
     got = ours.prefill(ids[:, :299].to(CUDA), kv, all_logits=True).cpu()
     torch.testing.assert_close(got, want[:, :299], atol=2e-3, rtol=1e-3)
     kv.begin_step()
-    last = ours.decode(ids[:, 299].to(CUDA), 299, kv).cpu()
+    last = ours.decode(ids[:, 299].to(CUDA), kv.position, kv).cpu()
     kv.end_step()
     torch.testing.assert_close(last, want[:, 299], atol=2e-3, rtol=1e-3)
+
+
+def test_cuda_graph_decode_generates_the_eager_tokens():
+    from clo.generate import generate
+    from clo.model.weights import synthetic_decoder
+
+    cfg = ModelConfig(name="tiny", family="llama", hidden_size=512, intermediate_size=1024, num_layers=4,
+                      num_heads=8, num_kv_heads=2, head_dim=64, vocab_size=2000, rope_theta=1e4,
+                      rms_norm_eps=1e-5, max_position_embeddings=4096)
+    model = synthetic_decoder(cfg, 0, CUDA, torch.float32)
+    prompt = torch.randint(0, 2000, (2, 500), device=CUDA)
+    runs = []
+    for graph in (False, True):
+        kv = FullAttn()
+        kv.allocate(KVSpec(4, 2, 540, 8, 2, 64, torch.float32, CUDA), PhaseTimer(CUDA, enabled=not graph))
+        runs.append(generate(model, kv, prompt, 40, cuda_graph=graph).tokens)
+    assert torch.equal(runs[0], runs[1])

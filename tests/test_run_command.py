@@ -109,3 +109,7 @@ def test_weights_path_with_other_shapes(tmp_path):
                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100)).save_pretrained(folder)
     err = bad(tmp_path, f"model.path={folder}", "seqlen=64", *FAST[1:])
     assert "does not match model=smollm2" in err and "hidden_size" in err
+
+
+def test_graph_decode_on_cpu_is_refused(tmp_path):
+    assert "needs CUDA" in bad(tmp_path, "decode_mode=graph", "seqlen=64", *FAST)

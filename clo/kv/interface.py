@@ -71,12 +71,17 @@ class StepStats:
 class KVOffloadSystem(ABC):
     name: str = "abstract"
     wants_speculative_query: bool = False
+    # True when decode() can be captured in a CUDA graph once static_shapes is set: it then takes the
+    # token position from `self.position` (a device tensor, updated before each replay) instead of `self.length`.
+    supports_cuda_graph: bool = False
 
     def __init__(self) -> None:
         self.spec: KVSpec | None = None
         self.timer: PhaseTimer | None = None
         self.step = StepStats()
         self.length = 0  # tokens held per sequence
+        self.static_shapes = False
+        self.position = torch.zeros(1, dtype=torch.long)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     @abstractmethod
@@ -93,7 +98,14 @@ class KVOffloadSystem(ABC):
         self.spec = spec
         self.timer = timer or PhaseTimer(spec.device)
         self.length = 0
+        self.position = torch.zeros(1, dtype=torch.long, device=spec.device)
         self._allocate(spec)
+
+    def use_static_shapes(self) -> None:
+        """Switch decode() to its graph-capturable form (fixed shapes, position read from the device)."""
+        if not self.supports_cuda_graph:
+            raise ConfigError(f"system {self.name} cannot be captured in a CUDA graph; use decode_mode=eager")
+        self.static_shapes = True
 
     @abstractmethod
     def _allocate(self, spec: KVSpec) -> None: ...
@@ -116,6 +128,7 @@ class KVOffloadSystem(ABC):
         self.step = StepStats()
         assert self.timer is not None
         self.timer.begin_step()
+        self.position.fill_(self.length)  # outside any captured graph: the graph reads it
 
     def end_step(self) -> StepStats:
         assert self.timer is not None

@@ -139,11 +139,12 @@ class Decoder(nn.Module):
         )
 
     @torch.inference_mode()
-    def decode(self, token: torch.Tensor, position: int, kv: KVOffloadSystem) -> torch.Tensor:
-        """One step for every sequence of the batch. token [B] at `position` -> logits [B, V]."""
+    def decode(self, token: torch.Tensor, position: torch.Tensor, kv: KVOffloadSystem) -> torch.Tensor:
+        """One step for every sequence of the batch. token [B] at position ([1] long, on the model's device;
+        a tensor so that the step can be replayed from a CUDA graph) -> logits [B, V]."""
         b = token.shape[0]
         x = self.model.embed_tokens(token)[:, None, :]  # [B, 1, hidden]
-        cos, sin = self.rotary().cos_sin(torch.tensor([position], device=token.device), x.dtype)
+        cos, sin = self.rotary().cos_sin(position, x.dtype)
         layers = self.model.layers
         for i, layer in enumerate(layers):
             attn = layer.self_attn
