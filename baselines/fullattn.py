@@ -1,6 +1,6 @@
 """FullAttn: every token's K/V stays in device memory and each decode step attends densely. The ideal where it
-fits. Attention is flashinfer's decode kernel on CUDA when flashinfer is installed (bf16/fp16), torch SDPA
-otherwise. The cache is token-major ([layer, batch, token, kv_head, dim], flashinfer's NHD) so that the first
+fits. Eager attention is flashinfer's decode kernel on CUDA when flashinfer is installed (bf16/fp16), torch
+SDPA otherwise; a step replayed from a CUDA graph uses our length-from-device Triton kernel. The cache is token-major ([layer, batch, token, kv_head, dim], flashinfer's NHD) so that the first
 n tokens of a sequence are one contiguous block."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from clo.errors import ConfigError
+from clo.kernels.decode_attention import decode_attention
 from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
 
 
@@ -21,14 +22,17 @@ def _flashinfer():
         return None
 
 
+BACKENDS = ("auto", "sdpa", "flashinfer", "triton")
+
+
 class FullAttn(KVOffloadSystem):
     name = "fullattn"
     supports_cuda_graph = True
 
     def __init__(self, attention_backend: str = "auto") -> None:
         super().__init__()
-        if attention_backend not in ("auto", "sdpa", "flashinfer"):
-            raise ConfigError(f"attention_backend={attention_backend!r}; valid: auto, sdpa, flashinfer")
+        if attention_backend not in BACKENDS:
+            raise ConfigError(f"attention_backend={attention_backend!r}; valid: {', '.join(BACKENDS)}")
         self.attention_backend = attention_backend
         self.backend = "sdpa"
 
@@ -44,8 +48,12 @@ class FullAttn(KVOffloadSystem):
         fi = _flashinfer() if usable else None
         if self.attention_backend == "flashinfer" and fi is None:
             raise ConfigError("attention_backend=flashinfer needs CUDA, bf16/fp16 and the flashinfer package")
-        self.backend = "flashinfer" if fi is not None and self.attention_backend != "sdpa" else "sdpa"
-        self.token_index = torch.arange(spec.max_len, device=spec.device)
+        if self.attention_backend == "triton" and spec.device.type != "cuda":
+            raise ConfigError("attention_backend=triton needs CUDA")
+        if self.attention_backend in ("sdpa", "triton"):
+            self.backend = self.attention_backend
+        else:
+            self.backend = "flashinfer" if fi is not None else "sdpa"
 
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         t = k.shape[2]
@@ -56,11 +64,10 @@ class FullAttn(KVOffloadSystem):
         with self.phase("attention"):
             self.k[layer].index_copy_(1, self.position, k[:, None])
             self.v[layer].index_copy_(1, self.position, v[:, None])
-            if self.static_shapes:
-                # Graph replay: fixed shapes, so attend over the whole buffer with the unwritten tail masked.
-                # max_len is the prompt plus the tokens to generate, so the extra bytes are few.
-                valid = (self.token_index <= self.position)[None, None, None, :]
-                return dense_decode_attention(q, self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2), valid)
+            if self.static_shapes or self.backend == "triton":
+                # One launch for any length (read from the device): what a replayed CUDA graph needs.
+                lengths = (self.position + 1).expand(q.shape[0])
+                return decode_attention(q, self.k[layer], self.v[layer], lengths)
             end = self.length + 1
             keys, values = self.k[layer, :, :end], self.v[layer, :, :end]  # [B, T, Hkv, D]
             if self.backend == "flashinfer":
@@ -80,12 +87,10 @@ class FullAttn(KVOffloadSystem):
 _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference decode attention. q [B, H, D]; k, v [B, Hkv, T, D] (unit stride in D); mask: bool,
-    broadcastable to [B, Hkv, G, T], True = attend -> [B, H, D]. The G query heads of a KV head become G
-    query rows of that head, so K/V are read once, not G times."""
+def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Decode attention through SDPA. q [B, H, D]; k, v [B, Hkv, T, D] (unit stride in D) -> [B, H, D].
+    The G query heads of a KV head become G query rows of that head, so K/V are read once, not G times."""
     b, h, d = q.shape
     with sdpa_kernel(_DECODE_BACKENDS):
-        o = F.scaled_dot_product_attention(q.view(b, k.shape[1], h // k.shape[1], d), k, v, attn_mask=mask)
+        o = F.scaled_dot_product_attention(q.view(b, k.shape[1], h // k.shape[1], d), k, v)
     return o.reshape(b, h, d)

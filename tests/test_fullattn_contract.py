@@ -80,7 +80,7 @@ def test_timer_rejects_unknown_phase_and_derives_other():
 
 
 def test_bad_backend_is_a_config_error():
-    with pytest.raises(ConfigError, match="valid: auto, sdpa, flashinfer"):
+    with pytest.raises(ConfigError, match="valid: auto, sdpa, flashinfer, triton"):
         FullAttn(attention_backend="cuda-magic")
 
 

@@ -1,0 +1,134 @@
+"""Decode attention over a token-major KV buffer whose valid length per sequence is read from the device, so
+one launch serves every step and can be replayed from a CUDA graph (flash-decoding: split the keys over
+many programs, then merge the partial softmaxes).
+
+  q        [B, H, D]
+  k, v     [B, T, Hkv, D]   (T = buffer capacity; only the first lengths[b] tokens are attended)
+  lengths  [B] int          (on the device)
+  -> out   [B, H, D]
+
+`decode_attention_ref` is the specification (plain torch, runs anywhere); `decode_attention` picks the Triton
+kernel on CUDA and the reference elsewhere.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: the reference is used
+    triton = None
+
+
+def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    b, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.view(b, hkv, h // hkv, d).float()
+    scores = torch.einsum("bkgd,btkd->bkgt", qg, k.float()) / math.sqrt(d)
+    valid = torch.arange(k.shape[1], device=k.device)[None, :] < lengths[:, None]  # [B, T]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgt,btkd->bkgd", scores.softmax(-1), v.float())
+    return out.reshape(b, h, d).to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(Q, K, V, Lens, Out, M, L, sm_scale,
+                      stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                      HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                      SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // HKV
+        kvh = bh % HKV
+        length = tl.load(Lens + b)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        q = tl.load(Q + b * stride_qb + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
+                    other=0.0)
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        start = split * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, length)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < end
+            kb = tl.load(K + b * stride_kb + n[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                         mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kb)) * sm_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vb = tl.load(V + b * stride_vb + n[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                         mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+            m_i = m_new
+        row = (bh * SPLITS + split) * G_PAD + g
+        tl.store(Out + row[:, None] * D + d[None, :], acc)
+        tl.store(M + row, m_i)
+        tl.store(L + row, l_i)
+
+    @triton.jit
+    def _merge_kernel(Out, M, L, O, stride_ob, stride_oh,
+                      HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                      SPLITS: tl.constexpr):
+        bh = tl.program_id(0)
+        b = bh // HKV
+        kvh = bh % HKV
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        m_all = tl.full([G_PAD], float("-inf"), tl.float32)
+        for s in range(SPLITS):
+            m_all = tl.maximum(m_all, tl.load(M + (bh * SPLITS + s) * G_PAD + g))
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        l_all = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for s in range(SPLITS):
+            row = (bh * SPLITS + s) * G_PAD + g
+            w = tl.exp(tl.load(M + row) - m_safe)  # empty splits: exp(-inf) = 0
+            l_all += tl.load(L + row) * w
+            acc += tl.load(Out + row[:, None] * D + d[None, :]) * w[:, None]
+        out = acc / l_all[:, None]
+        tl.store(O + b * stride_ob + (kvh * G + g)[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+                 mask=(g < G)[:, None])
+
+
+def _splits(batch_kv_heads: int, capacity: int, block_n: int) -> tuple[int, int]:
+    """Enough programs to cover the GPU (~4 per SM on 132 SMs), each at least one block long."""
+    splits = max(1, min(triton.cdiv(capacity, block_n), triton.cdiv(512, batch_kv_heads)))
+    split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+    return triton.cdiv(capacity, split_len), split_len
+
+
+def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                            block_n: int = 64) -> torch.Tensor:
+    b, h, d = q.shape
+    cap, hkv = k.shape[1], k.shape[2]
+    g = h // hkv
+    g_pad = max(16, triton.next_power_of_2(g))  # tl.dot needs at least 16 rows
+    assert q.stride(2) == k.stride(3) == v.stride(3) == 1, "head_dim must be the contiguous dimension"
+    splits, split_len = _splits(b * hkv, cap, block_n)
+    part = torch.empty(b * hkv * splits * g_pad, d, dtype=torch.float32, device=q.device)
+    m = torch.empty(b * hkv * splits * g_pad, dtype=torch.float32, device=q.device)
+    l_ = torch.empty_like(m)
+    out = torch.empty_like(q)
+    _split_kernel[(b * hkv, splits)](
+        q, k, v, lengths, part, m, l_, 1.0 / math.sqrt(d),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits, SPLIT_LEN=split_len, BLOCK_N=block_n)
+    _merge_kernel[(b * hkv,)](part, m, l_, out, out.stride(0), out.stride(1),
+                              HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    if q.is_cuda and triton is not None:
+        return decode_attention_triton(q, k, v, lengths)
+    return decode_attention_ref(q, k, v, lengths)
