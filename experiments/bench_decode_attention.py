@@ -52,9 +52,10 @@ def main() -> None:
         lengths = torch.full((b,), length, device=dev)
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)
         backends = {
-            "triton (ours, length from device)": lambda: decode_attention_triton(q, k, v, lengths),
-            "torch sdpa (GQA folded)": lambda: dense_decode_attention(q, kt, vt),
+            f"triton (ours) block {bn} warps {w}": (lambda bn=bn, w=w: decode_attention_triton(q, k, v, lengths, bn, w))
+            for bn in (64, 128) for w in (4, 8)
         }
+        backends["torch sdpa (GQA folded)"] = lambda: dense_decode_attention(q, kt, vt)
         try:
             import flashinfer
 

@@ -108,12 +108,13 @@ def _splits(batch_kv_heads: int, capacity: int, block_n: int) -> tuple[int, int]
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                            block_n: int = 64) -> torch.Tensor:
+                            block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
     b, h, d = q.shape
     cap, hkv = k.shape[1], k.shape[2]
     g = h // hkv
     g_pad = max(16, triton.next_power_of_2(g))  # tl.dot needs at least 16 rows
     assert q.stride(2) == k.stride(3) == v.stride(3) == 1, "head_dim must be the contiguous dimension"
+    lengths = lengths.contiguous()  # the kernel reads lengths[b] at offset b: no broadcast (stride 0) views
     splits, split_len = _splits(b * hkv, cap, block_n)
     part = torch.empty(b * hkv * splits * g_pad, d, dtype=torch.float32, device=q.device)
     m = torch.empty(b * hkv * splits * g_pad, dtype=torch.float32, device=q.device)
@@ -122,7 +123,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     _split_kernel[(b * hkv, splits)](
         q, k, v, lengths, part, m, l_, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits, SPLIT_LEN=split_len, BLOCK_N=block_n)
+        HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits, SPLIT_LEN=split_len, BLOCK_N=block_n, num_warps=num_warps)
     _merge_kernel[(b * hkv,)](part, m, l_, out, out.stride(0), out.stride(1),
                               HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits)
     return out
