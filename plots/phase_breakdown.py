@@ -1,0 +1,52 @@
+"""Per-step decode time by phase (the shared PhaseTimer's names), one stacked bar per run, next to the run's
+dense memory floor. Graph-replayed runs have no per-phase timing: their bar is all 'other'.
+
+    python -m plots.phase_breakdown results/gpu_smoke_llama3 --out plots/phase_breakdown.png
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from clo.kv.timer import PHASES  # noqa: E402
+from plots.records import load_records  # noqa: E402
+
+
+def plot(root: Path, out: Path) -> int:
+    rows = load_records(root)
+    if not rows:
+        raise SystemExit(f"no finished run records under {root}")
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4.5))
+    x = range(len(rows))
+    bottom = [0.0] * len(rows)
+    for phase in PHASES:
+        vals = [r["record"]["metrics"]["phase_ms_per_step"][phase] for r in rows]
+        ax.bar(x, vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    floors = [r["record"]["metrics"]["dense_floor_ms_per_step"] for r in rows]
+    ax.scatter(x, floors, marker="_", s=900, color="black", zorder=3, label="dense memory floor")
+    ax.set_xticks(list(x), [r["label"] for r in rows], fontsize=7)
+    ax.set_ylabel("ms per decode step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return len(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("root", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    print(f"{plot(args.root, args.out)} runs -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
