@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from clo.bench.bandwidth import copy_bandwidth_gb_s
+from clo.bench.bandwidth import copy_bandwidth_gb_s, layer_time_s
 from clo.errors import ConfigError
 from clo.generate import Generation, generate
 from clo.kv.interface import GB, KVOffloadSystem, KVSpec
@@ -59,15 +59,15 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     plan = preflight.plan_memory(model_cfg, system, spec, seqlen)
     what = f"system={system_name} model={model_cfg.name} seqlen={seqlen} batch={batch}"
     budget = preflight.check_memory(plan, device, cfg.hardware.gpu_mem_gb, what)
-    spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget})
     cuda_graph = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
-    # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
-    timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and not cuda_graph)
-    system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
 
     # ---- long work ---------------------------------------------------------------------------------------
     log(f"[run] {what} on {device} ({dtype}); loading {source} weights")
     model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), int(cfg.seed), device, dtype)
+    spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget, "layer_time_s": layer_time_s(model, batch)})
+    # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
+    timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and not cuda_graph)
+    system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
     tokenizer = load_tokenizer(source, cfg.model)
     prompt = build_prompt(cfg.workload.prompt, seqlen, batch, int(cfg.seed), tokenizer, model_cfg.vocab_size,
                           float(cfg.workload.needle_depth))
@@ -89,6 +89,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
                    "found": (prompt.answer in text) if prompt.answer and text is not None else None},
         "environment": environment(device),
         "metrics": metrics(gen, system, model_cfg, spec, seqlen, hbm, int(cfg.workload.warmup_steps)),
+        "system_state": system.describe(),
         "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
         "steps": [s.as_dict() for s in gen.steps],
     }

@@ -28,3 +28,53 @@ def copy_bandwidth_gb_s(device: torch.device, nbytes: int = 1 << 30, repeats: in
             times.append(time.perf_counter() - t)
     times.sort()
     return 2 * nbytes / times[len(times) // 2] / 1e9
+
+
+def pinned_h2d_gb_s(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Pinned host -> device copy bandwidth (GB/s = 1e9 B/s), median of `repeats`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times.sort()
+    return nbytes / times[len(times) // 2] / 1e9
+
+
+def layer_time_s(model, batch: int, repeats: int = 5) -> float:
+    """Median time of one decoder layer's dense work (norms, projections, MLP) for one decode step: the
+    T_comp that one-layer-ahead prefetch can hide transfers behind (attention excluded)."""
+    layer = model.model.layers[0]
+    p = next(model.parameters())
+    x = torch.randn(batch, 1, model.cfg.hidden_size, device=p.device, dtype=p.dtype)
+
+    def work():
+        h = layer.input_layernorm(x)
+        a = layer.self_attn
+        a.q_proj(h), a.k_proj(h), a.v_proj(h)
+        y = x + a.o_proj(torch.zeros(batch, 1, a.h * a.d, device=p.device, dtype=p.dtype))
+        return y + layer.mlp(layer.post_attention_layernorm(y))
+
+    times = []
+    with torch.inference_mode():
+        work()
+        for _ in range(repeats):
+            if p.is_cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                work()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / 1e3)
+            else:
+                t = time.perf_counter()
+                work()
+                times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]

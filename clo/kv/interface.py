@@ -32,6 +32,7 @@ class KVSpec:
     dtype: torch.dtype
     device: torch.device
     gpu_budget_bytes: int | None = None  # None: no budget set (CPU runs, or the whole device)
+    layer_time_s: float | None = None  # measured time of one decoder layer's dense compute at this batch
 
     @property
     def group_size(self) -> int:
@@ -143,4 +144,8 @@ class KVOffloadSystem(ABC):
     @abstractmethod
     def memory_held(self) -> MemoryEstimate:
         """Bytes the system holds now (from its real buffers, not from the estimate)."""
+
+    def describe(self) -> dict:
+        """What the record should say about this system's state and sources (plans, scores, weights)."""
+        return {}
 

@@ -1,0 +1,55 @@
+"""Importance-aware reuse thresholds (spec 2.2, Eq. 7-9) and the GQA aggregation of Eq. 10. Pure tensor math
+on [layers, kv_heads] tables: no model, no device state."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from clo.errors import ConfigError
+
+AGGREGATIONS = ("mean", "min")
+DATA = Path(__file__).resolve().parents[2] / "data" / "head_importance"
+
+
+def thresholds(importance: torch.Tensor, eta: float, n: float) -> torch.Tensor:
+    """tau_i = cos(lambda_i * arccos(eta) + (1 - lambda_i) * pi), lambda_i = s_i ** n.
+    s_i = 1 gives tau = eta (strict); s_i = 0 gives tau = -1 (always hit)."""
+    if not -1.0 < eta <= 1.0:
+        raise ConfigError(f"eta={eta} must lie in (-1, 1]")
+    if n <= 0:
+        raise ConfigError(f"n={n} must be positive")
+    lam = importance.clamp(0.0, 1.0) ** n
+    theta = lam * math.acos(eta) + (1.0 - lam) * math.pi
+    return torch.cos(theta)
+
+
+def aggregate_similarity(cos: torch.Tensor, weights: torch.Tensor, how: str) -> torch.Tensor:
+    """cos [B, Hkv, G] per query head -> one similarity per KV head [B, Hkv].
+    mean: importance-weighted mean (Eq. 10); min: the conservative ablation."""
+    if how == "mean":
+        w = weights.clamp_min(1e-6)  # all-zero importance in a group: a plain mean
+        return (cos * w).sum(-1) / w.sum(-1)
+    if how == "min":
+        return cos.amin(-1)
+    raise ConfigError(f"gqa_aggregation={how!r}; valid: {', '.join(AGGREGATIONS)}")
+
+
+def load_importance(source: str, num_layers: int, num_kv_heads: int) -> tuple[torch.Tensor, str]:
+    """[layers, kv_heads] scores in [0, 1] and a description for the record.
+    source: 'uniform' | a folder name under data/head_importance | a path to a DuoAttention TSV."""
+    if source == "uniform":
+        return torch.ones(num_layers, num_kv_heads), "uniform (no importance scores: every head strict)"
+    path = Path(source)
+    if not path.is_file():
+        path = DATA / source / "full_attention_heads.tsv"
+    if not path.is_file():
+        known = sorted(p.name for p in DATA.iterdir() if p.is_dir()) if DATA.is_dir() else []
+        raise ConfigError(f"importance={source!r}: no such file; valid: uniform, a TSV path, or one of {known}")
+    rows = [[float(x) for x in line.split()] for line in path.read_text().splitlines() if line.strip()]
+    scores = torch.tensor(rows)
+    if scores.shape != (num_layers, num_kv_heads):
+        raise ConfigError(f"importance file {path.name} has shape {tuple(scores.shape)}, the model needs "
+                          f"({num_layers}, {num_kv_heads}) (layers, kv heads)")
+    return scores.clamp(0.0, 1.0), f"DuoAttention gates from {path.parent.name}/{path.name}"

@@ -1,0 +1,97 @@
+"""Offline profile of query reuse (spec 2.3): per layer and KV head, the mean cosine similarity of a query
+head's query to its query one step earlier (s_hat_i), averaged over the head's query group and the steps.
+Also the per-head distribution the paper plots (Fig. 4-6). Writes data/profiles/<model>.json.
+
+    python -m clo.profile model=smollm2 seqlen=3k workload.gen_tokens=64 workload.stop_at_eos=false
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from baselines.fullattn import FullAttn
+from clo.errors import ConfigError
+from clo.generate import generate
+from clo.kv.interface import KVSpec
+from clo.model.config import ModelConfig
+from clo.model.weights import build_decoder
+from clo.policy.persistent import ROOT
+from experiments import preflight
+from experiments.execute import load_tokenizer, weights_source
+from experiments.records import environment, write_json_atomic
+from experiments.workloads import build_prompt
+
+
+class QueryRecorder(FullAttn):
+    """FullAttn that keeps each decode step's query of every layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries: dict[int, list[torch.Tensor]] = {}
+
+    def decode(self, layer, q, k, v):
+        self.queries.setdefault(layer, []).append(q.float().cpu())
+        return super().decode(layer, q, k, v)
+
+
+def adjacent_similarity(queries: list[torch.Tensor], group: int) -> torch.Tensor:
+    """[steps] of [B, H, D] -> cos(q_t, q_t-1) per step and KV head: [steps-1, B, Hkv] (group mean)."""
+    q = torch.stack(queries)  # [S, B, H, D]
+    cos = torch.nn.functional.cosine_similarity(q[1:], q[:-1], dim=-1)  # [S-1, B, H]
+    return cos.unflatten(-1, (-1, group)).mean(-1)
+
+
+def profile(cfg: DictConfig) -> dict:
+    model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
+    source = weights_source(cfg.model)
+    if source == "synthetic":
+        raise ConfigError("profiling needs real weights (model.path=... or smollm2): synthetic queries mean nothing")
+    seqlen, gen = preflight.parse_tokens(cfg.seqlen), int(cfg.workload.gen_tokens)
+    if gen < 3:
+        raise ConfigError("workload.gen_tokens must be at least 3 to measure adjacent-step similarity")
+    preflight.check_length(model_cfg, seqlen, gen)
+    device = preflight.resolve_device(cfg.device)
+    dtype = preflight.resolve_dtype(cfg.dtype, device)
+    model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), int(cfg.seed), device, dtype)
+    tokenizer = load_tokenizer(source, cfg.model)
+    prompt = build_prompt(cfg.workload.prompt, seqlen, int(cfg.batch), int(cfg.seed), tokenizer,
+                          model_cfg.vocab_size, float(cfg.workload.needle_depth))
+    kv = QueryRecorder()
+    kv.allocate(KVSpec(model_cfg.num_layers, int(cfg.batch), seqlen + gen, model_cfg.num_heads,
+                       model_cfg.num_kv_heads, model_cfg.head_dim, dtype, device))
+    generate(model, kv, prompt.tokens.to(device), gen)  # no early stop: every step is a sample
+    sims = torch.stack([adjacent_similarity(kv.queries[layer], model_cfg.group_size)
+                        for layer in range(model_cfg.num_layers)])  # [L, S-1, B, Hkv]
+    per_head = sims.flatten(1, 2)  # [L, samples, Hkv]
+    return {
+        "model": model_cfg.name,
+        "source": f"{weights_desc}; {prompt.kind} prompt of {seqlen} tokens, {gen} greedy steps, batch {cfg.batch}",
+        "s_hat": per_head.mean(1).tolist(),
+        "std": per_head.std(1).tolist(),
+        "fraction_above_0.8": (per_head > 0.8).float().mean(1).tolist(),
+        "quantiles": {str(p): per_head.quantile(p, dim=1).tolist() for p in (0.1, 0.5, 0.9)},
+        "environment": environment(device),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        data = profile(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    out = Path(cfg.get("profile_out") or ROOT / "data" / "profiles" / f"{data['model']}.json")
+    write_json_atomic(out, data)
+    s = torch.tensor(data["s_hat"])
+    print(f"s_hat over {s.numel()} heads: mean {s.mean():.3f}, min {s.min():.3f}, "
+          f"{(s > 0.8).float().mean() * 100:.0f}% above 0.8 -> {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Top-k retrieval over the offloaded middle of the prompt (spec 2.4).
+
+HashRetriever (HATA): keys and queries become sign bits of x @ W (W: head_dim x rbit per layer and KV head);
+score(k) = sum over the query group of (1 - 2 * hamming(q_j, k) / rbit) * |k|. Codes and key norms are made
+once at prefill and stay on the device. W is a seeded random projection (SimHash) unless learned weights are
+given: the record says which. ExactRetriever scores sum_j q_j . k: the oracle for tests and ablations.
+Both return absolute token indices [B, Hkv, k] of the candidates [lo, hi)."""
+from __future__ import annotations
+
+import torch
+
+from clo.errors import ConfigError
+
+RETRIEVERS = ("hash", "exact")
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """[..., rbit] float -> [..., rbit / 8] uint8, bit i of byte j = (x[8j + i] > 0)."""
+    bits = (x > 0).to(torch.uint8).unflatten(-1, (-1, 8))
+    weights = (1 << torch.arange(8, device=x.device, dtype=torch.uint8))
+    return (bits * weights).sum(-1, dtype=torch.uint8)
+
+
+def hamming(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Popcount of a XOR b over the last dim (uint8 bytes) -> int32."""
+    table = _POPCOUNT.to(a.device)
+    return table[(a ^ b).long()].sum(-1, dtype=torch.int32)
+
+
+class ExactRetriever:
+    name = "exact"
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+
+    def index(self, layer: int, keys: torch.Tensor) -> None:
+        """keys [B, Hkv, T, D]: the candidates of this layer (kept on the device)."""
+        self.keys[layer] = keys
+
+    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """q [B, H, D], heads [h] (KV heads to score) -> [B, h, T] float32."""
+        keys = self.keys[layer][:, heads]
+        b, hkv, t, d = self.keys[layer].shape
+        qg = q.view(b, hkv, -1, d)[:, heads].float()
+        return torch.einsum("bkgd,bktd->bkt", qg, keys.float())
+
+    def metadata_bytes(self) -> int:
+        return sum(k.nbytes for k in self.keys if k is not None)  # the oracle keeps every candidate key
+
+
+class HashRetriever:
+    name = "hash"
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device, rbit: int = 256,
+                 seed: int = 0, weights: torch.Tensor | None = None):
+        if rbit % 8 or rbit <= 0:
+            raise ConfigError(f"rbit={rbit} must be a positive multiple of 8")
+        self.rbit = rbit
+        if weights is None:
+            gen = torch.Generator().manual_seed(seed)
+            weights = torch.randn(num_layers, num_kv_heads, head_dim, rbit, generator=gen)
+            self.weights_source = f"random projection (SimHash, seed {seed})"
+        else:
+            self.weights_source = "learned"
+        self.proj = weights.to(device)
+        self.codes: list[torch.Tensor | None] = [None] * num_layers
+        self.norms: list[torch.Tensor | None] = [None] * num_layers
+
+    def encode(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """x [B, Hkv, N, D] -> codes [B, Hkv, N, rbit / 8]."""
+        return pack_signs(torch.einsum("bknd,kdr->bknr", x.float(), self.proj[layer]))
+
+    def index(self, layer: int, keys: torch.Tensor) -> None:
+        self.codes[layer] = self.encode(layer, keys)
+        self.norms[layer] = keys.float().norm(dim=-1)
+
+    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        codes, norms = self.codes[layer][:, heads], self.norms[layer][:, heads]
+        b, hkv = self.codes[layer].shape[:2]
+        qc = self.encode(layer, q.view(b, hkv, -1, q.shape[-1]))[:, heads]  # [B, h, G, rbit/8]
+        ham = hamming(qc[:, :, :, None, :], codes[:, :, None, :, :]).sum(2)  # [B, h, T], summed over G
+        g = qc.shape[2]
+        return (g - 2.0 * ham.float() / self.rbit) * norms
+
+    def metadata_bytes(self) -> int:
+        return sum(c.nbytes + n.nbytes for c, n in zip(self.codes, self.norms) if c is not None)
+
+
+def make_retriever(kind: str, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                   rbit: int, seed: int):
+    if kind == "hash":
+        return HashRetriever(num_layers, num_kv_heads, head_dim, device, rbit, seed)
+    if kind == "exact":
+        return ExactRetriever(num_layers, num_kv_heads, head_dim, device)
+    raise ConfigError(f"retriever={kind!r}; valid: {', '.join(RETRIEVERS)}")
+
+
+def select_topk(scores: torch.Tensor, k: int, offset: int) -> torch.Tensor:
+    """scores [B, Hkv, T] over candidates starting at token `offset` -> sorted absolute indices [B, Hkv, k]."""
+    idx = scores.topk(k, dim=-1, sorted=False).indices
+    return idx.sort(dim=-1).values + offset

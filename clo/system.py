@@ -1,0 +1,229 @@
+"""CLO (spec 2): a head-wise approximate GPU cache keyed on query similarity, importance-aware thresholds,
+persistent heads + one-layer-ahead speculative prefetch, and a transfer path with no CPU gather.
+
+Where each token's K/V lives, per layer at or above `dense_layers` (below it: dense attention, full KV on
+the device):
+  host    the whole prompt, head-major [B, Hkv, T0, 2, D] (pinned on CUDA)
+  window  sink + recent prompt tokens, and every generated token (device)
+  slots   per cached KV head, the top-k middle rows selected for its query label (device)
+  persist the full prompt KV of the layer's persistent heads (device)
+A decode step attends, per KV head, over window + (slots, or top-k of its persistent KV).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from clo.errors import ConfigError
+from clo.kernels.head_cache import lookup_and_update_ref
+from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
+from clo.layout import LayerStore, split_prompt
+from clo.policy.persistent import HeadPlan, heads_per_layer_time, load_profile, plan_persistent_heads
+from clo.policy.thresholds import AGGREGATIONS, load_importance, thresholds
+from clo.retrieval import RETRIEVERS, make_retriever, select_topk
+from clo.transfer import TransferEngine
+
+CPU_LINK_GB_S = 49.6  # hardware.md: UVA gather of scattered rows on the H200 machine; the plan's link on CPU runs
+
+
+class CLO(KVOffloadSystem):
+    name = "clo"
+
+    def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
+                 retriever: str = "hash", rbit: int = 256, seed: int = 0, eta: float = 0.8, n: float = 3.0,
+                 adaptive_threshold: bool = True, gqa_aggregation: str = "mean",
+                 threshold_override: float | None = None, importance: str = "uniform", profile: str = "none",
+                 epsilon: float = 0.1, persistent: bool = True, speculative: bool = True,
+                 layer_time_ms: float | None = None, link_gb_s: float | None = None, transfer: str = "uva",
+                 cpu_threads: int = 4) -> None:
+        super().__init__()
+        if not 0.0 < topk_ratio <= 1.0:
+            raise ConfigError(f"topk_ratio={topk_ratio}: top-k must be a fraction of the context in (0, 1]")
+        if not -1.0 < eta <= 1.0:
+            raise ConfigError(f"eta={eta} must lie in (-1, 1]")
+        if min(sink, recent, dense_layers) < 0:
+            raise ConfigError("sink, recent and dense_layers must be >= 0")
+        if gqa_aggregation not in AGGREGATIONS:
+            raise ConfigError(f"gqa_aggregation={gqa_aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+        if retriever not in RETRIEVERS:
+            raise ConfigError(f"retriever={retriever!r}; valid: {', '.join(RETRIEVERS)}")
+        self.cfg = dict(topk_ratio=topk_ratio, sink=sink, recent=recent, dense_layers=dense_layers,
+                        retriever=retriever, rbit=rbit, seed=seed, eta=eta, n=n,
+                        adaptive_threshold=adaptive_threshold, gqa_aggregation=gqa_aggregation,
+                        threshold_override=threshold_override, importance=importance, profile=profile,
+                        epsilon=epsilon, persistent=persistent, speculative=speculative,
+                        layer_time_ms=layer_time_ms, link_gb_s=link_gb_s, transfer=transfer,
+                        cpu_threads=cpu_threads)
+        self.wants_speculative_query = speculative
+        self.transfer_kind, self.cpu_threads = transfer, cpu_threads
+        TransferEngine(transfer, cpu_threads, torch.device("cpu"))  # validates both before any long work
+
+    # ---- planning ------------------------------------------------------------------------------------------
+    def _policy(self, spec: KVSpec) -> None:
+        c, L, hkv = self.cfg, spec.num_layers, spec.num_kv_heads
+        if c["dense_layers"] > L:
+            raise ConfigError(f"dense_layers={c['dense_layers']} exceeds the model's {L} layers")
+        importance, self.importance_source = load_importance(c["importance"], L, hkv)
+        tau = thresholds(importance, c["eta"], c["n"]) if c["adaptive_threshold"] else torch.full((L, hkv), c["eta"])
+        if c["threshold_override"] is not None:
+            tau = torch.full((L, hkv), float(c["threshold_override"]))
+        self.tau, self.importance = tau, importance
+        s_hat, self.profile_source = load_profile(c["profile"], L, hkv)
+        self.link_bytes_per_s = self._link_bandwidth(spec)
+        layer_s = (c["layer_time_ms"] / 1e3 if c["layer_time_ms"] is not None else spec.layer_time_s) or 1e-4
+        self.layer_time_s = layer_s
+        k_max = self._k_select(spec.max_len)
+        n_p = heads_per_layer_time(layer_s, self.link_bytes_per_s, spec.batch * k_max * self._row_bytes(spec))
+        if c["persistent"]:
+            self.plan = plan_persistent_heads(tau, s_hat, c["epsilon"], n_p, skip_layers=c["dense_layers"])
+        else:
+            self.plan = HeadPlan([[] for _ in range(L)], [[] for _ in range(L)], n_p)
+
+    def _link_bandwidth(self, spec: KVSpec) -> float:
+        if self.cfg["link_gb_s"] is not None:
+            return self.cfg["link_gb_s"] * 1e9
+        if spec.device.type != "cuda":
+            return CPU_LINK_GB_S * 1e9
+        from clo.bench.bandwidth import pinned_h2d_gb_s
+
+        return pinned_h2d_gb_s(spec.device) * 1e9
+
+    @staticmethod
+    def _row_bytes(spec: KVSpec) -> int:
+        return 2 * spec.head_dim * spec.dtype_bytes
+
+    def _k_select(self, prompt_len: int) -> int:
+        sink, recent, n_mid = split_prompt(prompt_len, self.cfg["sink"], self.cfg["recent"])
+        budget = math.ceil(self.cfg["topk_ratio"] * prompt_len)
+        return max(min(budget - sink - recent, n_mid), 0)
+
+    def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
+        """Upper bound, taking the whole max_len as prompt; the persistent heads as planned."""
+        if not hasattr(self, "plan"):
+            self._policy(spec)
+        row, t = self._row_bytes(spec), spec.max_len
+        dense = min(self.cfg["dense_layers"], spec.num_layers)
+        per_seq = 0
+        for layer in range(dense, spec.num_layers):
+            n_persist = len(self.plan.persistent[layer])
+            per_seq += row * t * n_persist  # persistent full KV
+            per_seq += row * self._k_select(t) * (spec.num_kv_heads - n_persist)  # slots
+            per_seq += row * (self.cfg["sink"] + self.cfg["recent"]) * spec.num_kv_heads  # window
+            per_seq += (self.cfg["rbit"] // 8 + 4) * t * spec.num_kv_heads  # hash codes + key norms
+        per_seq += row * t * spec.num_kv_heads * dense
+        host = row * t * spec.num_kv_heads * (spec.num_layers - dense)
+        return MemoryEstimate(device_bytes=spec.batch * per_seq, host_bytes=spec.batch * host)
+
+    def _allocate(self, spec: KVSpec) -> None:
+        self._policy(spec)  # again: the spec now carries the measured layer time
+        self.transfer = TransferEngine(self.transfer_kind, self.cpu_threads, spec.device)
+        self.retriever = make_retriever(self.cfg["retriever"], spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                        spec.device, self.cfg["rbit"], self.cfg["seed"])
+        self.stores: list[LayerStore | None] = [None] * spec.num_layers
+        self.dense_kv: list[torch.Tensor | None] = [None] * spec.num_layers
+        self._hits = torch.zeros((), dtype=torch.long, device=spec.device)
+        self._misses = torch.zeros((), dtype=torch.long, device=spec.device)
+        self._refreshes = torch.zeros((), dtype=torch.long, device=spec.device)
+        self.trace: list[tuple[int, torch.Tensor]] | None = None  # (layer, miss mask) when tracing
+
+    # ---- prefill -------------------------------------------------------------------------------------------
+    def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        spec = self.spec
+        kv = torch.stack([k, v], dim=3)  # [B, Hkv, T0, 2, D]
+        t0 = kv.shape[2]
+        if layer < self.cfg["dense_layers"]:
+            buf = torch.empty(spec.batch, spec.num_kv_heads, spec.max_len, 2, spec.head_dim, dtype=spec.dtype,
+                              device=spec.device)
+            buf[:, :, :t0] = kv
+            self.dense_kv[layer] = buf
+            return
+        g = spec.group_size
+        store = LayerStore(kv, spec, self.cfg["sink"], self.cfg["recent"], self._k_select(t0),
+                           self.plan.persistent[layer], self.plan.prefetch[layer], g)
+        store.tau = self.tau[layer, store.cached].to(spec.device)
+        store.weights = self.importance[layer, store.cached].repeat_interleave(g).view(-1, g).to(spec.device)
+        self.retriever.index(layer, k[:, :, store.sink: store.sink + store.n_mid])
+        self.stores[layer] = store
+
+    # ---- decode --------------------------------------------------------------------------------------------
+    def prepare(self, layer: int, q_spec: torch.Tensor) -> None:
+        if self.stores[layer] is not None:
+            self._refresh(layer, q_spec)
+
+    def _refresh(self, layer: int, q: torch.Tensor) -> None:
+        """Lookup with q; for missed heads, new top-k with q and the rows moved into their slots."""
+        st = self.stores[layer]
+        if not st.cached.numel() or not st.k:
+            return
+        qc = q.view(q.shape[0], -1, self.spec.group_size, q.shape[-1])[:, st.cached]
+        with self.phase("cache_mgmt"):
+            miss = lookup_and_update_ref(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
+                                         self.cfg["gqa_aggregation"])
+        with self.phase("retrieval"):
+            idx = select_topk(self.retriever.scores(layer, q, st.cached), st.k, st.sink)
+        with self.phase("transfer_exposed"):
+            self.transfer.fill(st.host, st.cached, idx, miss, st.slots)
+            st.slot_idx.copy_(torch.where(miss[..., None], idx, st.slot_idx))
+        managed = ~st.prefetch_mask
+        self._hits += (~miss & managed).sum()
+        self._misses += (miss & managed).sum()
+        self._refreshes += miss.sum()
+        if self.trace is not None:
+            self.trace.append((layer, miss.clone()))
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        new = torch.stack([k, v], dim=2)  # [B, Hkv, 2, D]
+        if layer < self.cfg["dense_layers"]:
+            buf = self.dense_kv[layer]
+            buf[:, :, self.length] = new
+            with self.phase("attention"):
+                return _attend(q, buf[:, :, : self.length + 1])
+        st = self.stores[layer]
+        st.append(new, self.length - st.t0)
+        if not self.wants_speculative_query or layer == 0:
+            self._refresh(layer, q)
+        with self.phase("retrieval"):
+            persist_rows = st.persistent_topk(q, self.retriever, layer)
+        with self.phase("attention"):
+            return _attend(q, st.attended(self.length - st.t0 + 1, persist_rows))
+
+    def end_step(self):
+        stats = super().end_step()
+        hits, misses, refreshes = (int(x) for x in torch.stack([self._hits, self._misses, self._refreshes]).tolist())
+        stats.hits, stats.lookups = hits, hits + misses
+        row = self._row_bytes(self.spec)
+        stats.bytes_h2d = refreshes * row * max((s.k for s in self.stores if s is not None), default=0)
+        for t in (self._hits, self._misses, self._refreshes):
+            t.zero_()
+        stats.host_syncs = self.transfer.host_syncs
+        self.transfer.host_syncs = 0
+        return stats
+
+    # ---- memory ---------------------------------------------------------------------------------------------
+    def memory_parts(self) -> dict[str, int]:
+        """Device bytes by part (paper Table 6) and the host store."""
+        parts = {"slots": 0, "labels": 0, "persistent": 0, "window": 0, "metadata": self.retriever.metadata_bytes(),
+                 "dense_layers": sum(b.nbytes for b in self.dense_kv if b is not None), "host": 0}
+        for st in self.stores:
+            if st is not None:
+                for key, val in st.memory().items():
+                    parts[key] += val
+        return parts
+
+    def memory_held(self) -> MemoryEstimate:
+        parts = self.memory_parts()
+        return MemoryEstimate(device_bytes=sum(v for k, v in parts.items() if k != "host"), host_bytes=parts["host"])
+
+    def describe(self) -> dict:
+        return {"importance": self.importance_source, "profile": self.profile_source,
+                "retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
+                "plan": self.plan.summary(), "layer_time_ms": self.layer_time_s * 1e3,
+                "link_gb_s": self.link_bytes_per_s / 1e9, "memory_parts": self.memory_parts()}
+
+
+def _attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D]; kv [B, Hkv, N, 2, D] -> [B, H, D]. The reference: one buffer, dense attention."""
+    from baselines.fullattn import dense_decode_attention
+
+    return dense_decode_attention(q, kv[:, :, :, 0], kv[:, :, :, 1])

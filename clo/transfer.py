@@ -1,0 +1,75 @@
+"""Moving selected KV rows from host memory into device cache slots (spec 2.5).
+
+The host store is head-major, one row = K and V of one token of one KV head ([B, Hkv, T, 2, D]): a row is
+2*D*dtype bytes (512 B for d=128 bf16), read whole. Both paths write only the slots of missed heads:
+
+  uva         a GPU kernel reads the rows from pinned, mapped host memory and writes them straight into the
+              slots: no staging buffer, no CPU thread, no host sync (CUDA only)
+  cpu_gather  the CPU gathers the rows (N threads) into a pinned staging buffer, then one async copy and a
+              scatter into the slots; the indices must first come to the host (a sync) - the baselines' path
+
+On a CPU device both are the same host-to-host gather (the reference)."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from clo.errors import ConfigError
+
+TRANSFERS = ("uva", "cpu_gather")
+
+
+def gather_rows_ref(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """host [B, Hkv, T, 2, D]; heads [h]; idx [B, h, k] token indices -> rows [B, h, k, 2, D]."""
+    b = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
+    return host[b, heads.to(idx.device)[None, :, None], idx]
+
+
+class TransferEngine:
+    def __init__(self, kind: str, threads: int, device: torch.device):
+        if kind not in TRANSFERS:
+            raise ConfigError(f"transfer={kind!r}; valid: {', '.join(TRANSFERS)}")
+        if threads < 1:
+            raise ConfigError(f"cpu_threads={threads} must be at least 1")
+        if kind == "uva" and device.type == "cuda":
+            from clo.kernels import uva_gather  # noqa: F401  (Triton; fails loudly where it is missing)
+        self.kind, self.threads, self.device = kind, threads, device
+        self.pool = ThreadPoolExecutor(threads) if threads > 1 and device.type == "cuda" else None
+        self.host_syncs = 0
+
+    def fill(self, host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
+             slots: torch.Tensor) -> None:
+        """slots[b, h] := host rows idx[b, h] wherever miss[b, h]. slots [B, h, k, 2, D] on the device."""
+        if self.device.type != "cuda":
+            slots.copy_(torch.where(miss[..., None, None, None], gather_rows_ref(host, heads, idx), slots))
+            return
+        if self.kind == "uva":
+            from clo.kernels.uva_gather import uva_gather
+
+            uva_gather(host, heads, idx, miss, slots)
+            return
+        self._cpu_gather(host, heads, idx, miss, slots)
+
+    def _cpu_gather(self, host, heads, idx, miss, slots) -> None:
+        idx_h, miss_h = idx.cpu(), miss.cpu()  # waits for retrieval: the CPU-centric sync
+        self.host_syncs += 1
+        pairs = miss_h.nonzero().tolist()
+        if not pairs:
+            return
+        k = idx_h.shape[-1]
+        staging = torch.empty((len(pairs), k) + tuple(host.shape[3:]), dtype=host.dtype, pin_memory=True)
+        heads_h = heads.cpu()
+
+        def one(i: int) -> None:
+            b, h = pairs[i]
+            torch.index_select(host[b, heads_h[h]], 0, idx_h[b, h], out=staging[i])
+
+        if self.pool is not None:
+            list(self.pool.map(one, range(len(pairs))))
+        else:
+            for i in range(len(pairs)):
+                one(i)
+        rows = staging.to(self.device, non_blocking=True)
+        where = torch.tensor(pairs, device=self.device)
+        slots[where[:, 0], where[:, 1]] = rows
