@@ -1,0 +1,111 @@
+"""Hash scores of HATA-style retrieval (spec 2.4): one pass over the packed key codes and key norms.
+
+  codes   [B, Hk, T, rbit/8] uint8  sign bits of the keys (bit i of byte j = bit 8j + i)
+  norms   [B, Hk, T] fp32            |k|
+  qcodes  [B, h, G, rbit/8] uint8    sign bits of the G queries of each scored KV head
+  heads   [h] long, optional         which of the Hk KV heads to score (default: all, h = Hk); reading the
+                                     selected heads in place spares the copy that codes[:, heads] would make
+  -> scores [B, h, T] fp32 = (G - 2 * sum_g popcount(qcode_g XOR code) / rbit) * norm
+
+`hash_scores_ref` is the specification (the arithmetic of `HashRetriever.scores`); `hash_scores` picks the
+Triton kernel on CUDA and the reference elsewhere. The kernel reads codes as int32 words (rbit % 32 == 0),
+so each key costs rbit/8 + 4 bytes read and 4 written: it is memory bound when popcount is one instruction.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from clo.retrieval import hamming
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # CPU machines: the reference is used
+    triton = None
+
+
+def hash_scores_ref(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int,
+                    heads: torch.Tensor | None = None) -> torch.Tensor:
+    if heads is not None:
+        codes, norms = codes[:, heads], norms[:, heads]
+    ham = hamming(qcodes[:, :, :, None, :], codes[:, :, None, :, :]).sum(2)  # [B, h, T], summed over G
+    return (qcodes.shape[2] - 2.0 * ham.float() / rbit) * norms
+
+
+if triton is not None:
+
+    @triton.jit
+    def _popcount(x, NATIVE: tl.constexpr):
+        if NATIVE:
+            return libdevice.popc(x)
+        # SWAR bit count, for the interpreter (which has no libdevice); unsigned so shifts are logical
+        u = x.to(tl.uint32, bitcast=True)
+        u = u - ((u >> 1) & 0x55555555)
+        u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+        u = (u + (u >> 4)) & 0x0F0F0F0F
+        return ((u * 0x01010101) >> 24).to(tl.int32)
+
+    @triton.jit
+    def _hash_score_kernel(Codes, Norms, QCodes, Heads, Out, T, inv_rbit,
+                           stride_cb, stride_ch, stride_ct, stride_nb, stride_nh, stride_qb, stride_qh, stride_qg,
+                           stride_ob, stride_oh,
+                           H: tl.constexpr, G: tl.constexpr, NW: tl.constexpr, NW_PAD: tl.constexpr,
+                           BLOCK_T: tl.constexpr, NATIVE: tl.constexpr):
+        bj = tl.program_id(0)
+        b = (bj // H).to(tl.int64)
+        j = bj % H
+        head = tl.load(Heads + j)
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        w = tl.arange(0, NW_PAD)
+        wmask = w < NW  # padded words are 0 in both codes: they add nothing
+        kc = tl.load(Codes + b * stride_cb + head * stride_ch + t.to(tl.int64)[:, None] * stride_ct + w[None, :],
+                     mask=tmask[:, None] & wmask[None, :], other=0)
+        ham = tl.zeros([BLOCK_T], tl.int32)
+        for g in tl.static_range(G):
+            qc = tl.load(QCodes + b * stride_qb + j * stride_qh + g * stride_qg + w, mask=wmask, other=0)
+            ham += tl.sum(_popcount(kc ^ qc[None, :], NATIVE), 1)
+        norm = tl.load(Norms + b * stride_nb + head * stride_nh + t, mask=tmask, other=0.0)
+        score = (G - 2.0 * ham.to(tl.float32) * inv_rbit) * norm
+        tl.store(Out + b * stride_ob + j * stride_oh + t, score, mask=tmask)
+
+
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """uint8 codes -> int32 words over the same bytes (bit order is irrelevant to a popcount of an XOR)."""
+    x = x if x.stride(-1) == 1 and all(s % 4 == 0 for s in x.stride()[:-1]) and x.storage_offset() % 4 == 0 \
+        else x.contiguous()
+    return x.view(torch.int32)
+
+
+def hash_scores_triton(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int,
+                       heads: torch.Tensor | None = None, block_t: int = 256, num_warps: int = 4) -> torch.Tensor:
+    b, hk, t, nbytes = codes.shape
+    g = qcodes.shape[2]
+    assert rbit % 32 == 0 and nbytes * 8 == rbit == qcodes.shape[3] * 8, "the kernel reads 32-bit words"
+    if heads is None:
+        heads = torch.arange(hk, device=codes.device)
+    h = heads.shape[0]
+    assert qcodes.shape[:2] == (b, h) and norms.shape == (b, hk, t)
+    kw, qw = _words(codes), _words(qcodes)
+    norms = norms if norms.stride(2) == 1 else norms.contiguous()
+    out = torch.empty(b, h, t, dtype=torch.float32, device=codes.device)
+    if not (b and h and t):
+        return out
+    nw = rbit // 32
+    grid = (b * h, triton.cdiv(t, block_t))
+    _hash_score_kernel[grid](kw, norms, qw, heads.contiguous(), out, t, 1.0 / rbit,
+                             kw.stride(0), kw.stride(1), kw.stride(2), norms.stride(0), norms.stride(1),
+                             qw.stride(0), qw.stride(1), qw.stride(2), out.stride(0), out.stride(1),
+                             H=h, G=g, NW=nw, NW_PAD=triton.next_power_of_2(nw), BLOCK_T=block_t,
+                             NATIVE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps)
+    return out
+
+
+def hash_scores(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int,
+                heads: torch.Tensor | None = None) -> torch.Tensor:
+    if codes.is_cuda and triton is not None and rbit % 32 == 0:
+        return hash_scores_triton(codes, norms, qcodes, rbit, heads)
+    return hash_scores_ref(codes, norms, qcodes, rbit, heads)

@@ -1,0 +1,77 @@
+"""Zero-copy gather of KV rows from pinned host memory into device cache slots (spec 2.5, the `uva` path).
+
+  host   [B, Hkv, T, 2, D]  pinned CPU tensor (K then V of one token of one KV head: one contiguous row)
+  heads  [h] long           KV heads that own the slots (device)
+  idx    [B, h, k] long     token indices to fetch (device)
+  miss   [B, h] bool        which slots to refill (device)
+  slots  [B, h, k, 2, D]    device; slots[b, j] := host[b, heads[j], idx[b, j]] wherever miss[b, j]
+
+The kernel reads the host rows through their pointer (UVA: a pinned allocation is mapped into the device's
+address space), so there is no CPU gather, no staging buffer and no host sync; the grid depends only on
+shapes, so it can be captured in a CUDA graph. Programs of hit heads return before touching the link.
+`uva_gather_ref` (= `TransferEngine.fill` on the CPU) is the specification.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: the reference is used
+    triton = None
+
+
+def uva_gather_ref(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    from clo.transfer import gather_rows_ref
+
+    rows = gather_rows_ref(host, heads.to(host.device), idx.to(host.device)).to(slots.device)
+    slots.copy_(torch.where(miss[..., None, None, None], rows, slots))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _uva_gather_kernel(Host, Heads, Idx, Miss, Slots, K,
+                           stride_hb, stride_hh, stride_ht, stride_ib, stride_ih,
+                           stride_sb, stride_sh, stride_sk,
+                           H: tl.constexpr, ROW: tl.constexpr, ROW_PAD: tl.constexpr, BLOCK: tl.constexpr):
+        bj = tl.program_id(0)
+        b = bj // H
+        j = bj % H
+        if tl.load(Miss + bj) == 0:  # a hit: nothing crosses the link
+            return
+        head = tl.load(Heads + j)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        rmask = i < K
+        tok = tl.load(Idx + b.to(tl.int64) * stride_ib + j * stride_ih + i, mask=rmask, other=0)
+        c = tl.arange(0, ROW_PAD)
+        mask = rmask[:, None] & (c < ROW)[None, :]
+        # int64 offsets: a host store is easily larger than 2^31 elements
+        src = Host + (b.to(tl.int64) * stride_hb + head * stride_hh + tok * stride_ht)[:, None] + c[None, :]
+        rows = tl.load(src, mask=mask)  # BLOCK rows in flight per program: PCIe needs many outstanding reads
+        dst = Slots + (b.to(tl.int64) * stride_sb + j * stride_sh + i.to(tl.int64) * stride_sk)[:, None] + c[None, :]
+        tl.store(dst, rows, mask=mask)
+
+
+def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
+               slots: torch.Tensor, block: int = 16, num_warps: int = 4) -> None:
+    """In place on `slots`. `host` must be pinned when the others live on a GPU (Triton's launcher refuses
+    an unmapped host pointer); in the Triton interpreter every tensor is a CPU tensor."""
+    b, h, k = idx.shape
+    d = host.shape[-1]
+    assert host.shape[3] == 2 and slots.shape == (b, h, k, 2, d) and heads.shape == (h,) and miss.shape == (b, h)
+    assert host.dtype == slots.dtype, "the gather copies bits: host and slots share one dtype"
+    # a row (K and V) must be contiguous in both, so it is read as one run of wide loads
+    assert host.stride(4) == slots.stride(4) == 1 and host.stride(3) == slots.stride(3) == d
+    if not (b and h and k):
+        return
+    idx = idx if idx.stride(2) == 1 else idx.contiguous()
+    miss = miss.contiguous().view(torch.uint8)
+    grid = (b * h, triton.cdiv(k, block))
+    _uva_gather_kernel[grid](host, heads.contiguous(), idx, miss, slots, k,
+                             host.stride(0), host.stride(1), host.stride(2), idx.stride(0), idx.stride(1),
+                             slots.stride(0), slots.stride(1), slots.stride(2),
+                             H=h, ROW=2 * d, ROW_PAD=triton.next_power_of_2(2 * d), BLOCK=block,
+                             num_warps=num_warps)

@@ -1,0 +1,174 @@
+"""CLO's invariants through the KVOffloadSystem API (CPU reference path): forced misses with the exact
+retriever equal exact top-k attention recomputed from scratch; top-k 100% equals FullAttn; statistics and
+memory match an independent count; a hit leaves the slot alone; bad input is refused."""
+import math
+
+import pytest
+import torch
+
+from baselines.fullattn import FullAttn
+from clo.errors import ConfigError
+from clo.kv.interface import KVSpec
+from clo.system import CLO
+
+B, H, HKV, D, L, T0, STEPS = 2, 8, 2, 16, 3, 120, 5
+G = H // HKV
+CPU = torch.device("cpu")
+
+
+def spec(budget=None):
+    return KVSpec(L, B, T0 + STEPS, H, HKV, D, torch.float32, CPU, budget)
+
+
+def make(**kw) -> CLO:
+    base = dict(retriever="exact", speculative=False, persistent=False, dense_layers=0, sink=4, recent=8,
+                topk_ratio=0.25)
+    s = CLO(**{**base, **kw})
+    s.allocate(spec())
+    return s
+
+
+def feed(systems, seed=0, steps=STEPS):
+    """Same random prompt and decode inputs into every system; returns per-step outputs of each, and the data."""
+    g = torch.Generator().manual_seed(seed)
+    k0, v0 = torch.randn(L, B, HKV, T0, D, generator=g), torch.randn(L, B, HKV, T0, D, generator=g)
+    for s in systems:
+        for layer in range(L):
+            s.prefill(layer, k0[layer], v0[layer])
+        s.end_prefill(T0)
+    outs, data = [[] for _ in systems], []
+    for _ in range(steps):
+        step = [(torch.randn(B, H, D, generator=g), torch.randn(B, HKV, D, generator=g),
+                 torch.randn(B, HKV, D, generator=g)) for _ in range(L)]
+        data.append(step)
+        for s, o in zip(systems, outs):
+            s.begin_step()
+            o.append([s.decode(layer, *step[layer]) for layer in range(L)])
+            s.end_step()
+    return outs, (k0, v0, data)
+
+
+def exact_topk_reference(k0, v0, data, sink, recent, k_sel):
+    """Per step and layer: each KV head attends sink + recent + generated + its top-k middle tokens by
+    sum_j q_j . k, recomputed from the full KV."""
+    out = []
+    for step, inputs in enumerate(data):
+        row = []
+        for layer, (q, kn, vn) in enumerate(inputs):
+            gen_k = torch.stack([data[s][layer][1] for s in range(step + 1)], 2)  # [B, HKV, n, D]
+            gen_v = torch.stack([data[s][layer][2] for s in range(step + 1)], 2)
+            res = torch.empty(B, H, D)
+            for b in range(B):
+                for h in range(HKV):
+                    keys, vals = k0[layer, b, h], v0[layer, b, h]
+                    qs = q[b, h * G:(h + 1) * G]
+                    mid = torch.arange(sink, T0 - recent)
+                    top = mid[(qs @ keys[mid].T).sum(0).topk(k_sel).indices]
+                    sel = torch.cat([torch.arange(sink), torch.arange(T0 - recent, T0), top])
+                    kk = torch.cat([keys[sel], gen_k[b, h]])
+                    vv = torch.cat([vals[sel], gen_v[b, h]])
+                    w = torch.softmax(qs @ kk.T / math.sqrt(D), -1)
+                    res[b, h * G:(h + 1) * G] = w @ vv
+            row.append(res)
+        out.append(row)
+    return out
+
+
+def test_forced_misses_with_exact_retriever_equal_exact_topk_attention():
+    clo = make(threshold_override=2.0)
+    (got,), (k0, v0, data) = feed([clo])
+    k_sel = math.ceil(0.25 * T0) - 4 - 8
+    want = exact_topk_reference(k0, v0, data, 4, 8, k_sel)
+    for s in range(STEPS):
+        for layer in range(L):
+            torch.testing.assert_close(got[s][layer], want[s][layer], atol=1e-5, rtol=1e-4)
+    assert clo.step.hits == 0 and clo.step.lookups == L * B * HKV
+
+
+def test_topk_100_percent_equals_fullattn():
+    clo = make(topk_ratio=1.0, threshold_override=-2.0, retriever="hash")
+    full = FullAttn()
+    full.allocate(spec())
+    (a, b), _ = feed([clo, full])
+    for s in range(STEPS):
+        for layer in range(L):
+            torch.testing.assert_close(a[s][layer], b[s][layer], atol=1e-5, rtol=1e-4)
+
+
+def test_statistics_and_memory_match_an_independent_count():
+    clo = make(threshold_override=None, eta=0.3, adaptive_threshold=False)
+    clo.trace = []
+    per_step = []
+    g = torch.Generator().manual_seed(5)
+    k0, v0 = torch.randn(L, B, HKV, T0, D, generator=g), torch.randn(L, B, HKV, T0, D, generator=g)
+    for layer in range(L):
+        clo.prefill(layer, k0[layer], v0[layer])
+    clo.end_prefill(T0)
+    base = torch.randn(L, B, H, D, generator=g)
+    for _ in range(STEPS):  # slowly drifting queries: a mix of hits and misses
+        clo.begin_step()
+        start = len(clo.trace)
+        for layer in range(L):
+            q = base[layer] + 0.8 * torch.randn(B, H, D, generator=g)
+            clo.decode(layer, q, torch.randn(B, HKV, D, generator=g), torch.randn(B, HKV, D, generator=g))
+        per_step.append((clo.end_step(), clo.trace[start:]))
+    k_sel = clo.stores[0].k
+    total_hits = 0
+    for stats, trace in per_step:
+        misses = sum(int(m.sum()) for _, m in trace)
+        lookups = sum(m.numel() for _, m in trace)
+        assert stats.lookups == lookups and stats.hits == lookups - misses
+        assert stats.bytes_h2d == misses * k_sel * 2 * D * 4
+        total_hits += stats.hits
+    assert 0 < total_hits < STEPS * L * B * HKV  # the trace really mixes hits and misses
+    held = clo.memory_held()
+    tensors = [t for st in clo.stores for t in (st.slots, st.slot_idx, st.labels, st.valid, st.window)]
+    assert held.device_bytes == sum(t.nbytes for t in tensors) + sum(k.nbytes for k in clo.retriever.keys)
+    assert held.host_bytes == sum(st.host.nbytes for st in clo.stores) == L * B * HKV * T0 * 2 * D * 4
+    assert clo.estimate_memory(spec()).host_bytes >= held.host_bytes
+
+
+def test_a_hit_keeps_slot_and_label():
+    clo = make(threshold_override=-2.0)  # every lookup after the first fill hits
+    g = torch.Generator().manual_seed(3)
+    feed([clo], steps=1)
+    st = clo.stores[1]
+    slots, labels, idx = st.slots.clone(), st.labels.clone(), st.slot_idx.clone()
+    clo.begin_step()
+    for layer in range(L):
+        clo.decode(layer, torch.randn(B, H, D, generator=g), torch.randn(B, HKV, D), torch.randn(B, HKV, D))
+    stats = clo.end_step()
+    assert stats.hits == stats.lookups == L * B * HKV and stats.bytes_h2d == 0
+    assert torch.equal(st.slots, slots) and torch.equal(st.labels, labels) and torch.equal(st.slot_idx, idx)
+
+
+def test_speculative_prepare_drives_the_lookup():
+    clo = make(speculative=True, threshold_override=2.0)
+    feed([clo], steps=1)
+    clo.trace = []
+    clo.begin_step()
+    q = torch.randn(B, H, D)
+    clo.prepare(1, q)
+    assert [layer for layer, _ in clo.trace] == [1]
+    clo.decode(1, q, torch.randn(B, HKV, D), torch.randn(B, HKV, D))
+    assert [layer for layer, _ in clo.trace] == [1]  # decode did not look up again
+    clo.end_step()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(topk_ratio=1.5), "top-k"), (dict(topk_ratio=0.0), "top-k"), (dict(eta=1.2), "eta"),
+    (dict(eta=-1.0), "eta"), (dict(gqa_aggregation="max"), "gqa_aggregation"), (dict(retriever="lsh"), "retriever"),
+    (dict(transfer="dma"), "transfer"), (dict(cpu_threads=0), "cpu_threads"),
+])
+def test_bad_configuration(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        CLO(**kw)
+
+
+def test_importance_shape_mismatch_and_small_budget():
+    with pytest.raises(ConfigError, match="shape"):
+        CLO(importance="Llama-3-8B-Instruct-Gradient-1048k").allocate(spec())
+    s = CLO(persistent=False)
+    need = s.estimate_memory(spec()).device_bytes
+    with pytest.raises(ConfigError, match="budget"):
+        CLO(persistent=False).allocate(spec(budget=need // 2))
