@@ -1,8 +1,15 @@
-"""Where one sparse layer's K/V lives under CLO, and the tensors that describe it (see clo/system.py)."""
+"""Where one sparse layer's K/V lives under CLO, and the tensors that describe it (see clo/system.py).
+
+Inside a store the KV heads are permuted so that the cached heads come first and the persistent heads last:
+the slots of the cached heads and the selected rows of the persistent heads are then one buffer `sel`
+[B, Hkv, k, 2, D], and attention reads two buffers, window and sel, with no gather into one. Every index that
+changes from step to step comes from the device (the token position), so a step can be replayed from a CUDA
+graph."""
 from __future__ import annotations
 
 import torch
 
+from clo.kernels.decode_attention import decode_attention, merge_attention
 from clo.kv.interface import KVSpec
 
 
@@ -18,54 +25,69 @@ class LayerStore:
                  prefetch: list[int], group: int):
         b, hkv, t0, _, d = kv.shape
         dev, dtype = spec.device, spec.dtype
-        self.t0, self.k = t0, k
+        self.t0, self.k, self.group = t0, k, group
         self.sink, self.recent, self.n_mid = split_prompt(t0, sink, recent)
-        pin = dev.type == "cuda"
-        self.host = torch.empty(kv.shape, dtype=dtype, pin_memory=pin)
+        cached = sorted(set(range(hkv)) - set(persistent))
+        self.nc = len(cached)
+        self.order = torch.tensor(cached + sorted(persistent), dtype=torch.long, device=dev)
+        self.inverse = self.order.argsort()
+        self.cached = torch.arange(self.nc, device=dev)  # head ids in the permuted order
+        self.persistent = torch.arange(self.nc, hkv, device=dev)
+        kv = kv[:, self.order]
+        self.host = torch.empty(kv.shape, dtype=dtype, pin_memory=dev.type == "cuda")
         self.host.copy_(kv)
         # window = sink rows, recent rows, then every generated token
         self.window = torch.empty(b, hkv, self.sink + self.recent + spec.max_len - t0, 2, d, dtype=dtype, device=dev)
         self.window[:, :, : self.sink] = kv[:, :, : self.sink]
         self.window[:, :, self.sink: self.sink + self.recent] = kv[:, :, t0 - self.recent: t0]
-        heads = set(range(hkv))
-        self.persistent = torch.tensor(sorted(persistent), dtype=torch.long, device=dev)
-        self.cached = torch.tensor(sorted(heads - set(persistent)), dtype=torch.long, device=dev)
-        self.prefetch_mask = torch.tensor([h in prefetch for h in self.cached.tolist()], dtype=torch.bool, device=dev)
-        nc = len(self.cached)
-        self.slots = torch.zeros(b, nc, k, 2, d, dtype=dtype, device=dev)
-        self.slot_idx = torch.zeros(b, nc, k, dtype=torch.long, device=dev)
-        self.labels = torch.zeros(b, nc, group, d, dtype=torch.float32, device=dev)
-        self.valid = torch.zeros(b, nc, dtype=torch.bool, device=dev)
-        self.persist = kv[:, self.persistent].contiguous() if persistent else None
-        self.tau = self.weights = None  # set by the system
+        self.prefetch_mask = torch.tensor([h in prefetch for h in cached], dtype=torch.bool, device=dev)
+        self.sel = torch.zeros(b, hkv, k, 2, d, dtype=dtype, device=dev)
+        self.slots = self.sel[:, : self.nc]  # a view: the transfer engine writes straight into it
+        self.slot_idx = torch.zeros(b, self.nc, k, dtype=torch.long, device=dev)
+        self.labels = torch.zeros(b, self.nc, group, d, dtype=torch.float32, device=dev)
+        self.valid = torch.zeros(b, self.nc, dtype=torch.bool, device=dev)
+        self.persist = kv[:, self.nc:].contiguous() if persistent else None
+        self.tau = self.weights = None  # set by the system, in cached order
 
-    def append(self, new: torch.Tensor, i: int) -> None:
-        """new [B, Hkv, 2, D]: the i-th generated token."""
-        self.window[:, :, self.sink + self.recent + i] = new
+    def permute_q(self, q: torch.Tensor) -> torch.Tensor:
+        b, h, d = q.shape
+        return q.view(b, -1, self.group, d)[:, self.order].reshape(b, h, d)
 
-    def persistent_topk(self, q: torch.Tensor, retriever, layer: int) -> torch.Tensor | None:
-        """Top-k of the persistent heads' middle tokens for the real query, read from device memory."""
+    def unpermute_out(self, o: torch.Tensor) -> torch.Tensor:
+        b, h, d = o.shape
+        return o.view(b, -1, self.group, d)[:, self.inverse].reshape(b, h, d)
+
+    def append(self, new: torch.Tensor, generated: torch.Tensor) -> None:
+        """new [B, Hkv, 2, D] (model head order); generated: [1] device index of this token among the new ones."""
+        self.window.index_copy_(2, generated + self.sink + self.recent, new[:, self.order, None])
+
+    def select_persistent(self, qp: torch.Tensor, retriever, layer: int) -> None:
+        """Top-k of the persistent heads' middle tokens for the real query, gathered on the device into sel."""
         if self.persist is None or not self.k:
-            return None
+            return
         from clo.retrieval import select_topk
 
-        idx = select_topk(retriever.scores(layer, q, self.persistent), self.k, self.sink)
+        idx = select_topk(retriever.scores(layer, qp, self.persistent), self.k, self.sink)
         b = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
-        p = torch.arange(len(self.persistent), device=idx.device)[None, :, None]
-        return self.persist[b, p, idx]
+        p = torch.arange(self.persist.shape[1], device=idx.device)[None, :, None]
+        self.sel[:, self.nc:] = self.persist[b, p, idx]
 
-    def attended(self, n_window_gen: int, persist_rows: torch.Tensor | None) -> torch.Tensor:
-        """[B, Hkv, N, 2, D]: window (with n_window_gen generated tokens) then each head's selected rows."""
-        win = self.window[:, :, : self.sink + self.recent + n_window_gen]
-        if not self.k:
-            return win
-        sel = torch.empty(win.shape[0], win.shape[1], self.k, *win.shape[3:], dtype=win.dtype, device=win.device)
-        sel[:, self.cached] = self.slots
-        if persist_rows is not None:
-            sel[:, self.persistent] = persist_rows
-        return torch.cat([win, sel], dim=2)
+    def attend(self, qp: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+        """Hybrid attention (spec 2.7) over the window (sink, recent, generated: length from the device) and sel,
+        each where it lies, merged by log-sum-exp. qp and the result are in the permuted head order."""
+        b = qp.shape[0]
+        win_len = (generated + 1 + self.sink + self.recent).expand(b)
+        parts = [decode_attention(qp, self.window[:, :, :, 0].transpose(1, 2), self.window[:, :, :, 1].transpose(1, 2),
+                                  win_len, return_lse=True)]
+        if self.k:
+            sel_len = torch.full((b,), self.k, device=qp.device)
+            parts.append(decode_attention(qp, self.sel[:, :, :, 0].transpose(1, 2), self.sel[:, :, :, 1].transpose(1, 2),
+                                          sel_len, return_lse=True))
+        return merge_attention(parts)
 
     def memory(self) -> dict[str, int]:
-        return {"slots": self.slots.nbytes + self.slot_idx.nbytes, "labels": self.labels.nbytes + self.valid.nbytes,
-                "persistent": self.persist.nbytes if self.persist is not None else 0,
-                "window": self.window.nbytes, "host": self.host.nbytes}
+        persist = self.persist.nbytes if self.persist is not None else 0
+        slot_rows = self.slots.numel() * self.slots.element_size()
+        return {"slots": slot_rows + self.slot_idx.nbytes, "labels": self.labels.nbytes + self.valid.nbytes,
+                "persistent": persist + self.sel.nbytes - slot_rows, "window": self.window.nbytes,
+                "host": self.host.nbytes}

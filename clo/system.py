@@ -7,7 +7,8 @@ the device):
   window  sink + recent prompt tokens, and every generated token (device)
   slots   per cached KV head, the top-k middle rows selected for its query label (device)
   persist the full prompt KV of the layer's persistent heads (device)
-A decode step attends, per KV head, over window + (slots, or top-k of its persistent KV).
+A decode step attends, per KV head, over window + (slots, or top-k of its persistent KV), reading each buffer
+where it lies (clo/layout.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import math
 import torch
 
 from clo.errors import ConfigError
-from clo.kernels.head_cache import lookup_and_update_ref
+from clo.kernels.decode_attention import decode_attention
+from clo.kernels.head_cache import lookup_and_update_ref as lookup_and_update
 from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
 from clo.layout import LayerStore, split_prompt
 from clo.policy.persistent import HeadPlan, heads_per_layer_time, load_profile, plan_persistent_heads
@@ -56,6 +58,7 @@ class CLO(KVOffloadSystem):
                         layer_time_ms=layer_time_ms, link_gb_s=link_gb_s, transfer=transfer,
                         cpu_threads=cpu_threads)
         self.wants_speculative_query = speculative
+        self.supports_cuda_graph = transfer == "uva"  # the CPU-gather path syncs with the host by design
         self.transfer_kind, self.cpu_threads = transfer, cpu_threads
         TransferEngine(transfer, cpu_threads, torch.device("cpu"))  # validates both before any long work
 
@@ -126,6 +129,10 @@ class CLO(KVOffloadSystem):
         self._misses = torch.zeros((), dtype=torch.long, device=spec.device)
         self._refreshes = torch.zeros((), dtype=torch.long, device=spec.device)
         self.trace: list[tuple[int, torch.Tensor]] | None = None  # (layer, miss mask) when tracing
+        cuda = spec.device.type == "cuda"
+        self.side = torch.cuda.Stream(spec.device) if cuda and self.wants_speculative_query else None
+        self.ready = [torch.cuda.Event() if self.side is not None else None for _ in range(spec.num_layers)]
+        self.pending = [False] * spec.num_layers
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -141,27 +148,39 @@ class CLO(KVOffloadSystem):
         g = spec.group_size
         store = LayerStore(kv, spec, self.cfg["sink"], self.cfg["recent"], self._k_select(t0),
                            self.plan.persistent[layer], self.plan.prefetch[layer], g)
-        store.tau = self.tau[layer, store.cached].to(spec.device)
-        store.weights = self.importance[layer, store.cached].repeat_interleave(g).view(-1, g).to(spec.device)
-        self.retriever.index(layer, k[:, :, store.sink: store.sink + store.n_mid])
+        cached_ids = store.order[: store.nc].cpu()
+        store.tau = self.tau[layer, cached_ids].to(spec.device)
+        store.weights = self.importance[layer, cached_ids].repeat_interleave(g).view(-1, g).to(spec.device)
+        self.retriever.index(layer, k[:, store.order, store.sink: store.sink + store.n_mid])
         self.stores[layer] = store
 
     # ---- decode --------------------------------------------------------------------------------------------
     def prepare(self, layer: int, q_spec: torch.Tensor) -> None:
-        if self.stores[layer] is not None:
-            self._refresh(layer, q_spec)
-
-    def _refresh(self, layer: int, q: torch.Tensor) -> None:
-        """Lookup with q; for missed heads, new top-k with q and the rows moved into their slots."""
-        st = self.stores[layer]
-        if not st.cached.numel() or not st.k:
+        """One layer ahead: lookup, retrieval and transfers for `layer` start on the side stream, behind
+        the speculative query, and overlap the current layer's attention and MLP."""
+        if self.stores[layer] is None:
             return
-        qc = q.view(q.shape[0], -1, self.spec.group_size, q.shape[-1])[:, st.cached]
+        if self.side is None:
+            self._refresh(layer, self.stores[layer].permute_q(q_spec))
+            return
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            self._refresh(layer, self.stores[layer].permute_q(q_spec))
+            self.ready[layer].record(self.side)
+        self.pending[layer] = True
+
+    def _refresh(self, layer: int, qp: torch.Tensor) -> None:
+        """Lookup with qp (permuted head order); for missed heads, new top-k with qp and their rows moved
+        into their slots."""
+        st = self.stores[layer]
+        if not st.nc or not st.k:
+            return
+        qc = qp.view(qp.shape[0], -1, st.group, qp.shape[-1])[:, : st.nc]
         with self.phase("cache_mgmt"):
-            miss = lookup_and_update_ref(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
-                                         self.cfg["gqa_aggregation"])
+            miss = lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
+                                     self.cfg["gqa_aggregation"])
         with self.phase("retrieval"):
-            idx = select_topk(self.retriever.scores(layer, q, st.cached), st.k, st.sink)
+            idx = select_topk(self.retriever.scores(layer, qp, st.cached), st.k, st.sink)
         with self.phase("transfer_exposed"):
             self.transfer.fill(st.host, st.cached, idx, miss, st.slots)
             st.slot_idx.copy_(torch.where(miss[..., None], idx, st.slot_idx))
@@ -170,23 +189,29 @@ class CLO(KVOffloadSystem):
         self._misses += (miss & managed).sum()
         self._refreshes += miss.sum()
         if self.trace is not None:
-            self.trace.append((layer, miss.clone()))
+            self.trace.append((layer, miss.clone()))  # per cached head, in the store's order
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         new = torch.stack([k, v], dim=2)  # [B, Hkv, 2, D]
         if layer < self.cfg["dense_layers"]:
             buf = self.dense_kv[layer]
-            buf[:, :, self.length] = new
+            buf.index_copy_(2, self.position, new[:, :, None])
             with self.phase("attention"):
-                return _attend(q, buf[:, :, : self.length + 1])
+                return decode_attention(q, buf[:, :, :, 0].transpose(1, 2), buf[:, :, :, 1].transpose(1, 2),
+                                        (self.position + 1).expand(q.shape[0]))
         st = self.stores[layer]
-        st.append(new, self.length - st.t0)
-        if not self.wants_speculative_query or layer == 0:
-            self._refresh(layer, q)
+        generated = self.position - st.t0
+        st.append(new, generated)
+        qp = st.permute_q(q)
+        if self.pending[layer]:
+            torch.cuda.current_stream().wait_event(self.ready[layer])
+            self.pending[layer] = False
+        elif not self.wants_speculative_query or layer == 0:
+            self._refresh(layer, qp)
         with self.phase("retrieval"):
-            persist_rows = st.persistent_topk(q, self.retriever, layer)
+            st.select_persistent(qp, self.retriever, layer)
         with self.phase("attention"):
-            return _attend(q, st.attended(self.length - st.t0 + 1, persist_rows))
+            return st.unpermute_out(st.attend(qp, generated))
 
     def end_step(self):
         stats = super().end_step()
@@ -222,8 +247,3 @@ class CLO(KVOffloadSystem):
                 "link_gb_s": self.link_bytes_per_s / 1e9, "memory_parts": self.memory_parts()}
 
 
-def _attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """q [B, H, D]; kv [B, Hkv, N, 2, D] -> [B, H, D]. The reference: one buffer, dense attention."""
-    from baselines.fullattn import dense_decode_attention
-
-    return dense_decode_attention(q, kv[:, :, :, 0], kv[:, :, :, 1])

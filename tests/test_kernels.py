@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from clo.kernels.decode_attention import decode_attention_ref
+from clo.kernels.decode_attention import decode_attention_ref, merge_attention
 
 
 def explicit(q, k, v, n):
@@ -27,6 +27,16 @@ def test_decode_attention_ref_respects_lengths():
         torch.testing.assert_close(out[b], explicit(q[b], k[b], v[b], int(lengths[b])), atol=1e-5, rtol=1e-5)
 
 
+def test_merge_of_disjoint_parts_is_attention_over_their_union():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 8, 16, generator=g)
+    k, v = torch.randn(2, 60, 2, 16, generator=g), torch.randn(2, 60, 2, 16, generator=g)
+    whole = decode_attention_ref(q, k, v, torch.tensor([60, 60]))
+    a = decode_attention_ref(q, k[:, :25], v[:, :25], torch.tensor([25, 25]), return_lse=True)
+    b = decode_attention_ref(q, k[:, 25:], v[:, 25:], torch.tensor([35, 35]), return_lse=True)
+    torch.testing.assert_close(merge_attention([a, b]), whole, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 32, 8, 128, 32768), (4, 32, 8, 128, 5000), (2, 40, 8, 128, 1000),
                                    (3, 9, 3, 64, 777)])
@@ -41,10 +51,12 @@ def test_decode_attention_triton_matches_ref(shape, dtype):
     v = torch.randn(b, cap, hkv, d, device="cuda", dtype=dtype, generator=g)
     lengths = torch.randint(1, cap + 1, (b,), device="cuda", generator=g)
     lengths[0] = cap
-    got = decode_attention_triton(q, k, v, lengths).float()
-    want = decode_attention_ref(q, k, v, lengths).float()
+    got, got_lse = decode_attention_triton(q, k, v, lengths, return_lse=True)
+    want, want_lse = decode_attention_ref(q, k, v, lengths, return_lse=True)
+    got, want = got.float(), want.float()
     assert not got.isnan().any()
     assert (got - want).norm() / want.norm() < 1e-2
+    torch.testing.assert_close(got_lse, want_lse, atol=2e-2, rtol=1e-3)
 
 
 @pytest.mark.gpu

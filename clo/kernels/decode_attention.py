@@ -8,7 +8,9 @@ many programs, then merge the partial softmaxes).
   -> out   [B, H, D]
 
 `decode_attention_ref` is the specification (plain torch, runs anywhere); `decode_attention` picks the Triton
-kernel on CUDA and the reference elsewhere.
+kernel on CUDA and the reference elsewhere. With return_lse, each also returns the log-sum-exp of the scores
+[B, H] (fp32), so that attention over several buffers can be computed per buffer and merged exactly
+(`merge_attention`): CLO's hybrid attention reads its window and its slots where they lie.
 """
 from __future__ import annotations
 
@@ -23,15 +25,26 @@ except ImportError:  # CPU machines: the reference is used
     triton = None
 
 
-def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                         return_lse: bool = False):
     b, h, d = q.shape
     hkv = k.shape[2]
     qg = q.view(b, hkv, h // hkv, d).float()
     scores = torch.einsum("bkgd,btkd->bkgt", qg, k.float()) / math.sqrt(d)
     valid = torch.arange(k.shape[1], device=k.device)[None, :] < lengths[:, None]  # [B, T]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.einsum("bkgt,btkd->bkgd", scores.softmax(-1), v.float())
-    return out.reshape(b, h, d).to(q.dtype)
+    vf = v.float().masked_fill(~valid[:, :, None, None], 0.0)  # rows past the length may hold garbage (NaN)
+    out = torch.einsum("bkgt,btkd->bkgd", scores.softmax(-1), vf).reshape(b, h, d).to(q.dtype)
+    if return_lse:
+        return out, scores.logsumexp(-1).reshape(b, h)
+    return out
+
+
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Exact attention over the union of disjoint key sets from per-set (out [B, H, D], lse [B, H])."""
+    lse = torch.stack([p[1] for p in parts])  # [P, B, H]
+    w = torch.softmax(lse, dim=0)[..., None]
+    return (torch.stack([p[0].float() for p in parts]) * w).sum(0).to(parts[0][0].dtype)
 
 
 if triton is not None:
@@ -76,7 +89,7 @@ if triton is not None:
         tl.store(L + row, l_i)
 
     @triton.jit
-    def _merge_kernel(Out, M, L, O, stride_ob, stride_oh,
+    def _merge_kernel(Out, M, L, O, Lse, stride_ob, stride_oh,
                       HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       SPLITS: tl.constexpr):
         bh = tl.program_id(0)
@@ -98,6 +111,7 @@ if triton is not None:
         out = acc / l_all[:, None]
         tl.store(O + b * stride_ob + (kvh * G + g)[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
                  mask=(g < G)[:, None])
+        tl.store(Lse + bh * G + g, m_safe + tl.log(l_all), mask=g < G)
 
 
 def _splits(batch_kv_heads: int, capacity: int, block_n: int) -> tuple[int, int]:
@@ -108,7 +122,7 @@ def _splits(batch_kv_heads: int, capacity: int, block_n: int) -> tuple[int, int]
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                            block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                            block_n: int = 64, num_warps: int = 4, return_lse: bool = False):
     b, h, d = q.shape
     cap, hkv = k.shape[1], k.shape[2]
     g = h // hkv
@@ -120,16 +134,18 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     m = torch.empty(b * hkv * splits * g_pad, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     out = torch.empty_like(q)
+    lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
     _split_kernel[(b * hkv, splits)](
         q, k, v, lengths, part, m, l_, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits, SPLIT_LEN=split_len, BLOCK_N=block_n, num_warps=num_warps)
-    _merge_kernel[(b * hkv,)](part, m, l_, out, out.stride(0), out.stride(1),
+    _merge_kernel[(b * hkv,)](part, m, l_, out, lse, out.stride(0), out.stride(1),
                               HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits)
-    return out
+    return (out, lse) if return_lse else out
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                     return_lse: bool = False):
     if q.is_cuda and triton is not None:
-        return decode_attention_triton(q, k, v, lengths)
-    return decode_attention_ref(q, k, v, lengths)
+        return decode_attention_triton(q, k, v, lengths, return_lse=return_lse)
+    return decode_attention_ref(q, k, v, lengths, return_lse)

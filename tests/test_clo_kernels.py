@@ -1,0 +1,212 @@
+"""CLO's kernels (UVA gather, hash scores, fused cache lookup) against their references.
+
+The references run everywhere; the Triton kernels run on the GPU (`-m gpu`) and, on a CPU machine with
+triton installed, in the Triton interpreter: TRITON_INTERPRET=1 python -m pytest tests/test_clo_kernels.py
+(the variable must be set before triton is imported, hence not set here).
+"""
+import os
+
+import pytest
+import torch
+
+from clo.kernels.hash_score import hash_scores_ref
+from clo.kernels.head_cache import lookup_and_update_ref
+from clo.kernels.uva_gather import uva_gather_ref
+from clo.retrieval import HashRetriever, pack_signs
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernels on the CPU")
+
+
+# ---- inputs ------------------------------------------------------------------------------------------------
+def gather_case(b, hkv, t, d, h, k, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    host = torch.randn(b, hkv, t, 2, d, generator=g).to(dtype)
+    if device == "cuda":
+        host = host.pin_memory()
+    heads = torch.randperm(hkv, generator=g)[:h].to(device)
+    idx = torch.stack([torch.stack([torch.randperm(t, generator=g)[:k] for _ in range(h)]) for _ in range(b)])
+    miss = torch.rand(b, h, generator=g) < 0.5
+    miss[0, 0] = True
+    slots = torch.randn(b, h, k, 2, d, generator=g).to(dtype)
+    return host, heads, idx.to(device), miss.to(device), slots.to(device)
+
+
+def hash_case(b, hk, h, t, g_, rbit, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (b, hk, t, rbit // 8), generator=gen, dtype=torch.uint8)
+    norms = torch.rand(b, hk, t, generator=gen) * 10
+    qcodes = torch.randint(0, 256, (b, h, g_, rbit // 8), generator=gen, dtype=torch.uint8)
+    heads = torch.randperm(hk, generator=gen)[:h]
+    return codes.to(device), norms.to(device), qcodes.to(device), heads.to(device)
+
+
+def lookup_case(b, hc, g_, d, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hc, g_, d, generator=gen)
+    # labels near q for some heads, unrelated for others, so both hits and misses occur
+    labels = torch.where(torch.rand(b, hc, 1, 1, generator=gen) < 0.5, q + 0.3 * torch.randn(q.shape, generator=gen),
+                         torch.randn(q.shape, generator=gen))
+    labels[0, 0] = 0.0  # an empty slot's label: cos = 0, as torch.cosine_similarity with eps
+    valid = torch.rand(b, hc, generator=gen) < 0.8
+    tau = torch.rand(hc, generator=gen) * 1.6 - 0.6
+    weights = torch.rand(hc, g_, generator=gen)
+    weights[0] = 0.0  # all-zero importance: a plain mean
+    force = torch.rand(hc, generator=gen) < 0.2
+    return tuple(x.to(device) for x in (q.to(dtype), labels, valid, tau, weights, force))
+
+
+# ---- the references ----------------------------------------------------------------------------------------
+def test_uva_gather_ref_copies_missed_rows_only():
+    host, heads, idx, miss, slots = gather_case(2, 4, 50, 8, 3, 5, torch.float32, "cpu")
+    before = slots.clone()
+    uva_gather_ref(host, heads, idx, miss, slots)
+    for b in range(2):
+        for j in range(3):
+            want = host[b, heads[j], idx[b, j]] if miss[b, j] else before[b, j]
+            assert torch.equal(slots[b, j], want)
+
+
+def test_hash_scores_ref_is_signed_dot_product():
+    """(G - 2 hamming / rbit) |k| summed over the group = sum_g sign(q_g) . sign(k) / rbit * |k|."""
+    gen = torch.Generator().manual_seed(0)
+    xq, xk = torch.randn(2, 3, 4, 64, generator=gen), torch.randn(2, 3, 100, 64, generator=gen)
+    norms = torch.rand(2, 3, 100, generator=gen)
+    want = torch.einsum("bhgr,bhtr->bht", xq.sign(), xk.sign()) / 64 * norms
+    got = hash_scores_ref(pack_signs(xk), norms, pack_signs(xq), 64)
+    torch.testing.assert_close(got, want)
+
+
+def test_hash_scores_ref_matches_retriever():
+    b, hkv, g_, d, t = 2, 4, 3, 32, 70
+    hr = HashRetriever(1, hkv, d, torch.device("cpu"), rbit=128, seed=1)
+    gen = torch.Generator().manual_seed(1)
+    hr.index(0, torch.randn(b, hkv, t, d, generator=gen))
+    q, heads = torch.randn(b, hkv * g_, d, generator=gen), torch.tensor([3, 0])
+    qc = hr.encode(0, q.view(b, hkv, g_, d))[:, heads]
+    want = hr.scores(0, q, heads)
+    assert torch.equal(hash_scores_ref(hr.codes[0], hr.norms[0], qc, 128, heads), want)
+    assert torch.equal(hash_scores_ref(hr.codes[0][:, heads], hr.norms[0][:, heads], qc, 128), want)
+
+
+# ---- the Triton kernels against the references (shared by the interpreter and the GPU tests) ----------------
+def check_uva_gather(device, b, hkv, t, d, h, k, dtype, block=16):
+    from clo.kernels.uva_gather import uva_gather
+
+    host, heads, idx, miss, slots = gather_case(b, hkv, t, d, h, k, dtype, device)
+    before = slots.clone()
+    uva_gather(host, heads, idx, miss, slots, block=block)
+    want = before.cpu().clone()
+    uva_gather_ref(host, heads.cpu(), idx.cpu(), miss.cpu(), want)
+    got = slots.cpu()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bit-exact, NaN-safe
+    hit = ~miss.cpu()
+    assert torch.equal(got[hit].view(torch.uint8), before.cpu()[hit].view(torch.uint8))  # hits untouched
+    bi, ji = miss.cpu().nonzero()[0]
+    assert torch.equal(got[bi, ji], host[bi, heads[ji].cpu(), idx[bi, ji].cpu()])  # exactly the selected rows
+
+
+def check_hash_scores(device, b, hk, h, t, g_, rbit, use_heads, block_t=256):
+    from clo.kernels.hash_score import hash_scores_triton
+
+    codes, norms, qcodes, heads = hash_case(b, hk, h if use_heads else hk, t, g_, rbit, device)
+    heads = heads if use_heads else None
+    got = hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t=block_t).cpu()
+    want = hash_scores_ref(codes.cpu(), norms.cpu(), qcodes.cpu(), rbit, None if heads is None else heads.cpu())
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)  # integer hamming: fp32 rounding at most
+
+
+def check_lookup(device, b, hc, g_, d, dtype, aggregation):
+    from clo.kernels.head_cache import lookup_and_update_triton
+
+    args = lookup_case(b, hc, g_, d, dtype, device)
+    ref_args = tuple(x.cpu().clone() for x in args)
+    miss = lookup_and_update_triton(*args, aggregation).cpu()
+    want = lookup_and_update_ref(*ref_args, aggregation)
+    assert torch.equal(miss, want)
+    assert miss.any() and not miss.all()
+    assert torch.equal(args[1].cpu(), ref_args[1])  # labels: q (as fp32) where missed, unchanged elsewhere
+    assert args[2].all()
+
+
+@interpreter
+@pytest.mark.parametrize("d,block", [(8, 4), (12, 16)])  # 12: a row of 24 elements, padded to 32
+def test_uva_gather_interpreted(d, block):
+    pytest.importorskip("triton")
+    check_uva_gather("cpu", 2, 4, 40, d, 3, 7, torch.bfloat16, block)
+
+
+@interpreter
+@pytest.mark.parametrize("rbit,use_heads", [(256, True), (128, False), (96, True)])
+def test_hash_scores_interpreted(rbit, use_heads):
+    pytest.importorskip("triton")
+    check_hash_scores("cpu", 2, 4, 3, 300, 3, rbit, use_heads, block_t=64)
+
+
+@interpreter
+@pytest.mark.parametrize("aggregation", ["mean", "min"])
+@pytest.mark.parametrize("g_,d", [(4, 16), (3, 20)])
+def test_lookup_interpreted(aggregation, g_, d):
+    pytest.importorskip("triton")
+    check_lookup("cpu", 3, 6, g_, d, torch.bfloat16, aggregation)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_uva_gather_triton_matches_ref(d, dtype):
+    pytest.importorskip("triton")
+    check_uva_gather("cuda", 2, 8, 5000, d, 6, 500, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rbit,use_heads", [(256, True), (256, False), (128, True)])
+@pytest.mark.parametrize("g_", [4, 5])
+def test_hash_scores_triton_matches_ref(rbit, use_heads, g_):
+    pytest.importorskip("triton")
+    check_hash_scores("cuda", 2, 8, 6, 10_000, g_, rbit, use_heads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("aggregation", ["mean", "min"])
+@pytest.mark.parametrize("g_,d,dtype", [(4, 128, torch.bfloat16), (5, 128, torch.float16), (7, 64, torch.float32)])
+def test_lookup_triton_matches_ref(aggregation, g_, d, dtype):
+    pytest.importorskip("triton")
+    check_lookup("cuda", 4, 8, g_, d, dtype, aggregation)
+
+
+@pytest.mark.gpu
+def test_kernels_replay_in_a_cuda_graph():
+    """The three kernels are captured once and replayed on new inputs: no host sync inside."""
+    pytest.importorskip("triton")
+    from clo.kernels.hash_score import hash_scores
+    from clo.kernels.head_cache import lookup_and_update
+    from clo.kernels.uva_gather import uva_gather
+
+    host, heads, idx, miss, slots = gather_case(1, 8, 3000, 128, 8, 300, torch.bfloat16, "cuda")
+    codes, norms, qcodes, _ = hash_case(1, 8, 8, 3000, 4, 256, "cuda")
+    q, labels, valid, tau, weights, force = lookup_case(1, 8, 4, 128, torch.bfloat16, "cuda")
+    for _ in range(2):  # compile outside the capture
+        uva_gather(host, heads, idx, miss, slots.clone())
+        hash_scores(codes, norms, qcodes, 256)
+        lookup_and_update(q, labels.clone(), valid.clone(), tau, weights, force, "mean")
+    labels0, valid0 = labels.clone(), valid.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        m = lookup_and_update(q, labels, valid, tau, weights, force, "mean")
+        s = hash_scores(codes, norms, qcodes, 256)
+        uva_gather(host, heads, idx, m, slots)
+    for seed in (1, 2):
+        new_q, new_labels, new_valid = lookup_case(1, 8, 4, 128, torch.bfloat16, "cuda", seed)[:3]
+        new_codes = hash_case(1, 8, 8, 3000, 4, 256, "cuda", seed)[0]
+        q.copy_(new_q), labels.copy_(new_labels), valid.copy_(new_valid), codes.copy_(new_codes)
+        labels0, valid0, before = new_labels.cpu(), new_valid.cpu(), slots.cpu()
+        graph.replay()
+        torch.cuda.synchronize()
+        want_m = lookup_and_update_ref(new_q.cpu(), labels0, valid0, tau.cpu(), weights.cpu(), force.cpu(), "mean")
+        assert torch.equal(m.cpu(), want_m) and torch.equal(labels.cpu(), labels0)
+        torch.testing.assert_close(s.cpu(), hash_scores_ref(codes.cpu(), norms.cpu(), qcodes.cpu(), 256))
+        uva_gather_ref(host, heads.cpu(), idx.cpu(), want_m, before)
+        assert torch.equal(slots.cpu(), before)
