@@ -68,6 +68,13 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and not cuda_graph)
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
+    query_desc = "the model's own queries"
+    if cfg.workload.query_process != "model":
+        from clo.query_process import ProfileQueryProcess
+
+        model.query_process = ProfileQueryProcess.from_profile(
+            cfg.workload.query_process, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.group_size, device)
+        query_desc = model.query_process.description
     tokenizer = load_tokenizer(source, cfg.model)
     prompt = build_prompt(cfg.workload.prompt, seqlen, batch, int(cfg.seed), tokenizer, model_cfg.vocab_size,
                           float(cfg.workload.needle_depth))
@@ -84,6 +91,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         "batch": batch,
         "decode_mode": "graph" if cuda_graph else "eager",
         "phases_timed": timer.enabled,
+        "query_process": query_desc,
         "prompt": {"kind": prompt.kind, "tokens": int(prompt.tokens.shape[1]), **prompt.meta},
         "answer": {"expected": prompt.answer, "text": text,
                    "found": (prompt.answer in text) if prompt.answer and text is not None else None},

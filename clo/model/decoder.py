@@ -98,6 +98,8 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rotary: Rotary | None = None
+        # Optional synthetic query process (clo.query_process) replacing the queries the KV system sees.
+        self.query_process = None
 
     def rotary(self) -> Rotary:
         dev = self.lm_head.weight.device
@@ -152,9 +154,14 @@ class Decoder(nn.Module):
                 # One layer ahead (spec 2.3): layer i+1's query from layer i's input, through layer i+1's
                 # norm and q_proj, so its lookup and transfers overlap layer i's compute.
                 nxt = layers[i + 1]
-                kv.prepare(i + 1, nxt.self_attn.query(nxt.input_layernorm(x), cos, sin)[:, :, 0])
+                q_spec = nxt.self_attn.query(nxt.input_layernorm(x), cos, sin)[:, :, 0]
+                kv.prepare(i + 1, self._query(i + 1, q_spec, advance=True))
             q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
-            o = kv.decode(i, q[:, :, 0], k[:, :, 0], v[:, :, 0])  # [B, H, D]
+            advance = not (kv.wants_speculative_query and i > 0)  # layers 1.. advanced at their prepare
+            o = kv.decode(i, self._query(i, q[:, :, 0], advance), k[:, :, 0], v[:, :, 0])  # [B, H, D]
             x = x + attn.o_proj(o.reshape(b, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.model.norm(x))[:, 0].float()
+
+    def _query(self, layer: int, q: torch.Tensor, advance: bool) -> torch.Tensor:
+        return q if self.query_process is None else self.query_process.query(layer, q, advance)
