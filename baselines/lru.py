@@ -13,9 +13,10 @@ Per head the state is three arrays:
   slot_stamp [capacity]  time of last use (-1 if empty); unique, so the least recently used slot is exact
 Each array has one extra "trash" column that masked scatters write into, so no op needs a boolean compaction.
 
-A step, per head: the step's distinct blocks are looked up; hits are touched first (stamped in ascending block
-order), then misses are admitted in ascending block order into the least recently used slots not hit in this
-step, as long as such slots remain (misses beyond that are fetched but bypass the cache, as RetroInfer's).
+A step, per head: the step's distinct blocks (deduplicated on the device before they are copied here) are
+looked up; hits are touched first (stamped in ascending block order), then misses are admitted in ascending
+block order into the least recently used slots not hit in this step, as long as such slots remain (misses
+beyond that are fetched but bypass the cache, as RetroInfer's).
 """
 from __future__ import annotations
 
@@ -27,15 +28,15 @@ import torch
 
 @dataclass
 class LRUStep:
-    """What one step decided, for the system to move data. Token-level arrays follow the input [rows, n]."""
+    """What one step decided, for the system to move data. Per-block arrays follow the input [rows, u]."""
 
-    tok_slot: torch.Tensor  # [rows, n] int64: cache slot of the token's block if it was a hit, else -1
-    tok_miss: torch.Tensor  # [rows, n] int64: index of the token's block in the miss list if it missed, else -1
-    miss_row: torch.Tensor  # [M] int64: head (row) of each distinct missed block
-    miss_block: torch.Tensor  # [M] int64: block id of each distinct missed block
+    slot: torch.Tensor  # [rows, u] int64: cache slot of the block if it was a hit, else -1
+    miss: torch.Tensor  # [rows, u] int64: index of the block in the miss list if it missed, else -1
+    miss_row: torch.Tensor  # [M] int64: head (row) of each missed block
+    miss_block: torch.Tensor  # [M] int64: block id of each missed block
     admit_pos: torch.Tensor  # [A] int64: which misses enter the cache (index into the miss list)
-    admit_slot: torch.Tensor  # [A] int64: and the slot each one replaces
-    lookups: int  # distinct (head, block) pairs looked up
+    admit_slot: torch.Tensor  # [A] int64: and the slot each one takes
+    lookups: int  # (head, block) pairs looked up
     hits: int
     evictions: int  # admitted misses that displaced a cached block
 
@@ -56,10 +57,12 @@ class BlockLRU:
         return self.block_slot.nbytes + self.slot_block.nbytes + self.slot_stamp.nbytes
 
     def access(self, blocks: torch.Tensor) -> LRUStep:
-        """blocks [rows, n] integer CPU tensor, each row sorted ascending (repeats: tokens of one block)."""
+        """blocks [rows, n] integer CPU tensor: each row's distinct block ids, ascending, then padding = n_blocks."""
         blocks = blocks.long()
+        u = int((blocks != self.n_blocks).sum(1).max()) if blocks.numel() else 0
+        blocks = blocks[:, :u]  # the padding tail is dropped: the work is proportional to the distinct blocks
         clock = self.clock
-        self.clock += blocks.shape[1] + 1  # stamps of one step lie in [clock, clock + n]: unique over time
+        self.clock += u + 1  # stamps of one step lie in [clock, clock + u): unique over time
         if self.pool is None:
             parts = [self._access(blocks, 0, self.rows, clock)]
         else:
@@ -72,23 +75,17 @@ class BlockLRU:
             total += p.miss_row.numel()
         cat = torch.cat
         return LRUStep(
-            tok_slot=cat([p.tok_slot for p in parts]),
-            tok_miss=cat([torch.where(p.tok_miss >= 0, p.tok_miss + o, -1) for p, o in zip(parts, offsets)]),
+            slot=cat([p.slot for p in parts]),
+            miss=cat([torch.where(p.miss >= 0, p.miss + o, -1) for p, o in zip(parts, offsets)]),
             miss_row=cat([p.miss_row for p in parts]), miss_block=cat([p.miss_block for p in parts]),
             admit_pos=cat([p.admit_pos + o for p, o in zip(parts, offsets)]),
             admit_slot=cat([p.admit_slot for p in parts]),
             lookups=sum(p.lookups for p in parts), hits=sum(p.hits for p in parts),
             evictions=sum(p.evictions for p in parts))
 
-    def _access(self, blocks: torch.Tensor, r0: int, r1: int, clock: int) -> LRUStep:
+    def _access(self, ublock: torch.Tensor, r0: int, r1: int, clock: int) -> LRUStep:
         block_slot, slot_block, slot_stamp = self.block_slot[r0:r1], self.slot_block[r0:r1], self.slot_stamp[r0:r1]
         nb, cap = self.n_blocks, self.capacity
-        rows, n = blocks.shape
-        # distinct blocks of each row, compacted to the left of a [rows, n] array (padding = trash column nb)
-        first = torch.ones_like(blocks, dtype=torch.bool)
-        first[:, 1:] = blocks[:, 1:] != blocks[:, :-1]
-        uid = first.cumsum(1) - 1  # every token -> index of its distinct block in the row
-        ublock = torch.full_like(blocks, nb).scatter_(1, uid, blocks)
         valid = ublock != nb
         uslot = block_slot.gather(1, ublock)  # the trash column reads -1: padding never hits
         hit = uslot >= 0
@@ -100,8 +97,9 @@ class BlockLRU:
         mrank = miss.cumsum(1) - 1
         n_admit = torch.minimum(miss.sum(1, keepdim=True), cap - n_hit)
         admitted = miss & (mrank < n_admit)
-        m = int(n_admit.max()) if rows else 0
+        m = int(n_admit.max()) if ublock.numel() else 0
         evictions = 0
+        vslot = torch.full_like(ublock, cap)
         if m:
             victims = slot_stamp[:, :cap].topk(m, dim=1, largest=False, sorted=True).indices
             vslot = torch.where(admitted, victims.gather(1, mrank.clamp(0, m - 1)), cap)
@@ -114,15 +112,12 @@ class BlockLRU:
             slot_stamp.scatter_(1, vslot, clock + n_hit + mrank)
             block_slot[:, nb] = -1  # masked writes landed in the trash columns: reset them
             slot_block[:, cap] = -1
-        else:
-            vslot = torch.full_like(blocks, cap)
-        # the miss list (row-major), and per-token answers
-        miss_idx = torch.full_like(blocks, -1)
-        n_miss = int(miss.sum())
-        miss_idx[miss] = torch.arange(n_miss)
-        where = miss.nonzero()
+        # the miss list, row-major: one compaction, the rest indexes the (short) list
+        rows, cols = miss.nonzero(as_tuple=True)
+        miss_idx = torch.full_like(ublock, -1)
+        miss_idx[rows, cols] = torch.arange(rows.numel())
+        admit_pos = admitted[rows, cols].nonzero().view(-1)
         return LRUStep(
-            tok_slot=torch.where(hit, uslot, -1).gather(1, uid), tok_miss=miss_idx.gather(1, uid),
-            miss_row=where[:, 0] + r0, miss_block=ublock[miss],
-            admit_pos=miss_idx[admitted], admit_slot=vslot[admitted],
+            slot=torch.where(hit, uslot, -1), miss=miss_idx, miss_row=rows + r0, miss_block=ublock[rows, cols],
+            admit_pos=admit_pos, admit_slot=vslot[rows[admit_pos], cols[admit_pos]],
             lookups=int(valid.sum()), hits=int(hit.sum()), evictions=evictions)

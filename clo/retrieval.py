@@ -76,12 +76,11 @@ class HashRetriever:
         self.norms[layer] = keys.float().norm(dim=-1)
 
     def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        codes, norms = self.codes[layer][:, heads], self.norms[layer][:, heads]
+        from clo.kernels.hash_score import hash_scores  # Triton on CUDA, the torch reference elsewhere
+
         b, hkv = self.codes[layer].shape[:2]
         qc = self.encode(layer, q.view(b, hkv, -1, q.shape[-1]))[:, heads]  # [B, h, G, rbit/8]
-        ham = hamming(qc[:, :, :, None, :], codes[:, :, None, :, :]).sum(2)  # [B, h, T], summed over G
-        g = qc.shape[2]
-        return (g - 2.0 * ham.float() / self.rbit) * norms
+        return hash_scores(self.codes[layer], self.norms[layer], qc, self.rbit, heads)
 
     def metadata_bytes(self) -> int:
         return sum(c.nbytes + n.nbytes for c, n in zip(self.codes, self.norms) if c is not None)

@@ -18,7 +18,7 @@ import torch
 
 from clo.errors import ConfigError
 from clo.kernels.decode_attention import decode_attention
-from clo.kernels.head_cache import lookup_and_update_ref as lookup_and_update
+from clo.kernels.head_cache import lookup_and_update
 from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
 from clo.layout import LayerStore, split_prompt
 from clo.policy.persistent import HeadPlan, heads_per_layer_time, load_profile, plan_persistent_heads
@@ -239,6 +239,19 @@ class CLO(KVOffloadSystem):
     def memory_held(self) -> MemoryEstimate:
         parts = self.memory_parts()
         return MemoryEstimate(device_bytes=sum(v for k, v in parts.items() if k != "host"), host_bytes=parts["host"])
+
+    def step_device_bytes(self) -> int:
+        """Per step: the attended rows (window, selected rows, dense layers), the retrieval metadata (all of it:
+        the graph-capturable step scores every head) and the labels."""
+        row = self._row_bytes(self.spec)
+        total = self.retriever.metadata_bytes()
+        for st in self.stores:
+            if st is not None:
+                gen = self.length - st.t0 + 1
+                total += row * st.window.shape[0] * st.window.shape[1] * (st.sink + st.recent + gen + st.k)
+                total += st.labels.nbytes
+        dense = sum(1 for b in self.dense_kv if b is not None)
+        return total + dense * row * self.spec.batch * self.spec.num_kv_heads * (self.length + 1)
 
     def describe(self) -> dict:
         return {"importance": self.importance_source, "profile": self.profile_source,

@@ -60,16 +60,20 @@ class TransferEngine:
         k = idx_h.shape[-1]
         staging = torch.empty((len(pairs), k) + tuple(host.shape[3:]), dtype=host.dtype, pin_memory=True)
         heads_h = heads.cpu()
+        chunk = -(-k // self.threads)  # every thread gets rows of every missed head: balanced at any miss count
 
-        def one(i: int) -> None:
+        def one(item: tuple[int, int]) -> None:
+            i, lo = item
             b, h = pairs[i]
-            torch.index_select(host[b, heads_h[h]], 0, idx_h[b, h], out=staging[i])
+            hi = min(lo + chunk, k)
+            torch.index_select(host[b, heads_h[h]], 0, idx_h[b, h, lo:hi], out=staging[i, lo:hi])
 
+        items = [(i, lo) for i in range(len(pairs)) for lo in range(0, k, chunk)]
         if self.pool is not None:
-            list(self.pool.map(one, range(len(pairs))))
+            list(self.pool.map(one, items))
         else:
-            for i in range(len(pairs)):
-                one(i)
+            for item in items:
+                one(item)
         rows = staging.to(self.device, non_blocking=True)
         where = torch.tensor(pairs, device=self.device)
         slots[where[:, 0], where[:, 1]] = rows

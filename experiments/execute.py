@@ -130,6 +130,14 @@ def metrics(gen: Generation, system: KVOffloadSystem, cfg: ModelConfig, spec: KV
     kv_read = cfg.kv_bytes_per_token(spec.dtype_bytes) * spec.batch * mean_len
     floor_ms = (cfg.num_params * spec.dtype_bytes + kv_read) / (hbm_gb_s * 1e9) * 1e3
     step_ms = phase_ms["total"]
+    # The system's own floor: the bytes it must read from device memory and move over the link per step.
+    link_gb_s = system.describe().get("link_gb_s")
+    sys_bytes = system.step_device_bytes()
+    sys_floor_ms = None
+    if sys_bytes is not None:
+        hbm_ms = (cfg.num_params * spec.dtype_bytes + sys_bytes) / (hbm_gb_s * 1e9) * 1e3
+        h2d = sum(s.bytes_h2d for s in steps) / n
+        sys_floor_ms = max(hbm_ms, h2d / (link_gb_s * 1e9) * 1e3 if link_gb_s else 0.0)
     return {
         "prefill_s": round(gen.prefill_s, 4),
         "prefill_tokens_per_s": round(spec.batch * seqlen / gen.prefill_s, 1),
@@ -149,4 +157,6 @@ def metrics(gen: Generation, system: KVOffloadSystem, cfg: ModelConfig, spec: KV
         "bandwidth_gb_s": round(hbm_gb_s, 1),
         "dense_floor_ms_per_step": round(floor_ms, 4),
         "step_over_floor": round(step_ms / floor_ms, 3),
+        "system_floor_ms_per_step": round(sys_floor_ms, 4) if sys_floor_ms else None,
+        "step_over_system_floor": round(step_ms / sys_floor_ms, 3) if sys_floor_ms else None,
     }

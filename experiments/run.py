@@ -30,6 +30,8 @@ def summary(rec: dict) -> str:
         f" tok/s, {m['decode_ms_per_step']:.2f} ms/step = {m['step_over_floor']:.2f}x the dense memory floor "
         f"({m['dense_floor_ms_per_step']:.3f} ms at {m['bandwidth_gb_s']:.0f} GB/s)",
         "   per step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()),
+        *([f"   the system's own floor (device bytes it reads, link bytes it moves): {m['system_floor_ms_per_step']:.3f}"
+           f" ms; step = {m['step_over_system_floor']:.2f}x it"] if m.get("system_floor_ms_per_step") else []),
         f"   KV memory: device {m['kv_device_gb']:.3f} GB, host {m['kv_host_gb']:.3f} GB; hit rate "
         f"{m['hit_rate'] if m['hit_rate'] is not None else 'n/a'}; host->device {m['bytes_h2d_per_step'] / 1e6:.2f} MB/step",
     ]

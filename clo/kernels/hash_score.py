@@ -64,10 +64,11 @@ if triton is not None:
         wmask = w < NW  # padded words are 0 in both codes: they add nothing
         kc = tl.load(Codes + b * stride_cb + head * stride_ch + t.to(tl.int64)[:, None] * stride_ct + w[None, :],
                      mask=tmask[:, None] & wmask[None, :], other=0)
-        ham = tl.zeros([BLOCK_T], tl.int32)
+        ham = tl.zeros([BLOCK_T, NW_PAD], tl.int32)
         for g in tl.static_range(G):
             qc = tl.load(QCodes + b * stride_qb + j * stride_qh + g * stride_qg + w, mask=wmask, other=0)
-            ham += tl.sum(_popcount(kc ^ qc[None, :], NATIVE), 1)
+            ham += _popcount(kc ^ qc[None, :], NATIVE)
+        ham = tl.sum(ham, 1)  # one reduction over the words, not one per query head
         norm = tl.load(Norms + b * stride_nb + head * stride_nh + t, mask=tmask, other=0.0)
         score = (G - 2.0 * ham.to(tl.float32) * inv_rbit) * norm
         tl.store(Out + b * stride_ob + j * stride_oh + t, score, mask=tmask)

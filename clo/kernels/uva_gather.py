@@ -56,9 +56,10 @@ if triton is not None:
 
 
 def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
-               slots: torch.Tensor, block: int = 16, num_warps: int = 4) -> None:
+               slots: torch.Tensor, block: int | None = None, num_warps: int = 4) -> None:
     """In place on `slots`. `host` must be pinned when the others live on a GPU (Triton's launcher refuses
-    an unmapped host pointer); in the Triton interpreter every tensor is a CPU tensor."""
+    an unmapped host pointer); in the Triton interpreter every tensor is a CPU tensor. `block` rows per
+    program: by default ~16 KB, which keeps the link full (any 4..64 did on the H200) with few programs."""
     b, h, k = idx.shape
     d = host.shape[-1]
     assert host.shape[3] == 2 and slots.shape == (b, h, k, 2, d) and heads.shape == (h,) and miss.shape == (b, h)
@@ -69,6 +70,7 @@ def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss:
         return
     idx = idx if idx.stride(2) == 1 else idx.contiguous()
     miss = miss.contiguous().view(torch.uint8)
+    block = block or min(64, max(4, triton.next_power_of_2(16384 // (2 * d * host.element_size()))))
     grid = (b * h, triton.cdiv(k, block))
     _uva_gather_kernel[grid](host, heads.contiguous(), idx, miss, slots, k,
                              host.stride(0), host.stride(1), host.stride(2), idx.stride(0), idx.stride(1),

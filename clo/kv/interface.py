@@ -145,6 +145,11 @@ class KVOffloadSystem(ABC):
     def memory_held(self) -> MemoryEstimate:
         """Bytes the system holds now (from its real buffers, not from the estimate)."""
 
+    def step_device_bytes(self) -> int | None:
+        """Device-memory bytes one decode step of this system must read (its KV-side memory floor), or None
+        when the dense count (every held K/V byte) applies."""
+        return None
+
     def describe(self) -> dict:
         """What the record should say about this system's state and sources (plans, scores, weights)."""
         return {}

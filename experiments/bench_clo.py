@@ -1,0 +1,118 @@
+"""CLO's mechanisms on the GPU, each next to its physical limit, all variants in one run (issue 3):
+
+  transfer  scattered 256 B / 512 B rows (10% of a 512 MiB pinned pool) moved by the GPU-initiated UVA gather
+            (zero CPU threads) and by CPU gather + copy with 1/4/16 threads, against a pinned bulk copy of
+            the same bytes measured in the same run
+  lookup    the fused lookup + label update at Llama-3-8B shape, against one layer's dense compute time
+  retrieval hash scoring (256-bit codes) and top-k at 128K, against their memory floor
+
+    python -m experiments.bench_clo --out results/bench/clo_mechanisms.json
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from clo.bench.bandwidth import copy_bandwidth_gb_s
+from clo.kernels.hash_score import hash_scores
+from clo.kernels.head_cache import lookup_and_update
+from clo.kernels.uva_gather import uva_gather
+from clo.model.config import ModelConfig
+from clo.model.decoder import Layer
+from clo.transfer import TransferEngine, gather_rows_ref
+from experiments.bench_decode_attention import time_ms
+from experiments.records import environment, write_json_atomic
+
+DEV = torch.device("cuda")
+LLAMA3 = ModelConfig(name="llama3", family="llama", hidden_size=4096, intermediate_size=14336, num_layers=32,
+                     num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=128256, rope_theta=3580165449.0,
+                     rms_norm_eps=1e-5, max_position_embeddings=1048576)
+
+
+def bench_transfer(pool_bytes: int = 512 << 20, fraction: float = 0.1) -> list[dict]:
+    rows_out = []
+    for row_bytes in (256, 512):
+        d = row_bytes // 4  # K and V of one token, bf16
+        t = pool_bytes // row_bytes
+        host = torch.randn(1, 1, t, 2, d, dtype=torch.bfloat16).pin_memory()
+        k = int(t * fraction)
+        idx = torch.randperm(t, device=DEV)[:k].sort().values.view(1, 1, k)
+        heads, miss = torch.zeros(1, dtype=torch.long, device=DEV), torch.ones(1, 1, dtype=torch.bool, device=DEV)
+        slots = torch.zeros(1, 1, k, 2, d, dtype=torch.bfloat16, device=DEV)
+        nbytes = k * row_bytes
+        bulk_src = host.view(-1)[: nbytes // 2]
+        bulk_dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEV)
+        bulk_ms = time_ms(lambda: bulk_dst.copy_(bulk_src, non_blocking=True), iters=20)
+        bulk = nbytes / bulk_ms / 1e6
+        uva_ms = time_ms(lambda: uva_gather(host, heads, idx, miss, slots), iters=20)
+        exact = torch.equal(slots.cpu(), gather_rows_ref(host, heads.cpu(), idx.cpu()))
+        rows_out.append({"row_bytes": row_bytes, "rows": k, "path": "uva (0 CPU threads)", "gb_s": round(nbytes / uva_ms / 1e6, 1),
+                         "of_bulk": round(nbytes / uva_ms / 1e6 / bulk, 3), "bulk_gb_s": round(bulk, 1),
+                         "exact_rows": exact})
+        for threads in (1, 4, 16):
+            eng = TransferEngine("cpu_gather", threads, DEV)
+            ms = time_ms(lambda: eng.fill(host, heads, idx, miss, slots), iters=5)
+            rows_out.append({"row_bytes": row_bytes, "rows": k, "path": f"cpu_gather {threads} threads",
+                             "gb_s": round(nbytes / ms / 1e6, 1), "of_bulk": round(nbytes / ms / 1e6 / bulk, 3),
+                             "bulk_gb_s": round(bulk, 1)})
+        for r in rows_out[-4:]:
+            print(f"transfer {r['row_bytes']:>4} B rows  {r['path']:<22} {r['gb_s']:7.1f} GB/s = {r['of_bulk']:.2f} of bulk")
+    return rows_out
+
+
+def layer_ms(batch: int = 1) -> float:
+    layer = Layer(LLAMA3).to(DEV, torch.bfloat16)
+    x = torch.randn(batch, 1, LLAMA3.hidden_size, device=DEV, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        return time_ms(lambda: layer.mlp_block(x + layer.self_attn.o_proj(layer.self_attn.q_proj(layer.input_layernorm(x)))))
+
+
+def bench_lookup(layer_time: float, batch: int = 1) -> dict:
+    b, hc, g, d = batch, 8, 4, 128
+    q = torch.randn(b, hc, g, d, device=DEV, dtype=torch.bfloat16)
+    labels = torch.randn(b, hc, g, d, device=DEV)
+    valid = torch.ones(b, hc, dtype=torch.bool, device=DEV)
+    tau, w = torch.full((hc,), 0.8, device=DEV), torch.ones(hc, g, device=DEV)
+    force = torch.zeros(hc, dtype=torch.bool, device=DEV)
+    graph = torch.cuda.CUDAGraph()  # 100 calls in one graph: the kernel's own time, not the launch
+    lookup_and_update(q, labels, valid, tau, w, force, "mean")
+    with torch.cuda.graph(graph):
+        for _ in range(100):
+            lookup_and_update(q, labels, valid, tau, w, force, "mean")
+    ms = time_ms(graph.replay, iters=20) / 100
+    out = {"lookup_us": round(ms * 1e3, 2), "layer_us": round(layer_time * 1e3, 1),
+           "fraction_of_layer": round(ms / layer_time, 4)}
+    print(f"lookup+label update {out['lookup_us']} us = {out['fraction_of_layer'] * 100:.2f}% of a {out['layer_us']} us layer")
+    return out
+
+
+def bench_retrieval(tokens: int = 131072, hkv: int = 8, g: int = 4, rbit: int = 256) -> dict:
+    codes = torch.randint(0, 256, (1, hkv, tokens, rbit // 8), dtype=torch.uint8, device=DEV)
+    norms = torch.rand(1, hkv, tokens, device=DEV)
+    qcodes = torch.randint(0, 256, (1, hkv, g, rbit // 8), dtype=torch.uint8, device=DEV)
+    bw = copy_bandwidth_gb_s(DEV)
+    score_ms = time_ms(lambda: hash_scores(codes, norms, qcodes, rbit))
+    scores = hash_scores(codes, norms, qcodes, rbit)
+    topk_ms = time_ms(lambda: scores.topk(tokens // 10, dim=-1, sorted=False))
+    floor = (codes.nbytes + norms.nbytes + scores.nbytes) / (bw * 1e9) * 1e3
+    out = {"tokens": tokens, "hash_score_us": round(score_ms * 1e3, 1), "floor_us": round(floor * 1e3, 1),
+           "torch_topk_us": round(topk_ms * 1e3, 1)}
+    print(f"hash scoring {tokens} tokens x {hkv} heads: {out['hash_score_us']} us (floor {out['floor_us']} us); "
+          f"top-10% torch.topk {out['torch_topk_us']} us")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    layer_time = layer_ms()
+    data = {"bench": "clo_mechanisms", "transfer": bench_transfer(), "lookup": bench_lookup(layer_time),
+            "retrieval": bench_retrieval(), "environment": environment(DEV)}
+    write_json_atomic(args.out, data)
+
+
+if __name__ == "__main__":
+    main()
