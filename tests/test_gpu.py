@@ -100,8 +100,12 @@ def test_clo_graph_replay_generates_the_eager_tokens(topk_ratio):
         stats.append(gen.steps)
     assert torch.equal(runs[0], runs[1])
     assert all(s.host_syncs == 0 for s in stats[1]) and sum(s.lookups for s in stats[1]) > 0
-    if topk_ratio == 1.0:
-        full = FullAttn()
-        full.allocate(KVSpec(4, 2, 1040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA))
-        want = generate(model, full, prompt, 40).tokens
-        assert (runs[1] == want).float().mean() > 0.9  # bf16: a different summation order may flip a near tie
+    if topk_ratio == 1.0:  # one teacher-forced step of each: bf16 logits agree to rounding
+        logits = []
+        for kv in (CLO(topk_ratio=1.0, dense_layers=1, layer_time_ms=0.1), FullAttn()):
+            kv.allocate(KVSpec(4, 2, 1040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA))
+            model.prefill(prompt, kv)
+            kv.begin_step()
+            logits.append(model.decode(prompt[:, -1], kv.position, kv).float())
+            kv.end_step()
+        assert (logits[0] - logits[1]).norm() / logits[1].norm() < 2e-2
