@@ -67,7 +67,8 @@ if triton is not None:
         else:
             sim = tl.min(tl.where(gmask, cos, float("inf")), 0)
         miss = (tl.load(Valid + bc) == 0) | (sim < tl.load(Tau + c)) | (tl.load(Force + c) != 0)
-        tl.store(lab_ptr, q, mask=tl.where(miss, mask, False))  # the label moves to q only on a miss
+        # the label moves to q only on a miss (where, not `mask & miss`: the interpreter mistypes block & scalar)
+        tl.store(lab_ptr, q, mask=tl.where(miss, mask, False))
         tl.store(Valid + bc, 1)
         tl.store(Miss + bc, miss.to(tl.uint8))
 
