@@ -5,13 +5,12 @@ The host store is head-major, one row = K and V of one token of one KV head ([B,
 
   uva         a GPU kernel reads the rows from pinned, mapped host memory and writes them straight into the
               slots: no staging buffer, no CPU thread, no host sync (CUDA only)
-  cpu_gather  the CPU gathers the rows (N threads) into a pinned staging buffer, then one async copy and a
-              scatter into the slots; the indices must first come to the host (a sync) - the baselines' path
+  cpu_gather  the CPU gathers the rows (one native index_select on N threads, as hardware.md measured it)
+              into a pinned staging buffer, then one async copy and a scatter into the slots; the indices
+              must first come to the host (a sync) - the baselines' path
 
 On a CPU device both are the same host-to-host gather (the reference)."""
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -35,7 +34,6 @@ class TransferEngine:
         if kind == "uva" and device.type == "cuda":
             from clo.kernels import uva_gather  # noqa: F401  (Triton; fails loudly where it is missing)
         self.kind, self.threads, self.device = kind, threads, device
-        self.pool = ThreadPoolExecutor(threads) if threads > 1 and device.type == "cuda" else None
         self.host_syncs = 0
 
     def fill(self, host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
@@ -54,26 +52,19 @@ class TransferEngine:
     def _cpu_gather(self, host, heads, idx, miss, slots) -> None:
         idx_h, miss_h = idx.cpu(), miss.cpu()  # waits for retrieval: the CPU-centric sync
         self.host_syncs += 1
-        pairs = miss_h.nonzero().tolist()
-        if not pairs:
+        pairs = miss_h.nonzero()
+        if not len(pairs):
             return
-        k = idx_h.shape[-1]
-        staging = torch.empty((len(pairs), k) + tuple(host.shape[3:]), dtype=host.dtype, pin_memory=True)
-        heads_h = heads.cpu()
-        chunk = -(-k // self.threads)  # every thread gets rows of every missed head: balanced at any miss count
-
-        def one(item: tuple[int, int]) -> None:
-            i, lo = item
-            b, h = pairs[i]
-            hi = min(lo + chunk, k)
-            torch.index_select(host[b, heads_h[h]], 0, idx_h[b, h, lo:hi], out=staging[i, lo:hi])
-
-        items = [(i, lo) for i in range(len(pairs)) for lo in range(0, k, chunk)]
-        if self.pool is not None:
-            list(self.pool.map(one, items))
-        else:
-            for item in items:
-                one(item)
-        rows = staging.to(self.device, non_blocking=True)
-        where = torch.tensor(pairs, device=self.device)
-        slots[where[:, 0], where[:, 1]] = rows
+        b, h = pairs[:, 0], pairs[:, 1]
+        t, row = host.shape[2], host[0, 0, 0].numel()
+        # one native gather over every missed row (torch's parallel index_select, `threads` OpenMP threads)
+        flat_idx = ((b * host.shape[1] + heads.cpu()[h]) * t)[:, None] + idx_h[b, h]
+        staging = torch.empty((flat_idx.numel(), row), dtype=host.dtype, pin_memory=self.device.type == "cuda")
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            torch.index_select(host.view(-1, row), 0, flat_idx.view(-1), out=staging)
+        finally:
+            torch.set_num_threads(before)
+        rows = staging.to(self.device, non_blocking=True).view(len(pairs), *slots.shape[2:])
+        slots[b.to(self.device), h.to(self.device)] = rows

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from clo.bench.bandwidth import copy_bandwidth_gb_s
+from clo.bench.bandwidth import copy_bandwidth_gb_s, layer_time_s, replay_ms
 from clo.kernels.hash_score import hash_scores
 from clo.kernels.head_cache import lookup_and_update
 from clo.kernels.uva_gather import uva_gather
@@ -63,30 +63,8 @@ def bench_transfer(pool_bytes: int = 512 << 20, fraction: float = 0.1) -> list[d
 
 
 def layer_ms(batch: int = 1) -> float:
-    """One Llama-3-8B layer's dense work at decode (q/k/v/o projections, MLP), replayed from a graph."""
-    layer = Layer(LLAMA3).to(DEV, torch.bfloat16)
-    x = torch.randn(batch, 1, LLAMA3.hidden_size, device=DEV, dtype=torch.bfloat16)
-    a = layer.self_attn
-
-    def work():
-        h = layer.input_layernorm(x)
-        a.k_proj(h), a.v_proj(h)
-        y = x + a.o_proj(a.q_proj(h))
-        return y + layer.mlp(layer.post_attention_layernorm(y))
-
-    with torch.inference_mode():
-        return graph_ms(work, reps=20)
-
-
-def graph_ms(fn, reps: int = 50) -> float:
-    """Per-call time of `fn` replayed `reps` times from one CUDA graph: the kernels' own time, without the
-    host launch overhead that a per-call event pair would include (as in a CLO step, which is replayed)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return time_ms(graph.replay, iters=20) / reps
+    """One Llama-3-8B layer's dense work at decode, replayed from a graph (what the runner measures)."""
+    return layer_time_s(Layer(LLAMA3).to(DEV, torch.bfloat16), batch) * 1e3
 
 
 def bench_lookup(layer_time: float, batch: int = 1) -> dict:
@@ -96,7 +74,7 @@ def bench_lookup(layer_time: float, batch: int = 1) -> dict:
     valid = torch.ones(b, hc, dtype=torch.bool, device=DEV)
     tau, w = torch.full((hc,), 0.8, device=DEV), torch.ones(hc, g, device=DEV)
     force = torch.zeros(hc, dtype=torch.bool, device=DEV)
-    ms = graph_ms(lambda: lookup_and_update(q, labels, valid, tau, w, force, "mean"), reps=100)
+    ms = replay_ms(lambda: lookup_and_update(q, labels, valid, tau, w, force, "mean"), reps=100)
     out = {"lookup_us": round(ms * 1e3, 2), "layer_us": round(layer_time * 1e3, 1),
            "fraction_of_layer": round(ms / layer_time, 4)}
     print(f"lookup+label update {out['lookup_us']} us = {out['fraction_of_layer'] * 100:.2f}% of a {out['layer_us']} us layer")
@@ -108,9 +86,9 @@ def bench_retrieval(tokens: int = 131072, hkv: int = 8, g: int = 4, rbit: int = 
     norms = torch.rand(1, hkv, tokens, device=DEV)
     qcodes = torch.randint(0, 256, (1, hkv, g, rbit // 8), dtype=torch.uint8, device=DEV)
     bw = copy_bandwidth_gb_s(DEV)
-    score_ms = graph_ms(lambda: hash_scores(codes, norms, qcodes, rbit))
+    score_ms = replay_ms(lambda: hash_scores(codes, norms, qcodes, rbit))
     scores = hash_scores(codes, norms, qcodes, rbit)
-    topk_ms = graph_ms(lambda: scores.topk(tokens // 10, dim=-1, sorted=False), reps=10)
+    topk_ms = replay_ms(lambda: scores.topk(tokens // 10, dim=-1, sorted=False), reps=10)
     floor = (codes.nbytes + norms.nbytes + scores.nbytes) / (bw * 1e9) * 1e3
     out = {"tokens": tokens, "hash_score_us": round(score_ms * 1e3, 1), "floor_us": round(floor * 1e3, 1),
            "torch_topk_us": round(topk_ms * 1e3, 1)}

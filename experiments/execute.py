@@ -64,7 +64,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     # ---- long work ---------------------------------------------------------------------------------------
     log(f"[run] {what} on {device} ({dtype}); loading {source} weights")
     model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), int(cfg.seed), device, dtype)
-    spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget, "layer_time_s": layer_time_s(model, batch)})
+    spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget, "layer_time_s": layer_time_s(model.model.layers[0], batch)})
     # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and not cuda_graph)
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget

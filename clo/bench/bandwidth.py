@@ -47,34 +47,48 @@ def pinned_h2d_gb_s(device: torch.device, nbytes: int = 256 << 20, repeats: int 
     return nbytes / times[len(times) // 2] / 1e9
 
 
-def layer_time_s(model, batch: int, repeats: int = 5) -> float:
-    """Median time of one decoder layer's dense work (norms, projections, MLP) for one decode step: the
-    T_comp that one-layer-ahead prefetch can hide transfers behind (attention excluded)."""
-    layer = model.model.layers[0]
-    p = next(model.parameters())
-    x = torch.randn(batch, 1, model.cfg.hidden_size, device=p.device, dtype=p.dtype)
+def replay_ms(fn, reps: int = 20, iters: int = 10) -> float:
+    """Per-call milliseconds of `fn` replayed `reps` times from one CUDA graph: the GPU's own time, without the
+    host launch overhead that an eager call (or a per-call event pair) would add."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def layer_time_s(layer, batch: int, repeats: int = 5) -> float:
+    """One decoder layer's dense work (norms, projections, MLP) for one decode step: the T_comp that
+    one-layer-ahead prefetch can hide transfers behind (attention excluded). On CUDA replayed from a graph,
+    as a decode step is; eager timing would count Python launch overhead as compute."""
+    p = layer.input_layernorm.weight
+    x = torch.randn(batch, 1, p.shape[0], device=p.device, dtype=p.dtype)
+    a = layer.self_attn
 
     def work():
         h = layer.input_layernorm(x)
-        a = layer.self_attn
-        a.q_proj(h), a.k_proj(h), a.v_proj(h)
-        y = x + a.o_proj(torch.zeros(batch, 1, a.h * a.d, device=p.device, dtype=p.dtype))
+        a.k_proj(h), a.v_proj(h)
+        y = x + a.o_proj(a.q_proj(h))
         return y + layer.mlp(layer.post_attention_layernorm(y))
 
-    times = []
     with torch.inference_mode():
+        if p.is_cuda:
+            return replay_ms(work) / 1e3
         work()
+        times = []
         for _ in range(repeats):
-            if p.is_cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                work()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            else:
-                t = time.perf_counter()
-                work()
-                times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - t)
     times.sort()
     return times[len(times) // 2]
