@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from clo.errors import ConfigError
 from clo.kernels.decode_attention import decode_attention, merge_attention
 from clo.kv.interface import KVSpec
 
@@ -34,7 +35,11 @@ class LayerStore:
         self.cached = torch.arange(self.nc, device=dev)  # head ids in the permuted order
         self.persistent = torch.arange(self.nc, hkv, device=dev)
         kv = kv[:, self.order]
-        self.host = torch.empty(kv.shape, dtype=dtype, pin_memory=dev.type == "cuda")
+        try:
+            self.host = torch.empty(kv.shape, dtype=dtype, pin_memory=dev.type == "cuda")
+        except RuntimeError as e:  # pinning tens of GB can fail well below the RAM size
+            raise ConfigError(f"could not allocate {kv.numel() * kv.element_size() / 2**30:.1f} GiB of pinned host "
+                              f"memory for a layer's offloaded KV ({e}); lower seqlen or batch") from e
         self.host.copy_(kv)
         # window = sink rows, recent rows, then every generated token
         self.window = torch.empty(b, hkv, self.sink + self.recent + spec.max_len - t0, 2, d, dtype=dtype, device=dev)
