@@ -41,6 +41,9 @@ class LRUStep:
     evictions: int  # admitted misses that displaced a cached block
 
 
+PARALLEL_MIN = 1 << 15  # below this many looked-up entries one thread is faster than handing out chunks
+
+
 class BlockLRU:
     def __init__(self, rows: int, n_blocks: int, capacity: int, threads: int = 1):
         self.rows, self.n_blocks, self.capacity = rows, n_blocks, capacity
@@ -63,7 +66,7 @@ class BlockLRU:
         blocks = blocks[:, :u]  # the padding tail is dropped: the work is proportional to the distinct blocks
         clock = self.clock
         self.clock += u + 1  # stamps of one step lie in [clock, clock + u): unique over time
-        if self.pool is None:
+        if self.pool is None or blocks.numel() < PARALLEL_MIN:
             parts = [self._access(blocks, 0, self.rows, clock)]
         else:
             parts = list(self.pool.map(lambda c: self._access(blocks[c[0]:c[1]], c[0], c[1], clock), self.chunks))
@@ -121,3 +124,12 @@ class BlockLRU:
             slot=torch.where(hit, uslot, -1), miss=miss_idx, miss_row=rows + r0, miss_block=ublock[rows, cols],
             admit_pos=admit_pos, admit_slot=vslot[rows[admit_pos], cols[admit_pos]],
             lookups=int(valid.sum()), hits=int(hit.sum()), evictions=evictions)
+
+
+def distinct_sorted(blocks: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks [R, n] ascending per row -> (distinct blocks compacted left, `pad` after them; for every entry the
+    index of its distinct block). On the device: only the distinct ids need to reach the CPU."""
+    first = torch.ones_like(blocks, dtype=torch.bool)
+    first[:, 1:] = blocks[:, 1:] != blocks[:, :-1]
+    uid = first.cumsum(1) - 1
+    return torch.full_like(blocks, pad).scatter_(1, uid, blocks), uid

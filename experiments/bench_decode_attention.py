@@ -6,7 +6,6 @@ each next to its HBM floor (K+V bytes / device copy bandwidth measured in the sa
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch

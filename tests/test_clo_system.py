@@ -10,6 +10,7 @@ from baselines.fullattn import FullAttn
 from clo.errors import ConfigError
 from clo.kv.interface import KVSpec
 from clo.system import CLO
+from tests.reference import exact_topk_attention
 
 B, H, HKV, D, L, T0, STEPS = 2, 8, 2, 16, 3, 120, 5
 G = H // HKV
@@ -48,37 +49,11 @@ def feed(systems, seed=0, steps=STEPS):
     return outs, (k0, v0, data)
 
 
-def exact_topk_reference(k0, v0, data, sink, recent, k_sel):
-    """Per step and layer: each KV head attends sink + recent + generated + its top-k middle tokens by
-    sum_j q_j . k, recomputed from the full KV."""
-    out = []
-    for step, inputs in enumerate(data):
-        row = []
-        for layer, (q, kn, vn) in enumerate(inputs):
-            gen_k = torch.stack([data[s][layer][1] for s in range(step + 1)], 2)  # [B, HKV, n, D]
-            gen_v = torch.stack([data[s][layer][2] for s in range(step + 1)], 2)
-            res = torch.empty(B, H, D)
-            for b in range(B):
-                for h in range(HKV):
-                    keys, vals = k0[layer, b, h], v0[layer, b, h]
-                    qs = q[b, h * G:(h + 1) * G]
-                    mid = torch.arange(sink, T0 - recent)
-                    top = mid[(qs @ keys[mid].T).sum(0).topk(k_sel).indices]
-                    sel = torch.cat([torch.arange(sink), torch.arange(T0 - recent, T0), top])
-                    kk = torch.cat([keys[sel], gen_k[b, h]])
-                    vv = torch.cat([vals[sel], gen_v[b, h]])
-                    w = torch.softmax(qs @ kk.T / math.sqrt(D), -1)
-                    res[b, h * G:(h + 1) * G] = w @ vv
-            row.append(res)
-        out.append(row)
-    return out
-
-
 def test_forced_misses_with_exact_retriever_equal_exact_topk_attention():
     clo = make(threshold_override=2.0)
     (got,), (k0, v0, data) = feed([clo])
     k_sel = math.ceil(0.25 * T0) - 4 - 8
-    want = exact_topk_reference(k0, v0, data, 4, 8, k_sel)
+    want = exact_topk_attention(k0, v0, data, 4, 8, k_sel)
     for s in range(STEPS):
         for layer in range(L):
             torch.testing.assert_close(got[s][layer], want[s][layer], atol=1e-5, rtol=1e-4)

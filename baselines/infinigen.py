@@ -1,0 +1,152 @@
+"""InfiniGen-style baseline (spec 3; snu-comparch/InfiniGen, and the re-implementation the CLO authors used in
+gpzlx1/HATA kvcache_infinigen.py): no cache; during layer l-1 the important tokens of layer l are speculated from
+partial query/key channels and prefetched from host memory every step.
+
+Speculation. InfiniGen skews each head's query/key space with an orthogonal matrix from an SVD (so that q.k is
+unchanged and a few channels carry most of it), keeps a "partial key" = the keys on `channel_fraction` of the
+skewed channels, and scores the speculative query (layer l's query from layer l-1's input) on those channels.
+InfiniGen computes the skewing matrix offline from a real model's activations; our fallback (no offline matrix
+yet) computes it at prefill from each sequence's own prompt keys, per KV head: the right singular vectors of the
+middle keys (eigenvectors of K^T K), the top `channel_fraction` of them by singular value. Scores are summed over
+the query group (GQA), as HATA's re-implementation; the budget is CLO's (same top-k as every system) instead of
+InfiniGen's alpha threshold.
+
+Per sparse layer l of a step:
+  prepare(l, q_spec)  retrieval         partial scores and top-k on the device
+                      launch_sync       the indices go to the host (the launch thread waits: a host sync)
+                      transfer_exposed  CPU threads gather the rows into pinned staging, one async copy into a
+                                        device buffer (clo.transfer's cpu_gather path, on a copy stream on CUDA)
+  decode(l)           launch_sync       wait for that copy (a host sync, as InfiniGen's synchronise)
+                      attention         window + the fetched rows
+With `oracle_query` the real query and exact q.k scores replace the speculation (the test's oracle); decode then
+does the whole fetch itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from baselines.offloaded import OffloadedBaseline
+from clo.errors import ConfigError
+from clo.kv.interface import KVSpec
+from clo.layout import split_prompt
+from clo.retrieval import ExactRetriever, select_topk
+
+
+class InfiniGen(OffloadedBaseline):
+    name = "infinigen"
+
+    def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
+                 channel_fraction: float = 0.3, oracle_query: bool = False, transfer: str = "cpu_gather",
+                 cpu_threads: int = 8) -> None:
+        super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads)
+        if not 0.0 < channel_fraction <= 1.0:
+            raise ConfigError(f"channel_fraction={channel_fraction} must lie in (0, 1]")
+        self.channel_fraction, self.oracle_query = channel_fraction, oracle_query
+        self.wants_speculative_query = not oracle_query
+
+    def channels(self, head_dim: int) -> int:
+        return max(1, round(self.channel_fraction * head_dim))
+
+    def estimate_parts(self, spec: KVSpec, t0: int) -> dict[str, int]:
+        n_mid = split_prompt(t0, self.sink, self.recent)[2]
+        heads = spec.batch * spec.num_kv_heads
+        sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
+        r, d = self.channels(spec.head_dim), spec.head_dim
+        # metadata = what scoring reads: partial keys + skew basis, or the oracle's full candidate keys
+        if self.oracle_query:  # the exact scorer keeps every candidate key on the device
+            partial = sparse * heads * n_mid * d * spec.dtype_bytes
+        else:  # partial keys + the skew basis
+            partial = sparse * heads * (n_mid * r * spec.dtype_bytes + d * r * 4) if n_mid else 0
+        buffers = 2 * heads * self.k_select(t0) * self.row_bytes(spec) if sparse else 0
+        return {**self.common_estimate(spec, t0), "metadata": partial, "fetch_buffers": buffers}
+
+    def _allocate(self, spec: KVSpec) -> None:
+        super()._allocate(spec)
+        L = spec.num_layers
+        self.basis: list[torch.Tensor | None] = [None] * L  # [B, Hkv, D, r] fp32: the skewed partial channels
+        self.partial: list[torch.Tensor | None] = [None] * L  # [B, Hkv, n_mid, r]: the partial key cache
+        self.exact = ExactRetriever(L, spec.num_kv_heads, spec.head_dim, spec.device)  # oracle_query only
+        self.buffers: list[torch.Tensor] = []  # two device buffers, alternating by layer (fetch l+1, attend l)
+        self.pending: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        cuda = spec.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(spec.device) if cuda else None
+        self.fill_heads = self.heads.cpu() if self.transfer_kind == "cpu_gather" else self.heads
+        self.fill_miss = torch.ones(spec.batch, spec.num_kv_heads, dtype=torch.bool, device=self.fill_heads.device)
+
+    def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int) -> None:
+        spec = self.spec
+        k_sel = self.k_select(self.t0)
+        if k_sel and not self.buffers:
+            shape = (spec.batch, spec.num_kv_heads, k_sel, 2, spec.head_dim)
+            self.buffers = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(2)]
+        if not n_mid:
+            return
+        if self.oracle_query:
+            self.exact.index(layer, keys_mid)
+            return
+        kf = keys_mid.float()
+        _, vecs = torch.linalg.eigh(kf.transpose(-1, -2) @ kf)  # ascending eigenvalues = squared singular values
+        basis = vecs[..., -self.channels(spec.head_dim):].flip(-1).contiguous()  # [B, Hkv, D, r]
+        self.basis[layer] = basis
+        self.partial[layer] = (kf @ basis).to(spec.dtype)
+
+    def prepare(self, layer: int, q_spec: torch.Tensor) -> None:
+        if layer >= self.dense_layers and self.window[layer] is not None and self.k_select(self.t0):
+            self.fetch(layer, q_spec)
+
+    def fetch(self, layer: int, q: torch.Tensor) -> None:
+        spec = self.spec
+        b, hkv, d = spec.batch, spec.num_kv_heads, spec.head_dim
+        k_sel = self.k_select(self.t0)
+        with self.phase("retrieval"):
+            if self.oracle_query:
+                scores = self.exact.scores(layer, q, self.heads)
+            else:  # sum over the group of q_j . k on the partial channels = (sum_j q_j) projected . partial key
+                qsum = q.view(b, hkv, -1, d).float().sum(2)
+                pq = torch.einsum("bkd,bkdr->bkr", qsum, self.basis[layer])
+                scores = torch.einsum("bkr,bktr->bkt", pq, self.partial[layer].float())
+            idx = select_topk(scores, k_sel, 0)  # [B, Hkv, k] positions among the middle tokens
+        with self.phase("launch_sync"):
+            idx_host = idx.cpu()  # a blocking copy: the CPU gather needs the indices
+        self.step.host_syncs += 1
+        self.step.bytes_d2h += idx_host.nbytes
+        with self.phase("transfer_exposed"):
+            buf = self.buffers[layer % 2]
+            idx_fill = idx_host if self.fill_heads.device.type == "cpu" else idx
+            event = None
+            if self.copy_stream is not None:
+                self.copy_stream.wait_stream(torch.cuda.current_stream())  # buf may still be read by attention
+                with torch.cuda.stream(self.copy_stream):
+                    self.transfer.fill(self.host[layer], self.fill_heads, idx_fill, self.fill_miss, buf)
+                    event = torch.cuda.Event()
+                    event.record(self.copy_stream)
+            else:
+                self.transfer.fill(self.host[layer], self.fill_heads, idx_fill, self.fill_miss, buf)
+            self.transfer.host_syncs = 0  # counted above, where the indices came to the host
+        self.step.bytes_h2d += b * hkv * k_sel * self.row_bytes(spec)
+        self.pending[layer] = (buf, event)
+
+    def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> torch.Tensor:
+        if self.oracle_query or layer not in self.pending:  # no speculation for this layer: fetch now
+            self.fetch(layer, q)
+        buf, event = self.pending.pop(layer)
+        with self.phase("launch_sync"):
+            if event is not None:
+                event.synchronize()
+        self.step.host_syncs += 1
+        return buf
+
+    def memory_parts(self) -> dict[str, int]:
+        partial = sum(p.nbytes for p in self.partial if p is not None) + sum(
+            x.nbytes for x in self.basis if x is not None) + self.exact.metadata_bytes()
+        return {**self.common_parts(), "metadata": partial, "fetch_buffers": sum(x.nbytes for x in self.buffers)}
+
+    def describe(self) -> dict:
+        d = self.spec.head_dim
+        skew = ("none: oracle_query uses the real query and exact q.k scores" if self.oracle_query else
+                "prefill fallback: right singular vectors of each sequence's middle prompt keys per KV head "
+                "(InfiniGen computes the skew offline from real activations)")
+        return {"skew": skew, "channels": f"{self.channels(d)} of {d} ({self.channel_fraction:.0%})",
+                "oracle_query": self.oracle_query, "transfer": self.transfer_kind, "cpu_threads": self.cpu_threads,
+                "link_gb_s": self.link_gb_s,
+                "memory_parts": self.memory_parts()}

@@ -1,0 +1,150 @@
+"""What the offloading baselines share, in CLO's conventions, so that with the exact retriever every system
+attends exactly the same top-k tokens (see OffloadedBaseline)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from clo.errors import ConfigError
+from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
+from clo.layout import split_prompt
+from clo.system import CPU_LINK_GB_S
+from clo.transfer import TransferEngine
+
+
+class OffloadedBaseline(KVOffloadSystem):
+    """CLO's conventions, shared by the baselines: the first `dense_layers` layers keep their full KV on the device
+    and attend densely; in the others, sink + recent prompt tokens and every generated token stay in a device
+    window, the middle of the prompt lives in host memory (pinned on CUDA), and each step attends the window plus
+    k_select(prompt) middle tokens per KV head, CLO's budget rule. A subclass supplies selected_rows() and
+    memory_parts() / estimate_parts(spec, prompt_len): the same named parts from its buffers and from shapes."""
+
+    def __init__(self, topk_ratio: float, sink: int, recent: int, dense_layers: int, transfer: str,
+                 cpu_threads: int) -> None:
+        super().__init__()
+        if not 0.0 < topk_ratio <= 1.0:
+            raise ConfigError(f"topk_ratio={topk_ratio}: top-k must be a fraction of the context in (0, 1]")
+        if min(sink, recent, dense_layers) < 0:
+            raise ConfigError("sink, recent and dense_layers must be >= 0")
+        if cpu_threads < 1:
+            raise ConfigError(f"cpu_threads={cpu_threads} must be at least 1")
+        TransferEngine(transfer, cpu_threads, torch.device("cpu"))  # validates the transfer kind now
+        self.topk_ratio, self.sink, self.recent, self.dense_layers = topk_ratio, sink, recent, dense_layers
+        self.transfer_kind, self.cpu_threads = transfer, cpu_threads
+
+    def k_select(self, prompt_len: int) -> int:
+        """CLO's rule: ceil(topk_ratio * prompt) tokens in all, sink and recent included."""
+        sink, recent, n_mid = split_prompt(prompt_len, self.sink, self.recent)
+        return max(min(math.ceil(self.topk_ratio * prompt_len) - sink - recent, n_mid), 0)
+
+    @staticmethod
+    def row_bytes(spec: KVSpec) -> int:
+        return 2 * spec.head_dim * spec.dtype_bytes
+
+    def _allocate(self, spec: KVSpec) -> None:
+        if self.dense_layers > spec.num_layers:
+            raise ConfigError(f"dense_layers={self.dense_layers} exceeds the model's {spec.num_layers} layers")
+        self.transfer = TransferEngine(self.transfer_kind, self.cpu_threads, spec.device)
+        L = spec.num_layers
+        self.dense_kv: list[torch.Tensor | None] = [None] * L
+        self.window: list[torch.Tensor | None] = [None] * L
+        self.host: list[torch.Tensor | None] = [None] * L
+        self.heads = torch.arange(spec.num_kv_heads, device=spec.device)
+        self.t0 = 0
+        if spec.device.type == "cuda":  # the link the system floor divides the moved bytes by, as CLO's
+            from clo.bench.bandwidth import pinned_h2d_gb_s
+
+            self.link_gb_s = pinned_h2d_gb_s(spec.device)
+        else:
+            self.link_gb_s = CPU_LINK_GB_S
+
+    def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        spec = self.spec
+        kv = torch.stack([k, v], dim=3)  # [B, Hkv, T0, 2, D]
+        b, hkv, t0, _, d = kv.shape
+        self.t0 = t0
+        if layer < self.dense_layers:
+            buf = torch.empty(b, hkv, spec.max_len, 2, d, dtype=spec.dtype, device=spec.device)
+            buf[:, :, :t0] = kv
+            self.dense_kv[layer] = buf
+            return
+        sink, recent, n_mid = split_prompt(t0, self.sink, self.recent)
+        win = torch.empty(b, hkv, sink + recent + spec.max_len - t0, 2, d, dtype=spec.dtype, device=spec.device)
+        win[:, :, :sink] = kv[:, :, :sink]
+        win[:, :, sink: sink + recent] = kv[:, :, t0 - recent: t0]
+        self.window[layer] = win
+        pad = self.host_padding(n_mid)  # RetroInfer: the last block of a head is padded to a whole block
+        host = torch.zeros(b, hkv, n_mid + pad, 2, d, dtype=spec.dtype, pin_memory=spec.device.type == "cuda")
+        host[:, :, :n_mid] = kv[:, :, sink: sink + n_mid]
+        self.host[layer] = host
+        self.prefill_sparse(layer, k[:, :, sink: sink + n_mid].contiguous(), n_mid)
+
+    def host_padding(self, n_mid: int) -> int:
+        return 0
+
+    def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int) -> None:
+        """keys_mid [B, Hkv, n_mid, D]: the candidates of a sparse layer."""
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        new = torch.stack([k, v], dim=2)  # [B, Hkv, 2, D]
+        if layer < self.dense_layers:
+            buf = self.dense_kv[layer]
+            buf[:, :, self.length] = new
+            with self.phase("attention"):
+                return attend(q, buf[:, :, : self.length + 1])
+        sink, recent, _ = split_prompt(self.t0, self.sink, self.recent)
+        n_win = sink + recent + self.length - self.t0 + 1
+        self.window[layer][:, :, n_win - 1] = new
+        k_sel = self.k_select(self.t0)
+        sel = self.selected_rows(layer, q, k_sel) if k_sel else None  # [B, Hkv, k, 2, D]
+        with self.phase("attention"):
+            win = self.window[layer][:, :, :n_win]
+            return attend(q, win if sel is None else torch.cat([win, sel], dim=2))
+
+    def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def common_parts(self) -> dict[str, int]:
+        """Bytes of the buffers every baseline holds (real tensors)."""
+        sized = lambda bufs: sum(t.nbytes for t in bufs if t is not None)  # noqa: E731
+        return {"window": sized(self.window), "dense_layers": sized(self.dense_kv), "host": sized(self.host)}
+
+    def common_estimate(self, spec: KVSpec, t0: int, pad: int = 0) -> dict[str, int]:
+        """The same parts from the shapes alone, for a prompt of t0 tokens."""
+        sink, recent, n_mid = split_prompt(t0, self.sink, self.recent)
+        per_head = spec.batch * spec.num_kv_heads * self.row_bytes(spec)
+        sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
+        return {"window": sparse * per_head * (sink + recent + spec.max_len - t0),
+                "dense_layers": (spec.num_layers - sparse) * per_head * spec.max_len,
+                "host": sparse * per_head * (n_mid + pad)}
+
+    def step_device_bytes(self) -> int:
+        """Per step, as CLO's: the attended rows (window, selected rows, dense layers) and the retrieval metadata
+        (every candidate is scored)."""
+        spec = self.spec
+        sink, recent, _ = split_prompt(self.t0, self.sink, self.recent)
+        per_token = self.row_bytes(spec) * spec.batch * spec.num_kv_heads
+        sparse = sum(1 for w in self.window if w is not None)
+        dense = sum(1 for b in self.dense_kv if b is not None)
+        attended = sink + recent + self.length - self.t0 + 1 + self.k_select(self.t0)
+        return per_token * (sparse * attended + dense * (self.length + 1)) + self.memory_parts()["metadata"]
+
+    def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
+        """Upper bound, taking the whole max_len as the prompt (as CLO's estimate)."""
+        return split_host(self.estimate_parts(spec, spec.max_len))
+
+    def memory_held(self) -> MemoryEstimate:
+        return split_host(self.memory_parts())
+
+
+def split_host(parts: dict[str, int]) -> MemoryEstimate:
+    host = parts["host"] + parts.get("host_metadata", 0)
+    return MemoryEstimate(device_bytes=sum(parts.values()) - host, host_bytes=host)
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D]; kv [B, Hkv, N, 2, D] -> [B, H, D]: dense attention over one buffer (the reference)."""
+    from baselines.fullattn import dense_decode_attention
+
+    return dense_decode_attention(q, kv[:, :, :, 0], kv[:, :, :, 1])

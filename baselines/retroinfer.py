@@ -1,0 +1,160 @@
+"""RetroInfer-style baseline (spec 3; microsoft/RetrievalAttention): KV offloaded to host memory, a device block
+cache per (sequence, layer, KV head) managed by an LRU on the CPU.
+
+Per decode step and sparse layer:
+  retrieval         top-k middle tokens per KV head with CLO's retriever (hash or exact), mapped to block ids
+                    (block = `block_size` consecutive middle tokens of one head) and deduplicated on the device
+  launch_sync       the block ids are copied to the host: the launch thread waits for the device (a host sync)
+  cache_mgmt        the CPU decides hits and misses and updates each head's LRU (baselines/lru.py)
+  transfer_exposed  missed blocks are fetched from host memory into a temporary device buffer (the same transfer
+                    engine as CLO) and the admitted ones merged into their cache slots
+  attention         window + the selected tokens' rows, read from the cache (hits) or the temporary buffer
+Attended tokens, budget and dense layers follow CLO's conventions (OffloadedBaseline), so that with the exact
+retriever every system attends exactly the same top-k tokens.
+
+Defaults taken from RetroInfer's public code (cache_hub/retroinfer_cache.py, current version as in the forks of
+microsoft/RetrievalAttention, e.g. River861/RetrievalAttention): a page (our block) is 8 tokens
+(`self.page_size = 8`, "1 cluster = 2 pages = 2 * 8 vectors"), and without a cache_ratio the GPU cache holds 3x
+the retrieved clusters' pages (`cache_cluster_num = ... else (nprobe + nprobe_new) * 3`). Its CPU side is
+BufferManager in library/retroinfer/retroinfer_kernels/src/wave_buffer_cpu.cpp (C++, a thread pool). RetroInfer retrieves clusters of its wave index; we retrieve
+tokens with the same retriever as CLO (the wave index is not implemented), so "retrieved blocks per step" is
+ceil(top-k / block_size), the blocks the step's tokens would fill if packed, and a step that touches more
+distinct blocks than fit admits misses in retrieval order and lets the rest bypass the cache, as RetroInfer's
+BufferManager does.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from baselines.lru import BlockLRU, distinct_sorted
+from baselines.offloaded import OffloadedBaseline
+from clo.errors import ConfigError
+from clo.kv.interface import KVSpec, MemoryEstimate
+from clo.layout import split_prompt
+from clo.retrieval import RETRIEVERS, make_retriever, select_topk
+
+
+class RetroInfer(OffloadedBaseline):
+    name = "retroinfer"
+
+    def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
+                 retriever: str = "hash", rbit: int = 256, seed: int = 0, block_size: int = 8,
+                 cache_multiple: float = 3.0, transfer: str = "uva", cpu_threads: int = 8) -> None:
+        super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads)
+        if retriever not in RETRIEVERS:
+            raise ConfigError(f"retriever={retriever!r}; valid: {', '.join(RETRIEVERS)}")
+        if block_size < 1:
+            raise ConfigError(f"block_size={block_size} must be at least 1 token")
+        if cache_multiple < 1.0:
+            raise ConfigError(f"cache_multiple={cache_multiple}: a cache smaller than the blocks one step retrieves "
+                              f"cannot hold a step's working set; use >= 1 (RetroInfer: 3)")
+        self.retriever_kind, self.rbit, self.seed = retriever, rbit, seed
+        self.block_size, self.cache_multiple = block_size, cache_multiple
+        self.evictions = 0
+
+    def geometry(self, t0: int) -> tuple[int, int, int]:
+        """(blocks per head, blocks retrieved per step if packed, cache slots per head) for a t0-token prompt."""
+        n_mid = split_prompt(t0, self.sink, self.recent)[2]
+        n_blocks = math.ceil(n_mid / self.block_size)
+        per_step = math.ceil(self.k_select(t0) / self.block_size)
+        return n_blocks, per_step, min(n_blocks, math.ceil(self.cache_multiple * per_step))
+
+    def host_padding(self, n_mid: int) -> int:
+        return -n_mid % self.block_size
+
+    def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
+        n_mid = split_prompt(spec.max_len, self.sink, self.recent)[2]
+        if 0 < n_mid < self.block_size:
+            raise ConfigError(f"block_size={self.block_size} is larger than the {n_mid} retrievable middle tokens "
+                              f"(max_len {spec.max_len} minus sink {self.sink} and recent {self.recent})")
+        return super().estimate_memory(spec)
+
+    def estimate_parts(self, spec: KVSpec, t0: int) -> dict[str, int]:
+        n_mid = split_prompt(t0, self.sink, self.recent)[2]
+        n_blocks, _, cap = self.geometry(t0)
+        heads = spec.batch * spec.num_kv_heads
+        sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
+        meta = (self.rbit // 8 + 4) if self.retriever_kind == "hash" else spec.head_dim * spec.dtype_bytes
+        return {**self.common_estimate(spec, t0, -n_mid % self.block_size),
+                "cache": sparse * heads * cap * self.block_size * self.row_bytes(spec),
+                "metadata": sparse * heads * n_mid * meta,
+                "host_metadata": sparse * heads * 8 * (n_blocks + 1 + 2 * (cap + 1))}
+
+    def _allocate(self, spec: KVSpec) -> None:
+        super()._allocate(spec)
+        self.retriever = make_retriever(self.retriever_kind, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                        spec.device, self.rbit, self.seed)
+        self.cache: list[torch.Tensor | None] = [None] * spec.num_layers
+        self.lru: list[BlockLRU | None] = [None] * spec.num_layers
+        on_device = spec.device if self.transfer_kind == "uva" else torch.device("cpu")  # where fill wants indices
+        self.fill_heads = torch.zeros(1, dtype=torch.long, device=on_device)
+        self.fill_miss = torch.ones(1, 1, dtype=torch.bool, device=on_device)
+
+    def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int) -> None:
+        spec = self.spec
+        if not n_mid:
+            return
+        self.retriever.index(layer, keys_mid)
+        n_blocks, _, cap = self.geometry(self.t0)
+        rows = spec.batch * spec.num_kv_heads
+        self.cache[layer] = torch.zeros(rows, cap, self.block_size, 2, spec.head_dim, dtype=spec.dtype,
+                                        device=spec.device)
+        self.lru[layer] = BlockLRU(rows, n_blocks, cap, self.cpu_threads)
+
+    def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> torch.Tensor:
+        spec, bs = self.spec, self.block_size
+        cache, lru, host = self.cache[layer], self.lru[layer], self.host[layer]
+        rows, cap = cache.shape[:2]
+        d, dev = spec.head_dim, spec.device
+        with self.phase("retrieval"):
+            idx = select_topk(self.retriever.scores(layer, q, self.heads), k_sel, 0).view(rows, k_sel)
+            ublock, uid = distinct_sorted(idx // bs, lru.n_blocks)
+        with self.phase("launch_sync"):
+            ublock_host = ublock.to(torch.int32).cpu()  # a blocking copy: the launch thread waits for the device
+        self.step.host_syncs += 1
+        self.step.bytes_d2h += ublock_host.nbytes
+        with self.phase("cache_mgmt"):
+            res = lru.access(ublock_host)
+        with self.phase("transfer_exposed"):
+            n_miss = res.miss_row.numel()
+            temp = torch.empty(n_miss * bs, 2, d, dtype=spec.dtype, device=dev)  # the temporary buffer
+            if n_miss:
+                first = (res.miss_row * lru.n_blocks + res.miss_block) * bs  # row of the block in the flat host store
+                tokens = (first[:, None] + torch.arange(bs)).view(1, 1, -1).to(self.fill_heads.device)
+                self.transfer.fill(host.view(1, 1, -1, 2, d), self.fill_heads, tokens, self.fill_miss,
+                                   temp.view(1, 1, -1, 2, d))
+                self.transfer.host_syncs = 0  # the indices were already on the host: no second sync happened
+                if res.admit_pos.numel():  # merge the admitted blocks into the slots they take
+                    where = (res.miss_row[res.admit_pos] * cap + res.admit_slot).to(dev)
+                    cache.view(rows * cap, bs, 2, d)[where] = temp.view(n_miss, bs, 2, d)[res.admit_pos.to(dev)]
+            slot, miss = res.slot.to(dev), res.miss.to(dev)
+        self.step.lookups += res.lookups
+        self.step.hits += res.hits
+        self.step.bytes_h2d += n_miss * bs * self.row_bytes(spec)
+        self.evictions += res.evictions
+        with self.phase("attention"):  # gather the selected rows: hits from the cache, misses from the buffer
+            off = idx % bs
+            tok_slot = slot.gather(1, uid)
+            at = ((torch.arange(rows, device=dev)[:, None] * cap + tok_slot.clamp(min=0)) * bs + off)
+            sel = cache.view(-1, 2, d)[at]
+            if n_miss:
+                from_temp = temp[miss.gather(1, uid).clamp(min=0) * bs + off]
+                sel = torch.where((tok_slot < 0)[..., None, None], from_temp, sel)
+            return sel.view(spec.batch, spec.num_kv_heads, k_sel, 2, d)
+
+    def memory_parts(self) -> dict[str, int]:
+        return {**self.common_parts(), "cache": sum(c.nbytes for c in self.cache if c is not None),
+                "metadata": self.retriever.metadata_bytes(),
+                "host_metadata": sum(x.nbytes for x in self.lru if x is not None)}
+
+    def describe(self) -> dict:
+        n_blocks, per_step, cap = self.geometry(self.t0)
+        return {"retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
+                "block_size": self.block_size, "blocks_per_head": n_blocks, "retrieved_blocks_per_step": per_step,
+                "cache_blocks_per_head": cap, "cache_multiple": self.cache_multiple, "evictions": self.evictions,
+                "cpu_threads": self.cpu_threads, "transfer": self.transfer_kind, "link_gb_s": self.link_gb_s,
+                "defaults_source": "RetroInfer cache_hub/retroinfer_cache.py (microsoft/RetrievalAttention): "
+                                   "page_size 8, cache = 3 x the retrieved clusters' pages",
+                "memory_parts": self.memory_parts()}

@@ -1,0 +1,35 @@
+"""Independent references the system tests compare against: plain loops over the full KV, no system code."""
+import math
+
+import torch
+
+
+def topk_middle(qs: torch.Tensor, keys: torch.Tensor, sink: int, recent: int, k_sel: int) -> torch.Tensor:
+    """One KV head: the k_sel middle tokens with the largest sum over the query group of q_j . k."""
+    mid = torch.arange(sink, keys.shape[0] - recent)
+    return mid[(qs @ keys[mid].T).sum(0).topk(k_sel).indices]
+
+
+def exact_topk_attention(k0, v0, data, sink, recent, k_sel, dense_layers=0):
+    """Per step and layer, each KV head attends sink + recent + generated + its top-k middle tokens (layers
+    below dense_layers: every token), recomputed from scratch. k0, v0 [L, B, Hkv, T0, D]; data[step][layer] =
+    (q [B, H, D], k_new, v_new [B, Hkv, D]). Returns out[step][layer] [B, H, D]."""
+    _, b_, hkv, t0, d = k0.shape
+    out = []
+    for step, inputs in enumerate(data):
+        row = []
+        for layer, (q, _, _) in enumerate(inputs):
+            g = q.shape[1] // hkv
+            gen_k = torch.stack([data[s][layer][1] for s in range(step + 1)], 2)  # [B, Hkv, n, D]
+            gen_v = torch.stack([data[s][layer][2] for s in range(step + 1)], 2)
+            res = torch.empty_like(q)
+            for b in range(b_):
+                for h in range(hkv):
+                    keys, vals, qs = k0[layer, b, h], v0[layer, b, h], q[b, h * g:(h + 1) * g]
+                    sel = torch.arange(t0) if layer < dense_layers else torch.cat(
+                        [torch.arange(sink), torch.arange(t0 - recent, t0), topk_middle(qs, keys, sink, recent, k_sel)])
+                    kk, vv = torch.cat([keys[sel], gen_k[b, h]]), torch.cat([vals[sel], gen_v[b, h]])
+                    res[b, h * g:(h + 1) * g] = torch.softmax(qs @ kk.T / math.sqrt(d), -1) @ vv
+            row.append(res)
+        out.append(row)
+    return out
