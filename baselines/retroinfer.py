@@ -36,13 +36,23 @@ from clo.layout import split_prompt
 from clo.retrieval import RETRIEVERS, make_retriever, select_topk
 
 
+# block: whole blocks are retrieved, scored by their best token (RetroInfer retrieves whole clusters, so a miss
+#        moves only selected tokens); token: the top-k tokens, each pulling in its whole block (for the exact
+#        top-k equivalence test; moves up to block_size x the selected bytes)
+SELECTIONS = ("block", "token")
+
+
 class RetroInfer(OffloadedBaseline):
     name = "retroinfer"
 
     def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
                  retriever: str = "hash", rbit: int = 256, seed: int = 0, block_size: int = 8,
-                 cache_multiple: float = 3.0, transfer: str = "uva", cpu_threads: int = 8) -> None:
+                 cache_multiple: float = 3.0, transfer: str = "uva", cpu_threads: int = 8,
+                 selection: str = "block") -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads)
+        if selection not in SELECTIONS:
+            raise ConfigError(f"selection={selection!r}; valid: {', '.join(SELECTIONS)}")
+        self.selection = selection
         if retriever not in RETRIEVERS:
             raise ConfigError(f"retriever={retriever!r}; valid: {', '.join(RETRIEVERS)}")
         if block_size < 1:
@@ -53,6 +63,14 @@ class RetroInfer(OffloadedBaseline):
         self.retriever_kind, self.rbit, self.seed = retriever, rbit, seed
         self.block_size, self.cache_multiple = block_size, cache_multiple
         self.evictions = 0
+
+    def k_select(self, prompt_len: int) -> int:
+        """Block selection attends whole full blocks: the budget rounded down to a multiple of block_size."""
+        k = super().k_select(prompt_len)
+        if self.selection == "block":
+            full = split_prompt(prompt_len, self.sink, self.recent)[2] // self.block_size
+            k = min(k // self.block_size, full) * self.block_size
+        return k
 
     def geometry(self, t0: int) -> tuple[int, int, int]:
         """(blocks per head, blocks retrieved per step if packed, cache slots per head) for a t0-token prompt."""
@@ -109,7 +127,13 @@ class RetroInfer(OffloadedBaseline):
         rows, cap = cache.shape[:2]
         d, dev = spec.head_dim, spec.device
         with self.phase("retrieval"):
-            idx = select_topk(self.retriever.scores(layer, q, self.heads), k_sel, 0).view(rows, k_sel)
+            scores = self.retriever.scores(layer, q, self.heads)
+            if self.selection == "block":  # the best token of each full block scores the block
+                full = scores.shape[-1] // bs
+                blocks = select_topk(scores[..., : full * bs].unflatten(-1, (full, bs)).amax(-1), k_sel // bs, 0)
+                idx = (blocks[..., None] * bs + torch.arange(bs, device=dev)).view(rows, k_sel)
+            else:
+                idx = select_topk(scores, k_sel, 0).view(rows, k_sel)
             ublock, uid = distinct_sorted(idx // bs, lru.n_blocks)
         with self.phase("launch_sync"):
             ublock_host = ublock.to(torch.int32).cpu()  # a blocking copy: the launch thread waits for the device
@@ -155,6 +179,7 @@ class RetroInfer(OffloadedBaseline):
                 "block_size": self.block_size, "blocks_per_head": n_blocks, "retrieved_blocks_per_step": per_step,
                 "cache_blocks_per_head": cap, "cache_multiple": self.cache_multiple, "evictions": self.evictions,
                 "cpu_threads": self.cpu_threads, "transfer": self.transfer_kind, "link_gb_s": self.link_gb_s,
+                "selection": self.selection,
                 "defaults_source": "RetroInfer cache_hub/retroinfer_cache.py (microsoft/RetrievalAttention): "
                                    "page_size 8, cache = 3 x the retrieved clusters' pages",
                 "memory_parts": self.memory_parts()}
