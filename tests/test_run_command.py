@@ -113,3 +113,19 @@ def test_weights_path_with_other_shapes(tmp_path):
 
 def test_graph_decode_on_cpu_is_refused(tmp_path):
     assert "needs CUDA" in bad(tmp_path, "decode_mode=graph", "seqlen=64", *FAST)
+
+
+@pytest.mark.slow
+def test_fig2_experiment_runs_every_system_and_plots(tmp_path):
+    """The Figure 2 bundle as one command (tiny here: SmolLM2 shapes, synthetic weights, 1500 tokens)."""
+    from plots.fig2_breakdown import plot
+
+    run("--multirun", "+experiment=fig2_breakdown", "model=smollm2", "model.weights=synthetic", "seqlen=1500",
+        "model.reuse_profile=data/profiles/smollm2.json", "workload.query_process=data/profiles/smollm2.json",
+        "workload.gen_tokens=5", tmp=tmp_path)
+    recs = records(tmp_path)
+    assert sorted(r["system"] for r in recs.values()) == ["clo", "fullattn", "infinigen", "retroinfer"]
+    assert all(r["status"] == "ok" and "synthetic AR(1)" in r["query_process"] for r in recs.values())
+    rows = plot(tmp_path / "results", tmp_path / "fig2.png")
+    assert rows["fullattn"]["percent_of_fullattn"] == pytest.approx(100.0)
+    assert rows["retroinfer"]["cache_mgmt"] > 0 and rows["clo"]["cache_mgmt"] > 0

@@ -1,0 +1,59 @@
+"""Paper Figure 2: per-layer decode latency by phase for each system, as a fraction of FullAttn's per-layer
+latency in the same setting (the paper's "ideal"). Reads the records of `+experiment=fig2_breakdown`.
+
+    python -m plots.fig2_breakdown results/runs --out plots/fig2_breakdown.png
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from clo.kv.timer import PHASES  # noqa: E402
+from plots.records import load_records  # noqa: E402
+
+
+def per_layer(rec: dict) -> dict[str, float]:
+    layers = rec["config"]["model"]["num_layers"]
+    return {p: rec["metrics"]["phase_ms_per_step"][p] / layers for p in PHASES}
+
+
+def plot(root: Path, out: Path) -> dict[str, dict[str, float]]:
+    rows = [r["record"] for r in load_records(root) if r["record"].get("decode_mode", "eager") == "eager"]
+    by_system = {r["system"]: per_layer(r) for r in sorted(rows, key=lambda r: r["system"])}
+    if "fullattn" not in by_system or len(by_system) < 2:
+        raise SystemExit(f"need eager records of fullattn and at least one other system under {root}")
+    ideal = sum(by_system["fullattn"].values())
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(by_system)
+    bottom = [0.0] * len(names)
+    for phase in PHASES:
+        vals = [by_system[n][phase] / ideal * 100 for n in names]
+        ax.bar(names, vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, total in enumerate(bottom):
+        ax.text(i, total, f"{total:.0f}%", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("per-layer decode latency, % of FullAttn")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return {n: {**v, "percent_of_fullattn": sum(v.values()) / ideal * 100} for n, v in by_system.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("root", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    for name, row in plot(args.root, args.out).items():
+        print(f"{name:<12} {row['percent_of_fullattn']:6.0f}% of FullAttn per layer")
+
+
+if __name__ == "__main__":
+    main()
