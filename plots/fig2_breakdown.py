@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from clo.kv.timer import PHASES  # noqa: E402
-from plots.records import load_records  # noqa: E402
+from plots.records import load_records, save, stacked_phases  # noqa: E402
 
 
 def per_layer(rec: dict) -> dict[str, float]:
@@ -30,19 +30,12 @@ def plot(root: Path, out: Path) -> dict[str, dict[str, float]]:
     ideal = sum(by_system["fullattn"].values())
     fig, ax = plt.subplots(figsize=(6, 4))
     names = list(by_system)
-    bottom = [0.0] * len(names)
-    for phase in PHASES:
-        vals = [by_system[n][phase] / ideal * 100 for n in names]
-        ax.bar(names, vals, bottom=bottom, label=phase)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for i, total in enumerate(bottom):
+    totals = stacked_phases(ax, names, {p: [by_system[n][p] / ideal * 100 for n in names] for p in PHASES})
+    for i, total in enumerate(totals):
         ax.text(i, total, f"{total:.0f}%", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("per-layer decode latency, % of FullAttn")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save(fig, out)
     return {n: {**v, "percent_of_fullattn": sum(v.values()) / ideal * 100} for n, v in by_system.items()}
 
 

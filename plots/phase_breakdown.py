@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from clo.kv.timer import PHASES  # noqa: E402
-from plots.records import load_records  # noqa: E402
+from plots.records import load_records, save, stacked_phases  # noqa: E402
 
 
 def plot(root: Path, out: Path) -> int:
@@ -22,21 +22,14 @@ def plot(root: Path, out: Path) -> int:
     if not rows:
         raise SystemExit(f"no finished run records under {root}")
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4.5))
-    x = range(len(rows))
-    bottom = [0.0] * len(rows)
-    for phase in PHASES:
-        vals = [r["record"]["metrics"]["phase_ms_per_step"][phase] for r in rows]
-        ax.bar(x, vals, bottom=bottom, label=phase)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+    x = list(range(len(rows)))
+    stacked_phases(ax, x, {p: [r["record"]["metrics"]["phase_ms_per_step"][p] for r in rows] for p in PHASES})
     floors = [r["record"]["metrics"]["dense_floor_ms_per_step"] for r in rows]
     ax.scatter(x, floors, marker="_", s=900, color="black", zorder=3, label="dense memory floor")
-    ax.set_xticks(list(x), [r["label"] for r in rows], fontsize=7)
+    ax.set_xticks(x, [r["label"] for r in rows], fontsize=7)
     ax.set_ylabel("ms per decode step")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save(fig, out)
     return len(rows)
 
 

@@ -19,3 +19,21 @@ def load_records(root: Path, status: str = "ok") -> list[dict[str, Any]]:
             "record": rec,
         })
     return rows
+
+
+def stacked_phases(ax, x: list, values: dict[str, list[float]]) -> list[float]:
+    """One stacked bar per x, one segment per phase (in the timer's order); returns the bar totals."""
+    bottom = [0.0] * len(x)
+    for phase, vals in values.items():
+        ax.bar(x, vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    return bottom
+
+
+def save(fig, out: Path) -> None:
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
