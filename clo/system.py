@@ -164,7 +164,7 @@ class CLO(KVOffloadSystem):
             self._refresh(layer, self.stores[layer].permute_q(q_spec))
             return
         self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
+        with torch.cuda.stream(self.side), self.timer.paused():
             self._refresh(layer, self.stores[layer].permute_q(q_spec))
             self.ready[layer].record(self.side)
         self.pending[layer] = True
@@ -204,7 +204,8 @@ class CLO(KVOffloadSystem):
         st.append(new, generated)
         qp = st.permute_q(q)
         if self.pending[layer]:
-            torch.cuda.current_stream().wait_event(self.ready[layer])
+            with self.phase("transfer_exposed"):  # the stall behind the side stream is all that is exposed
+                torch.cuda.current_stream().wait_event(self.ready[layer])
             self.pending[layer] = False
         elif not self.wants_speculative_query or layer == 0:
             self._refresh(layer, qp)

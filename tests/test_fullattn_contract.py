@@ -104,3 +104,12 @@ def test_static_shape_path_matches_eager():
             outs.append(s.decode(0, q, k1, v1))
             s.end_step()
         torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_paused_timer_records_nothing():
+    t = PhaseTimer(torch.device("cpu"))
+    t.begin_step()
+    with t.paused():
+        with t.phase("retrieval"):
+            sum(range(10000))
+    assert t.enabled and t.end_step()["retrieval"] == 0.0

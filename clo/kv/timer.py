@@ -47,6 +47,16 @@ class PhaseTimer:
         yield
         self._marks.append((name, start, self._now()))
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work that overlaps the timed stream (a side stream) is not a phase of the step's latency: only what
+        the timed stream waits for it is, and the caller times that wait."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
+
     def begin_step(self) -> None:
         self._marks.clear()
         self._step = (self._now(), None)
