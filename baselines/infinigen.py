@@ -5,9 +5,11 @@ partial query/key channels and prefetched from host memory every step.
 Speculation. InfiniGen skews each head's query/key space with an orthogonal matrix from an SVD (so that q.k is
 unchanged and a few channels carry most of it), keeps a "partial key" = the keys on `channel_fraction` of the
 skewed channels, and scores the speculative query (layer l's query from layer l-1's input) on those channels.
-InfiniGen computes the skewing matrix offline from a real model's activations; our fallback (no offline matrix
-yet) computes it at prefill from each sequence's own prompt keys, per KV head: the right singular vectors of the
-middle keys (eigenvectors of K^T K), the top `channel_fraction` of them by singular value. Scores are summed over
+InfiniGen computes the skewing matrix offline from a real model's activations: `skew=<file>` loads ours
+(`python -m baselines.infinigen_skew`: right singular vectors of real queries per KV head; SmolLM2's is
+committed). The fallback for models without one (synthetic weights) computes it at prefill from each sequence's
+own prompt keys, per KV head: the right singular vectors of the middle keys (eigenvectors of K^T K), the top
+`channel_fraction` of them by singular value. Scores are summed over
 the query group (GQA), as HATA's re-implementation; the budget is CLO's (same top-k as every system) instead of
 InfiniGen's alpha threshold.
 
@@ -23,12 +25,15 @@ does the whole fetch itself.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from baselines.offloaded import OffloadedBaseline
 from clo.errors import ConfigError
 from clo.kv.interface import KVSpec
 from clo.layout import split_prompt
+from clo.policy.persistent import ROOT
 from clo.retrieval import ExactRetriever, select_topk
 
 
@@ -37,11 +42,11 @@ class InfiniGen(OffloadedBaseline):
 
     def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
                  channel_fraction: float = 0.3, oracle_query: bool = False, transfer: str = "cpu_gather",
-                 cpu_threads: int = 8) -> None:
+                 cpu_threads: int = 8, skew: str = "prefill") -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads)
         if not 0.0 < channel_fraction <= 1.0:
             raise ConfigError(f"channel_fraction={channel_fraction} must lie in (0, 1]")
-        self.channel_fraction, self.oracle_query = channel_fraction, oracle_query
+        self.channel_fraction, self.oracle_query, self.skew = channel_fraction, oracle_query, skew
         self.wants_speculative_query = not oracle_query
 
     def channels(self, head_dim: int) -> int:
@@ -72,6 +77,21 @@ class InfiniGen(OffloadedBaseline):
         self.copy_stream = torch.cuda.Stream(spec.device) if cuda else None
         self.fill_heads = self.heads.cpu() if self.transfer_kind == "cpu_gather" else self.heads
         self.fill_miss = torch.ones(spec.batch, spec.num_kv_heads, dtype=torch.bool, device=self.fill_heads.device)
+        self.offline = self._load_skew(spec)
+
+    def _load_skew(self, spec: KVSpec) -> torch.Tensor | None:
+        """The offline skew bases ([L, Hkv, D, D], by `python -m baselines.infinigen_skew`), or None (prefill)."""
+        if self.skew == "prefill" or self.oracle_query:
+            return None
+        path = Path(self.skew) if Path(self.skew).is_absolute() else ROOT / self.skew
+        if not path.is_file():
+            raise ConfigError(f"skew={self.skew!r}: no such file (make it with python -m baselines.infinigen_skew, "
+                              f"or use skew=prefill)")
+        bases = torch.load(path)
+        want = (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.head_dim)
+        if tuple(bases.shape) != want:
+            raise ConfigError(f"skew file {path.name} has shape {tuple(bases.shape)}, the model needs {want}")
+        return bases[..., : self.channels(spec.head_dim)].float().to(spec.device)
 
     def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int) -> None:
         spec = self.spec
@@ -85,8 +105,11 @@ class InfiniGen(OffloadedBaseline):
             self.exact.index(layer, keys_mid)
             return
         kf = keys_mid.float()
-        _, vecs = torch.linalg.eigh(kf.transpose(-1, -2) @ kf)  # ascending eigenvalues = squared singular values
-        basis = vecs[..., -self.channels(spec.head_dim):].flip(-1).contiguous()  # [B, Hkv, D, r]
+        if self.offline is not None:
+            basis = self.offline[layer].expand(spec.batch, -1, -1, -1).contiguous()  # [B, Hkv, D, r]
+        else:
+            _, vecs = torch.linalg.eigh(kf.transpose(-1, -2) @ kf)  # ascending eigenvalues = squared singular values
+            basis = vecs[..., -self.channels(spec.head_dim):].flip(-1).contiguous()  # [B, Hkv, D, r]
         self.basis[layer] = basis
         self.partial[layer] = (kf @ basis).to(spec.dtype)
 
@@ -145,7 +168,8 @@ class InfiniGen(OffloadedBaseline):
         d = self.spec.head_dim
         skew = ("none: oracle_query uses the real query and exact q.k scores" if self.oracle_query else
                 "prefill fallback: right singular vectors of each sequence's middle prompt keys per KV head "
-                "(InfiniGen computes the skew offline from real activations)")
+                "(InfiniGen computes the skew offline from real activations)" if self.offline is None else
+                f"offline: {self.skew} (right singular vectors of real query activations per KV head)")
         return {"skew": skew, "channels": f"{self.channels(d)} of {d} ({self.channel_fraction:.0%})",
                 "oracle_query": self.oracle_query, "transfer": self.transfer_kind, "cpu_threads": self.cpu_threads,
                 "link_gb_s": self.link_gb_s,

@@ -45,14 +45,15 @@ def adjacent_similarity(queries: list[torch.Tensor], group: int) -> torch.Tensor
     return cos.unflatten(-1, (-1, group)).mean(-1)
 
 
-def profile(cfg: DictConfig) -> dict:
+def record_queries(cfg: DictConfig, min_steps: int = 3) -> tuple[ModelConfig, dict[int, list[torch.Tensor]], str]:
+    """Greedy decode of the configured prompt with real weights; every step's query of every layer."""
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
     source = weights_source(cfg.model)
     if source == "synthetic":
         raise ConfigError("profiling needs real weights (model.path=... or smollm2): synthetic queries mean nothing")
     seqlen, gen = preflight.parse_tokens(cfg.seqlen), int(cfg.workload.gen_tokens)
-    if gen < 3:
-        raise ConfigError("workload.gen_tokens must be at least 3 to measure adjacent-step similarity")
+    if gen < min_steps:
+        raise ConfigError(f"workload.gen_tokens must be at least {min_steps}")
     preflight.check_length(model_cfg, seqlen, gen)
     device = preflight.resolve_device(cfg.device)
     dtype = preflight.resolve_dtype(cfg.dtype, device)
@@ -64,17 +65,23 @@ def profile(cfg: DictConfig) -> dict:
     kv.allocate(KVSpec(model_cfg.num_layers, int(cfg.batch), seqlen + gen, model_cfg.num_heads,
                        model_cfg.num_kv_heads, model_cfg.head_dim, dtype, device))
     generate(model, kv, prompt.tokens.to(device), gen)  # no early stop: every step is a sample
-    sims = torch.stack([adjacent_similarity(kv.queries[layer], model_cfg.group_size)
+    desc = f"{weights_desc}; {prompt.kind} prompt of {seqlen} tokens, {gen} greedy steps, batch {cfg.batch}"
+    return model_cfg, kv.queries, desc
+
+
+def profile(cfg: DictConfig) -> dict:
+    model_cfg, queries, desc = record_queries(cfg)
+    sims = torch.stack([adjacent_similarity(queries[layer], model_cfg.group_size)
                         for layer in range(model_cfg.num_layers)])  # [L, S-1, B, Hkv]
     per_head = sims.flatten(1, 2)  # [L, samples, Hkv]
     return {
         "model": model_cfg.name,
-        "source": f"{weights_desc}; {prompt.kind} prompt of {seqlen} tokens, {gen} greedy steps, batch {cfg.batch}",
+        "source": desc,
         "s_hat": per_head.mean(1).tolist(),
         "std": per_head.std(1).tolist(),
         "fraction_above_0.8": (per_head > 0.8).float().mean(1).tolist(),
         "quantiles": {str(p): per_head.quantile(p, dim=1).tolist() for p in (0.1, 0.5, 0.9)},
-        "environment": environment(device),
+        "environment": environment(preflight.resolve_device(cfg.device)),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
 

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -323,3 +324,18 @@ def test_real_smollm2_needle_answers_equal_fullattn(smollm2_folder):
     assert prompt.answer in want
     for name, cfg in cfgs.items():
         assert text(instantiate(cfg.system)) == want, name
+
+
+def test_infinigen_offline_skew_file_is_used_and_checked():
+    bases = torch.linalg.qr(torch.randn(L, HKV, D, D)).Q.to(torch.float16)
+    path = Path(tempfile.mkdtemp()) / "skew.pt"
+    torch.save(bases, path)
+    s = make(InfiniGen, skew=str(path), channel_fraction=0.5)
+    feed(s)
+    torch.testing.assert_close(s.basis[1][0], bases[1, :, :, : D // 2].float())
+    assert "offline" in s.describe()["skew"]
+    torch.save(bases[:, :1], path)
+    with pytest.raises(ConfigError, match="shape"):
+        make(InfiniGen, skew=str(path))
+    with pytest.raises(ConfigError, match="no such file"):
+        make(InfiniGen, skew=str(path) + ".missing")
