@@ -20,7 +20,7 @@ from clo.model.config import ModelConfig
 from clo.model.weights import build_decoder
 from experiments import preflight
 from experiments.records import environment
-from experiments.workloads import build_prompt
+from experiments.workloads import PROMPTS, build_prompt
 
 
 def weights_source(model_cfg: DictConfig) -> str:
@@ -60,21 +60,25 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     what = f"system={system_name} model={model_cfg.name} seqlen={seqlen} batch={batch}"
     budget = preflight.check_memory(plan, device, cfg.hardware.gpu_mem_gb, what)
     cuda_graph = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
+    if cfg.workload.prompt not in PROMPTS:
+        raise ConfigError(f"workload.prompt={cfg.workload.prompt!r}; valid: {', '.join(PROMPTS)}")
+    query_process = None
+    if cfg.workload.query_process != "model":  # loads and checks its profile now
+        from clo.query_process import ProfileQueryProcess
+
+        query_process = ProfileQueryProcess.from_profile(
+            cfg.workload.query_process, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.group_size, device)
 
     # ---- long work ---------------------------------------------------------------------------------------
     log(f"[run] {what} on {device} ({dtype}); loading {source} weights")
     model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), int(cfg.seed), device, dtype)
-    spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget, "layer_time_s": layer_time_s(model.model.layers[0], batch)})
+    model.query_process = query_process
+    spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget,
+                     "layer_time_s": layer_time_s(model.model.layers[0], batch)})
     # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and not cuda_graph)
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
-    query_desc = "the model's own queries"
-    if cfg.workload.query_process != "model":
-        from clo.query_process import ProfileQueryProcess
-
-        model.query_process = ProfileQueryProcess.from_profile(
-            cfg.workload.query_process, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.group_size, device)
-        query_desc = model.query_process.description
+    query_desc = query_process.description if query_process is not None else "the model's own queries"
     tokenizer = load_tokenizer(source, cfg.model)
     prompt = build_prompt(cfg.workload.prompt, seqlen, batch, int(cfg.seed), tokenizer, model_cfg.vocab_size,
                           float(cfg.workload.needle_depth))

@@ -129,3 +129,10 @@ def test_fig2_experiment_runs_every_system_and_plots(tmp_path):
     rows = plot(tmp_path / "results", tmp_path / "fig2.png")
     assert rows["fullattn"]["percent_of_fullattn"] == pytest.approx(100.0)
     assert rows["retroinfer"]["cache_mgmt"] > 0 and rows["clo"]["cache_mgmt"] > 0
+
+
+def test_bad_workload_settings_refused_before_loading(tmp_path):
+    err = bad(tmp_path, "workload.prompt=poem", "seqlen=64", *FAST[:1], *FAST[2:])
+    assert "valid: auto, needle, random" in err and "loading" not in err
+    err = bad(tmp_path, "workload.query_process=data/profiles/nope.json", "seqlen=64", *FAST)
+    assert "no such file" in err and "loading" not in err
