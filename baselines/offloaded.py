@@ -2,13 +2,11 @@
 attends exactly the same top-k tokens (see OffloadedBaseline)."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 from clo.errors import ConfigError
 from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
-from clo.layout import split_prompt
+from clo.layout import check_budget, select_budget, split_prompt
 from clo.system import CPU_LINK_GB_S
 from clo.transfer import TransferEngine
 
@@ -23,10 +21,7 @@ class OffloadedBaseline(KVOffloadSystem):
     def __init__(self, topk_ratio: float, sink: int, recent: int, dense_layers: int, transfer: str,
                  cpu_threads: int) -> None:
         super().__init__()
-        if not 0.0 < topk_ratio <= 1.0:
-            raise ConfigError(f"topk_ratio={topk_ratio}: top-k must be a fraction of the context in (0, 1]")
-        if min(sink, recent, dense_layers) < 0:
-            raise ConfigError("sink, recent and dense_layers must be >= 0")
+        check_budget(topk_ratio, sink, recent, dense_layers)
         if cpu_threads < 1:
             raise ConfigError(f"cpu_threads={cpu_threads} must be at least 1")
         TransferEngine(transfer, cpu_threads, torch.device("cpu"))  # validates the transfer kind now
@@ -34,9 +29,7 @@ class OffloadedBaseline(KVOffloadSystem):
         self.transfer_kind, self.cpu_threads = transfer, cpu_threads
 
     def k_select(self, prompt_len: int) -> int:
-        """CLO's rule: ceil(topk_ratio * prompt) tokens in all, sink and recent included."""
-        sink, recent, n_mid = split_prompt(prompt_len, self.sink, self.recent)
-        return max(min(math.ceil(self.topk_ratio * prompt_len) - sink - recent, n_mid), 0)
+        return select_budget(prompt_len, self.topk_ratio, self.sink, self.recent)
 
     @staticmethod
     def row_bytes(spec: KVSpec) -> int:

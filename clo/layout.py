@@ -7,6 +7,8 @@ changes from step to step comes from the device (the token position), so a step 
 graph."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from clo.errors import ConfigError
@@ -19,6 +21,21 @@ def split_prompt(prompt_len: int, sink: int, recent: int) -> tuple[int, int, int
     s = min(sink, prompt_len)
     r = min(recent, prompt_len - s)
     return s, r, prompt_len - s - r
+
+
+def check_budget(topk_ratio: float, sink: int, recent: int, dense_layers: int) -> None:
+    """The settings every sparse system shares, refused before any work."""
+    if not 0.0 < topk_ratio <= 1.0:
+        raise ConfigError(f"topk_ratio={topk_ratio}: top-k must be a fraction of the context in (0, 1]")
+    if min(sink, recent, dense_layers) < 0:
+        raise ConfigError("sink, recent and dense_layers must be >= 0")
+
+
+def select_budget(prompt_len: int, topk_ratio: float, sink: int, recent: int) -> int:
+    """Middle tokens each KV head attends: ceil(topk_ratio * prompt) in all, sink and recent counted in it. The
+    one budget rule of every sparse system, so that they attend the same number of tokens."""
+    s, r, n_mid = split_prompt(prompt_len, sink, recent)
+    return max(min(math.ceil(topk_ratio * prompt_len) - s - r, n_mid), 0)
 
 
 class LayerStore:

@@ -12,15 +12,13 @@ where it lies (clo/layout.py).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from clo.errors import ConfigError
 from clo.kernels.decode_attention import decode_attention
 from clo.kernels.head_cache import lookup_and_update
 from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
-from clo.layout import LayerStore, split_prompt
+from clo.layout import LayerStore, check_budget, select_budget
 from clo.policy.persistent import HeadPlan, heads_per_layer_time, load_profile, plan_persistent_heads
 from clo.policy.thresholds import AGGREGATIONS, load_importance, thresholds
 from clo.retrieval import RETRIEVERS, make_retriever, select_topk
@@ -40,12 +38,9 @@ class CLO(KVOffloadSystem):
                  layer_time_ms: float | None = None, link_gb_s: float | None = None, transfer: str = "uva",
                  cpu_threads: int = 4) -> None:
         super().__init__()
-        if not 0.0 < topk_ratio <= 1.0:
-            raise ConfigError(f"topk_ratio={topk_ratio}: top-k must be a fraction of the context in (0, 1]")
+        check_budget(topk_ratio, sink, recent, dense_layers)
         if not -1.0 < eta <= 1.0:
             raise ConfigError(f"eta={eta} must lie in (-1, 1]")
-        if min(sink, recent, dense_layers) < 0:
-            raise ConfigError("sink, recent and dense_layers must be >= 0")
         if gqa_aggregation not in AGGREGATIONS:
             raise ConfigError(f"gqa_aggregation={gqa_aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
         if retriever not in RETRIEVERS:
@@ -97,9 +92,7 @@ class CLO(KVOffloadSystem):
         return 2 * spec.head_dim * spec.dtype_bytes
 
     def _k_select(self, prompt_len: int) -> int:
-        sink, recent, n_mid = split_prompt(prompt_len, self.cfg["sink"], self.cfg["recent"])
-        budget = math.ceil(self.cfg["topk_ratio"] * prompt_len)
-        return max(min(budget - sink - recent, n_mid), 0)
+        return select_budget(prompt_len, self.cfg["topk_ratio"], self.cfg["sink"], self.cfg["recent"])
 
     def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
         """Upper bound, taking the whole max_len as prompt; the persistent heads as planned."""
