@@ -11,24 +11,15 @@ from pathlib import Path
 import torch
 
 from baselines.fullattn import dense_decode_attention
-from clo.bench.bandwidth import copy_bandwidth_gb_s
+from clo.bench.bandwidth import copy_bandwidth_gb_s, median_ms
 from clo.kernels.decode_attention import decode_attention_triton
 from experiments.preflight import parse_tokens
 from experiments.records import environment, write_json_atomic
 
 
 def time_ms(fn, iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    """Median of `iters` eager calls, launch overhead included (what an eager caller pays)."""
+    return median_ms(fn, torch.device("cuda"), iters, warmup=5)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Memory bandwidth measured in the run itself, so every floor is computed against this machine's number."""
+"""Bandwidths and kernel times measured in the run itself, so every floor is computed against this machine's
+numbers."""
 from __future__ import annotations
 
 import time
@@ -6,45 +7,40 @@ import time
 import torch
 
 
-def copy_bandwidth_gb_s(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Device-to-device copy bandwidth (bytes read + written, GB/s = 1e9 B/s), median of `repeats`."""
-    if device.type != "cuda":
-        nbytes = min(nbytes, 256 << 20)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up
+def median_ms(fn, device: torch.device, repeats: int = 5, warmup: int = 1) -> float:
+    """Median milliseconds of fn(): CUDA events on a GPU, a clock on a CPU."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            dst.copy_(src)
+            fn()
             b.record()
             b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
+            times.append(a.elapsed_time(b))
         else:
             t = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t)
-    times.sort()
-    return 2 * nbytes / times[len(times) // 2] / 1e9
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth_gb_s(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Device-to-device copy bandwidth (bytes read + written, GB/s = 1e9 B/s)."""
+    if device.type != "cuda":
+        nbytes = min(nbytes, 256 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_ms(lambda: dst.copy_(src), device, repeats) / 1e6
 
 
 def pinned_h2d_gb_s(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Pinned host -> device copy bandwidth (GB/s = 1e9 B/s), median of `repeats`."""
+    """Pinned host -> device copy bandwidth (GB/s = 1e9 B/s)."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst.copy_(src, non_blocking=True)
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    times.sort()
-    return nbytes / times[len(times) // 2] / 1e9
+    return nbytes / median_ms(lambda: dst.copy_(src, non_blocking=True), device, repeats) / 1e6
 
 
 def replay_ms(fn, reps: int = 20, iters: int = 10) -> float:
@@ -56,15 +52,7 @@ def replay_ms(fn, reps: int = 20, iters: int = 10) -> float:
     with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return sorted(times)[len(times) // 2]
+    return median_ms(graph.replay, torch.device("cuda"), iters, warmup=0) / reps
 
 
 def layer_time_s(layer, batch: int, repeats: int = 5) -> float:
@@ -84,11 +72,4 @@ def layer_time_s(layer, batch: int, repeats: int = 5) -> float:
     with torch.inference_mode():
         if p.is_cuda:
             return replay_ms(work) / 1e3
-        work()
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
+        return median_ms(work, p.device, repeats) / 1e3
