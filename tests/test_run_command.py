@@ -86,10 +86,11 @@ def test_seqlen_beyond_max_positions(tmp_path):
     assert "max_position_embeddings=8192" in bad(tmp_path, "seqlen=8k", *FAST)
 
 
-def test_llama3_128k_fullattn_refused_with_estimate(tmp_path):
-    err = bad(tmp_path, "system=fullattn", "model=llama3", "seqlen=128k", "device=cpu", "wandb.enabled=false")
+@pytest.mark.parametrize("system", ["fullattn", "clo"])
+def test_llama3_128k_refused_on_this_machine_with_estimate(tmp_path, system):
+    err = bad(tmp_path, f"system={system}", "model=llama3", "seqlen=128k", "device=cpu", "wandb.enabled=false")
     assert "GB" in err and "available" in err and "Ways out" in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "[run]" not in err  # refused before the weights load
 
 
 def test_gpu_budget_too_small(tmp_path):
@@ -133,6 +134,6 @@ def test_fig2_experiment_runs_every_system_and_plots(tmp_path):
 
 def test_bad_workload_settings_refused_before_loading(tmp_path):
     err = bad(tmp_path, "workload.prompt=poem", "seqlen=64", *FAST[:1], *FAST[2:])
-    assert "valid: auto, needle, random" in err and "loading" not in err
+    assert "valid: auto, needle, random" in err and "[run]" not in err
     err = bad(tmp_path, "workload.query_process=data/profiles/nope.json", "seqlen=64", *FAST)
-    assert "no such file" in err and "loading" not in err
+    assert "no such file" in err and "[run]" not in err
