@@ -105,7 +105,7 @@ def host_available_bytes() -> int:
 def check_memory(plan: MemoryPlan, device: torch.device, gpu_mem_gb: float | None, what: str) -> int | None:
     """Refuses a run that cannot fit. Returns the KV system's device-memory budget in bytes, or None where no
     budget applies (a CPU run without hardware.gpu_mem_gb). On a CPU run, gpu_mem_gb emulates a card's memory."""
-    way_out = ("Ways out: a shorter seqlen (e.g. seqlen=32k), a smaller batch, a smaller model (model=smollm2), "
+    way_out = ("Ways out: a shorter seqlen, a smaller batch, a smaller model (model=smollm2), "
                "an offloading system instead of fullattn, or a machine with more memory.")
     host = host_available_bytes()
     host_need = plan.kv_host + (plan.device_total if device.type == "cpu" else 0)

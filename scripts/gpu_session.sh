@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call that checks and measures everything GPU-side, for a session with little device time:
+#   run(command="bash scripts/gpu_session.sh <commit>", carry=[".whl"], timeout_s=600)
+# It installs the carried wheels (hardware.md), runs the GPU tests, the kernel benchmarks and the system runs,
+# and packs every record and log into $OUT/gpu_session.tgz (one file: the device returns at most 8).
+# Stages are independent and time-boxed, so one failure or overrun does not lose the others' output.
+set -u
+commit=${1:?usage: gpu_session.sh <git commit of this working tree>}
+export CLO_GIT_COMMIT=$commit PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD
+out=/tmp/gpu_session
+mkdir -p "$out"
+stage() {  # stage <name> <seconds> <command...>
+  local name=$1 secs=$2
+  shift 2
+  echo "== $name" | tee -a "$out/summary.log"
+  timeout "$secs" "$@" > "$out/$name.log" 2>&1
+  echo "   exit $?" | tee -a "$out/summary.log"
+  grep -v '%|' "$out/$name.log" | tail -5 | tee -a "$out/summary.log"
+}
+(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+ python3 -c "import torch, triton, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__)"
+) > "$out/env.txt" 2>&1
+stage pytest_gpu 120 python3 -m pytest -m gpu -q tests/
+stage bench_clo 80 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
+run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants its flags first
+stage clo_graph 150 $run +experiment=clo_synthetic system=clo,fullattn decode_mode=graph seqlen=32k,128k
+stage fig2 200 $run +experiment=fig2_breakdown workload.gen_tokens=16
+tar -czf "${OUT:-/tmp}/gpu_session.tgz" -C "$out" .
+cp "$out/summary.log" "${OUT:-/tmp}/summary.log"
