@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from clo.bench.bandwidth import copy_bandwidth_gb_s, layer_time_s, replay_ms
 from clo.kernels.hash_score import hash_scores
@@ -26,9 +27,8 @@ from experiments.bench_decode_attention import time_ms
 from experiments.records import environment, write_json_atomic
 
 DEV = torch.device("cuda")
-LLAMA3 = ModelConfig(name="llama3", family="llama", hidden_size=4096, intermediate_size=14336, num_layers=32,
-                     num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=128256, rope_theta=3580165449.0,
-                     rms_norm_eps=1e-5, max_position_embeddings=1048576)
+# the shapes of conf/model/llama3.yaml, read from it rather than copied
+LLAMA3 = ModelConfig.from_mapping(OmegaConf.load(Path(__file__).resolve().parent.parent / "conf/model/llama3.yaml"))
 
 
 def bench_transfer(pool_bytes: int = 512 << 20, fraction: float = 0.1) -> list[dict]:

@@ -87,6 +87,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
 
     text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
     hbm = cfg.hardware.hbm_gb_s or copy_bandwidth_gb_s(device)
+    state = system.describe()
     return {
         "system": system_name,
         "model": model_cfg.name,
@@ -100,8 +101,9 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         "answer": {"expected": prompt.answer, "text": text,
                    "found": (prompt.answer in text) if prompt.answer and text is not None else None},
         "environment": environment(device),
-        "metrics": metrics(gen, system, model_cfg, spec, seqlen, hbm, int(cfg.workload.warmup_steps)),
-        "system_state": system.describe(),
+        "metrics": metrics(gen, system, model_cfg, spec, seqlen, hbm, state.get("link_gb_s"),
+                           int(cfg.workload.warmup_steps)),
+        "system_state": state,
         "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
         "steps": [s.as_dict() for s in gen.steps],
     }
@@ -122,7 +124,7 @@ def run_generation(model, system, tokens, gen_tokens, stop, cuda_graph) -> Gener
 
 
 def metrics(gen: Generation, system: KVOffloadSystem, cfg: ModelConfig, spec: KVSpec, seqlen: int,
-            hbm_gb_s: float, warmup: int) -> dict[str, Any]:
+            hbm_gb_s: float, link_gb_s: float | None, warmup: int) -> dict[str, Any]:
     # The first steps pay one-off costs (kernel JIT, allocator growth): they stay in the record, not the means.
     steps = gen.steps[warmup:] or gen.steps
     n = max(len(steps), 1)
@@ -135,7 +137,6 @@ def metrics(gen: Generation, system: KVOffloadSystem, cfg: ModelConfig, spec: KV
     floor_ms = (cfg.num_params * spec.dtype_bytes + kv_read) / (hbm_gb_s * 1e9) * 1e3
     step_ms = phase_ms["total"]
     # The system's own floor: the bytes it must read from device memory and move over the link per step.
-    link_gb_s = system.describe().get("link_gb_s")
     sys_bytes = system.step_device_bytes()
     sys_floor_ms = None
     if sys_bytes is not None:
