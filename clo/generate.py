@@ -11,6 +11,7 @@ import torch
 
 from clo.kv.interface import KVOffloadSystem, StepStats
 from clo.model.decoder import Decoder
+from clo.piecewise import PiecewiseDecode
 
 
 @dataclass
@@ -26,20 +27,27 @@ class Generation:
         return len(self.steps) * self.tokens.shape[0] / self.decode_s if self.steps else 0.0
 
 
-class DecodeStep:
-    """token [B] -> next token [B] through model.decode. In graph mode the first `warmup` calls run eagerly
-    (on the capture stream, so that lazily created library state exists before capture); the next call
-    captures the step, and every call from then on replays it. Inputs and output live in static buffers."""
+DECODE_MODES = ("eager", "graph", "piecewise")
 
-    def __init__(self, model: Decoder, kv: KVOffloadSystem, batch: int, device: torch.device,
-                 cuda_graph: bool, warmup: int = 2):
-        self.model, self.kv, self.warmup = model, kv, warmup
+
+class DecodeStep:
+    """token [B] -> next token [B] through model.decode. mode graph: the whole step is captured in one CUDA graph;
+    piecewise: only the model's dense work between attention calls is (clo.piecewise), for systems that talk to
+    the host inside a step; eager: no graph. With a graph the first `warmup` calls run eagerly (on the capture
+    stream, so that lazily created library state exists before capture), then the graph is captured and every
+    call from then on replays it. Inputs and output live in static buffers."""
+
+    def __init__(self, model: Decoder, kv: KVOffloadSystem, batch: int, device: torch.device, mode: str = "eager",
+                 warmup: int = 2):
+        if mode not in DECODE_MODES:
+            raise ValueError(f"decode mode {mode!r}; valid: {', '.join(DECODE_MODES)}")
+        self.model, self.kv, self.warmup, self.mode, self.batch = model, kv, warmup, mode, batch
         self.token = torch.zeros(batch, dtype=torch.long, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: torch.cuda.CUDAGraph | PiecewiseDecode | None = None
         self.calls = 0
-        self.cuda_graph = cuda_graph
-        if cuda_graph:
+        if mode == "graph":
             kv.use_static_shapes()
+        if mode != "eager":
             self.stream = torch.cuda.Stream(device)
 
     def _step(self) -> torch.Tensor:
@@ -47,7 +55,7 @@ class DecodeStep:
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         self.token.copy_(token)
-        if not self.cuda_graph:
+        if self.mode == "eager":
             return self._step()
         if self.graph is None:
             current = torch.cuda.current_stream()
@@ -58,10 +66,15 @@ class DecodeStep:
                     out = self._step()
                 current.wait_stream(self.stream)
                 return out
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(self.graph, stream=self.stream):
-                self.out = self._step()
-            current.wait_stream(self.stream)
+            if self.mode == "piecewise":
+                self.graph = PiecewiseDecode(self.model, self.kv, self.batch, self.token.device)
+            else:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.inference_mode(), torch.cuda.graph(self.graph, stream=self.stream):
+                    self.out = self._step()
+                current.wait_stream(self.stream)
+        if self.mode == "piecewise":
+            return self.graph(self.token).argmax(-1)
         self.graph.replay()
         return self.out.clone()
 
@@ -77,7 +90,7 @@ def generate(
     prompt: torch.Tensor,
     max_new_tokens: int,
     stop_ids: set[int] | frozenset[int] = frozenset(),
-    cuda_graph: bool = False,
+    decode_mode: str = "eager",
     on_prefill_layer: Callable[[int], None] | None = None,
     on_token: Callable[[int], None] | None = None,
 ) -> Generation:
@@ -89,7 +102,7 @@ def generate(
     token = logits.argmax(-1)
     _sync(dev)
     prefill_s = time.perf_counter() - t0
-    step = DecodeStep(model, kv, prompt.shape[0], dev, cuda_graph)
+    step = DecodeStep(model, kv, prompt.shape[0], dev, decode_mode)
     out = [token]
     stop = torch.tensor(sorted(stop_ids), device=dev, dtype=token.dtype)
     done = torch.isin(token, stop)

@@ -19,6 +19,7 @@ from clo.kv.timer import PHASES, PhaseTimer
 from clo.model.config import ModelConfig
 from clo.model.weights import build_decoder
 from experiments import preflight
+from experiments.kernel_profile import context as kernel_context, maybe_profile
 from experiments.records import environment
 from experiments.workloads import PROMPTS, build_prompt
 
@@ -59,7 +60,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     plan = preflight.plan_memory(model_cfg, system, spec, seqlen)
     what = f"system={system_name} model={model_cfg.name} seqlen={seqlen} batch={batch}"
     budget = preflight.check_memory(plan, device, cfg.hardware.gpu_mem_gb, what)
-    cuda_graph = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
+    decode_mode = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
     if cfg.workload.prompt not in PROMPTS:
         raise ConfigError(f"workload.prompt={cfg.workload.prompt!r}; valid: {', '.join(PROMPTS)}")
     query_process = None
@@ -76,14 +77,16 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget,
                      "layer_time_s": layer_time_s(model.model.layers[0], batch)})
     # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
-    timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and not cuda_graph)
+    timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and decode_mode != "graph")
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
     query_desc = query_process.description if query_process is not None else "the model's own queries"
     tokenizer = load_tokenizer(source, cfg.model)
     prompt = build_prompt(cfg.workload.prompt, seqlen, batch, int(cfg.seed), tokenizer, model_cfg.vocab_size,
                           float(cfg.workload.needle_depth))
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
-    gen = run_generation(model, system, prompt.tokens.to(device), gen_tokens, stop, cuda_graph)
+    profile = maybe_profile(int(cfg.profile_kernels), int(cfg.workload.warmup_steps), device)
+    with kernel_context(profile):
+        gen = run_generation(model, system, prompt.tokens.to(device), gen_tokens, stop, decode_mode, profile)
 
     text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
     hbm = cfg.hardware.hbm_gb_s or copy_bandwidth_gb_s(device)
@@ -94,7 +97,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         "weights": weights_desc,
         "seqlen": seqlen,
         "batch": batch,
-        "decode_mode": "graph" if cuda_graph else "eager",
+        "decode_mode": decode_mode,
         "phases_timed": timer.enabled,
         "query_process": query_desc,
         "prompt": {"kind": prompt.kind, "tokens": int(prompt.tokens.shape[1]), **prompt.meta},
@@ -105,6 +108,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
                            int(cfg.workload.warmup_steps)),
         "system_state": state,
         "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
+        "kernels": profile.table() if profile is not None else None,
         "steps": [s.as_dict() for s in gen.steps],
     }
 
@@ -113,14 +117,14 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_generation(model, system, tokens, gen_tokens, stop, cuda_graph) -> Generation:
+def run_generation(model, system, tokens, gen_tokens, stop, decode_mode, profile=None) -> Generation:
     n_layers = model.cfg.num_layers
     with tqdm(total=n_layers, desc=f"prefill {tokens.shape[1]} tokens", unit="layer", file=sys.stderr,
               leave=False) as bar_p, tqdm(total=gen_tokens - 1, desc="decode", unit="tok", file=sys.stderr,
                                           leave=False) as bar_d:
-        return generate(model, system, tokens, gen_tokens, stop, cuda_graph,
+        return generate(model, system, tokens, gen_tokens, stop, decode_mode,
                         on_prefill_layer=lambda _: bar_p.update(1),
-                        on_token=lambda _: bar_d.update(1))
+                        on_token=lambda _: (bar_d.update(1), profile and profile.step()))
 
 
 def metrics(gen: Generation, system: KVOffloadSystem, cfg: ModelConfig, spec: KVSpec, seqlen: int,

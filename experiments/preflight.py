@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from clo.errors import ConfigError
+from clo.generate import DECODE_MODES
 from clo.kv.interface import GB, KVOffloadSystem, KVSpec
 from clo.model.config import ModelConfig
 
@@ -46,15 +47,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return valid[name]
 
 
-def resolve_decode_mode(mode: str, device: torch.device, system: KVOffloadSystem) -> bool:
-    """True: capture the decode step in a CUDA graph. auto = graph on CUDA when the system supports it."""
-    if mode not in ("auto", "eager", "graph"):
-        raise ConfigError(f"decode_mode={mode!r}; valid: auto, eager, graph")
-    if mode == "graph" and device.type != "cuda":
-        raise ConfigError("decode_mode=graph needs CUDA; use decode_mode=eager or auto on the CPU")
+def resolve_decode_mode(mode: str, device: torch.device, system: KVOffloadSystem) -> str:
+    """eager, graph (the whole step in one CUDA graph) or piecewise (only the model's dense work in graphs, for
+    systems that talk to the host inside a step). auto: on CUDA graph when the system supports it, else
+    piecewise; eager on the CPU."""
+    if mode not in ("auto", *DECODE_MODES):
+        raise ConfigError(f"decode_mode={mode!r}; valid: auto, {', '.join(DECODE_MODES)}")
+    if mode in ("graph", "piecewise") and device.type != "cuda":
+        raise ConfigError(f"decode_mode={mode} needs CUDA; use decode_mode=eager or auto on the CPU")
     if mode == "graph" and not system.supports_cuda_graph:
-        raise ConfigError(f"system {system.name} cannot be captured in a CUDA graph; use decode_mode=eager")
-    return mode == "graph" or (mode == "auto" and device.type == "cuda" and system.supports_cuda_graph)
+        raise ConfigError(f"system {system.name} cannot be captured whole in a CUDA graph; "
+                          f"use decode_mode=piecewise (or auto)")
+    if mode != "auto":
+        return mode
+    if device.type != "cuda":
+        return "eager"
+    return "graph" if system.supports_cuda_graph else "piecewise"
 
 
 def check_length(cfg: ModelConfig, seqlen: int, gen_tokens: int) -> None:

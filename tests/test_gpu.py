@@ -74,8 +74,35 @@ def test_cuda_graph_decode_generates_the_eager_tokens():
     for graph in (False, True):
         kv = FullAttn()
         kv.allocate(KVSpec(4, 2, 540, 8, 2, 64, torch.float32, CUDA), PhaseTimer(CUDA, enabled=not graph))
-        runs.append(generate(model, kv, prompt, 40, cuda_graph=graph).tokens)
+        runs.append(generate(model, kv, prompt, 40, decode_mode="graph" if graph else "eager").tokens)
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("system", ["fullattn", "clo", "retroinfer", "infinigen"])
+def test_piecewise_graphs_generate_the_eager_tokens(system):
+    """Only the dense model replayed from per-layer graphs, the system eager (and phase-timed): the eager tokens,
+    for a system that is capturable whole, one with a speculative query and two that sync with the host."""
+    from baselines.infinigen import InfiniGen
+    from baselines.retroinfer import RetroInfer
+    from clo.generate import generate
+    from clo.model.weights import synthetic_decoder
+    from clo.system import CLO
+
+    make = {"fullattn": FullAttn, "clo": lambda: CLO(dense_layers=1, layer_time_ms=0.1),
+            "retroinfer": lambda: RetroInfer(dense_layers=1), "infinigen": lambda: InfiniGen(dense_layers=1)}[system]
+    cfg = ModelConfig(name="tiny", family="llama", hidden_size=512, intermediate_size=1024, num_layers=4,
+                      num_heads=8, num_kv_heads=2, head_dim=64, vocab_size=2000, rope_theta=1e4,
+                      rms_norm_eps=1e-5, max_position_embeddings=4096)
+    model = synthetic_decoder(cfg, 0, CUDA, torch.float32)
+    prompt = torch.randint(0, 2000, (2, 1000), device=CUDA)
+    runs = []
+    for mode in ("eager", "piecewise"):
+        kv = make()
+        kv.allocate(KVSpec(4, 2, 1040, 8, 2, 64, torch.float32, CUDA), PhaseTimer(CUDA))
+        gen = generate(model, kv, prompt, 24, decode_mode=mode)
+        runs.append(gen.tokens)
+    assert torch.equal(runs[0], runs[1])
+    assert gen.steps[-1].phase_ms["total"] > 0
 
 
 @pytest.mark.parametrize("topk_ratio", [0.1, 1.0])
@@ -95,7 +122,7 @@ def test_clo_graph_replay_generates_the_eager_tokens(topk_ratio):
     for graph in (False, True):
         kv = CLO(topk_ratio=topk_ratio, dense_layers=1, layer_time_ms=0.1)
         kv.allocate(KVSpec(4, 2, 1040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA, enabled=not graph))
-        gen = generate(model, kv, prompt, 40, cuda_graph=graph)
+        gen = generate(model, kv, prompt, 40, decode_mode="graph" if graph else "eager")
         runs.append(gen.tokens)
         stats.append(gen.steps)
     assert torch.equal(runs[0], runs[1])

@@ -114,6 +114,7 @@ def test_weights_path_with_other_shapes(tmp_path):
 
 def test_graph_decode_on_cpu_is_refused(tmp_path):
     assert "needs CUDA" in bad(tmp_path, "decode_mode=graph", "seqlen=64", *FAST)
+    assert "needs CUDA" in bad(tmp_path, "decode_mode=piecewise", "seqlen=64", *FAST)
 
 
 @pytest.mark.slow
@@ -123,7 +124,7 @@ def test_fig2_experiment_runs_every_system_and_plots(tmp_path):
 
     run("--multirun", "+experiment=fig2_breakdown", "model=smollm2", "model.weights=synthetic", "seqlen=1500",
         "model.reuse_profile=data/profiles/smollm2.json", "workload.query_process=data/profiles/smollm2.json",
-        "workload.gen_tokens=5", tmp=tmp_path)
+        "workload.gen_tokens=5", "decode_mode=eager", tmp=tmp_path)  # piecewise graphs need CUDA
     recs = records(tmp_path)
     assert sorted(r["system"] for r in recs.values()) == ["clo", "fullattn", "infinigen", "retroinfer"]
     assert all(r["status"] == "ok" and "synthetic AR(1)" in r["query_process"] for r in recs.values())

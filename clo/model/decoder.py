@@ -144,24 +144,44 @@ class Decoder(nn.Module):
     def decode(self, token: torch.Tensor, position: torch.Tensor, kv: KVOffloadSystem) -> torch.Tensor:
         """One step for every sequence of the batch. token [B] at position ([1] long, on the model's device;
         a tensor so that the step can be replayed from a CUDA graph) -> logits [B, V]."""
-        b = token.shape[0]
-        x = self.model.embed_tokens(token)[:, None, :]  # [B, 1, hidden]
-        cos, sin = self.rotary().cos_sin(position, x.dtype)
+        x = o = None
+        for i in range(self.cfg.num_layers):
+            x, q, k, v, q_spec = self.dense_segment(i, token, x, o, position, kv.wants_speculative_query)
+            o = self.attend(i, q, k, v, q_spec, kv)
+        return self.dense_segment(self.cfg.num_layers, token, x, o, position, False)[0]
+
+    def dense_segment(self, i: int, token: torch.Tensor, x: torch.Tensor | None, o: torch.Tensor | None,
+                      position: torch.Tensor, speculative: bool) -> tuple:
+        """The model's own work between attention i-1 and attention i, which touches no KV system: layer i-1's
+        o_proj and MLP (or the embedding, for i = 0), then layer i's q, k, v and, with `speculative`, layer i+1's
+        query from layer i's input (spec 2.3). Returns (x, q, k, v, q_spec); for i = num_layers, (logits [B, V],).
+        x [B, 1, hidden] is layer i-1's input, o [B, H, D] its attention output."""
         layers = self.model.layers
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            if kv.wants_speculative_query and i + 1 < len(layers):
-                # One layer ahead (spec 2.3): layer i+1's query from layer i's input, through layer i+1's
-                # norm and q_proj, so its lookup and transfers overlap layer i's compute.
-                nxt = layers[i + 1]
-                q_spec = nxt.self_attn.query(nxt.input_layernorm(x), cos, sin)[:, :, 0]
-                kv.prepare(i + 1, self._query(i + 1, q_spec, advance=True))
-            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
-            advance = not (kv.wants_speculative_query and i > 0)  # layers 1.. advanced at their prepare
-            o = kv.decode(i, self._query(i, q[:, :, 0], advance), k[:, :, 0], v[:, :, 0])  # [B, H, D]
-            x = x + attn.o_proj(o.reshape(b, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.model.norm(x))[:, 0].float()
+        if i == 0:
+            x = self.model.embed_tokens(token)[:, None, :]  # [B, 1, hidden]
+        else:
+            prev = layers[i - 1]
+            x = x + prev.self_attn.o_proj(o.reshape(o.shape[0], 1, -1))
+            x = x + prev.mlp(prev.post_attention_layernorm(x))
+        if i == len(layers):
+            return (self.lm_head(self.model.norm(x))[:, 0].float(),)
+        cos, sin = self.rotary().cos_sin(position, x.dtype)
+        layer = layers[i]
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+        q_spec = None
+        if speculative and i + 1 < len(layers):
+            nxt = layers[i + 1]
+            q_spec = nxt.self_attn.query(nxt.input_layernorm(x), cos, sin)[:, :, 0]
+        return x, q, k, v, q_spec
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_spec: torch.Tensor | None,
+               kv: KVOffloadSystem) -> torch.Tensor:
+        """Layer i's attention by the KV system -> [B, H, D]. With a speculative query, layer i+1's lookups and
+        transfers are started first, so that they overlap layer i's work."""
+        if q_spec is not None:
+            kv.prepare(i + 1, self._query(i + 1, q_spec, advance=True))
+        advance = not (kv.wants_speculative_query and i > 0)  # layers 1.. advanced at their prepare
+        return kv.decode(i, self._query(i, q[:, :, 0], advance), k[:, :, 0], v[:, :, 0])
 
     def _query(self, layer: int, q: torch.Tensor, advance: bool) -> torch.Tensor:
         return q if self.query_process is None else self.query_process.query(layer, q, advance)

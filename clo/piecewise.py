@@ -1,0 +1,48 @@
+"""Piecewise CUDA graphs (vLLM's term) for systems whose decode step cannot be captured whole, because they talk
+to the host inside it (RetroInfer's CPU LRU, InfiniGen's CPU gather). The model's dense work between two
+attention calls, which touches no KV system, is captured once per layer and replayed; only the system's own
+decode() runs eagerly. Every system then pays the same graph-replayed cost for the projections and the MLP,
+and an eager step's time is the system's, not ~15 Python kernel launches per layer that no system needs."""
+from __future__ import annotations
+
+import torch
+
+from clo.kv.interface import KVOffloadSystem
+from clo.model.decoder import Decoder
+
+
+class PiecewiseDecode:
+    """token [B] -> logits [B, V] like Decoder.decode, with Decoder.dense_segment replayed from CUDA graphs.
+    Build it after a few eager steps (lazily created library state must exist before capture)."""
+
+    def __init__(self, model: Decoder, kv: KVOffloadSystem, batch: int, device: torch.device):
+        self.model, self.kv = model, kv
+        cfg = model.cfg
+        dtype = model.lm_head.weight.dtype
+        self.token = torch.zeros(batch, dtype=torch.long, device=device)
+        self.o = torch.zeros(batch, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.outs: list[tuple] = []
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        pool = None  # one memory pool: the segments replay in the order they were captured
+        x = None
+        for i in range(cfg.num_layers + 1):
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = model.dense_segment(i, self.token, x, self.o, kv.position, kv.wants_speculative_query)
+            pool = graph.pool()
+            self.graphs.append(graph)
+            self.outs.append(out)
+            x = out[0]
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    @torch.inference_mode()
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        self.token.copy_(token)
+        for i, (graph, (_, q, k, v, q_spec)) in enumerate(zip(self.graphs[:-1], self.outs[:-1])):
+            graph.replay()
+            # the outputs are the graph's static buffers: every system copies what it keeps of k and v
+            self.o.copy_(self.model.attend(i, q, k, v, q_spec, self.kv))
+        self.graphs[-1].replay()
+        return self.outs[-1][0]
