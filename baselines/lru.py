@@ -2,28 +2,40 @@
 updated once per decode step for the whole set of blocks the step retrieved.
 
 RetroInfer does this in C++ with a thread pool (WaveBufferCPU / BufferManager in microsoft/RetrievalAttention:
-an ordered set per head, misses admitted in retrieval order until the cache is full, the rest bypass it). Here
-the same decisions are vectorised over every head of a layer at once with torch on the CPU - a handful of
-gather/scatter/cumsum/topk calls per step, no Python loop over blocks or heads - and, with threads > 1, the
-heads are split into chunks processed concurrently (torch releases the GIL inside each op).
+an ordered set per head, misses admitted in retrieval order until the cache is full, the rest bypass it). A
+baseline's CPU side must run at native speed, since that cost is what the comparison is about, so there are two
+backends that decide exactly alike:
+  native  (default) compiled with numba, one head per thread, O(1) work per looked-up block (baselines/lru_native.py)
+  torch   the same decisions vectorised over every head of a layer with torch on the CPU - a handful of
+          gather/scatter/cumsum/topk calls per step, no Python loop over blocks or heads; with threads > 1 the heads
+          are split into chunks processed concurrently. The readable specification, and the test's reference.
 
 Per head the state is three arrays:
   block_slot [n_blocks]  slot holding the block, -1 if not cached
   slot_block [capacity]  block held by the slot, -1 if empty
-  slot_stamp [capacity]  time of last use (-1 if empty); unique, so the least recently used slot is exact
-Each array has one extra "trash" column that masked scatters write into, so no op needs a boolean compaction.
+  slot_stamp [capacity]  (torch) time of last use; unique, so the least recently used slot is exact. The empty slots
+                         start at -capacity + slot, before any use: slot 0 is the least recently used, so ties
+                         never arise and both backends fill the empty slots in ascending order
+  slot_link  [capacity]  (native, instead of the stamps, same bytes) (prev, next) of a doubly linked list over the
+                         slots from least to most recently used, starting 0, 1, ..., capacity - 1
+Each array has one extra "trash" column that masked scatters write into (the native list's sentinel), so no op
+needs a boolean compaction.
 
 A step, per head: the step's distinct blocks (deduplicated on the device before they are copied here) are
-looked up; hits are touched first (stamped in ascending block order), then misses are admitted in ascending
-block order into the least recently used slots not hit in this step, as long as such slots remain (misses
-beyond that are fetched but bypass the cache, as RetroInfer's).
+looked up; hits are touched first (made most recent in ascending block order), then misses are admitted in
+ascending block order into the least recently used slots not hit in this step, in LRU order, as long as such slots
+remain (misses beyond that are fetched but bypass the cache, as RetroInfer's).
 """
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numba
 import torch
+
+from baselines import lru_native
+from clo.errors import ConfigError
 
 
 @dataclass
@@ -41,15 +53,28 @@ class LRUStep:
     evictions: int  # admitted misses that displaced a cached block
 
 
-PARALLEL_MIN = 1 << 15  # below this many looked-up entries one thread is faster than handing out chunks
+PARALLEL_MIN = 1 << 15  # torch: below this many looked-up entries one thread is faster than handing out chunks
+BACKENDS = ("native", "torch")
 
 
 class BlockLRU:
-    def __init__(self, rows: int, n_blocks: int, capacity: int, threads: int = 1):
-        self.rows, self.n_blocks, self.capacity = rows, n_blocks, capacity
+    def __init__(self, rows: int, n_blocks: int, capacity: int, threads: int = 1, backend: str = "native"):
+        if threads < 1:
+            raise ConfigError(f"BlockLRU threads={threads} must be at least 1")
+        if backend not in BACKENDS:
+            raise ConfigError(f"BlockLRU backend={backend!r} is not one of {BACKENDS}")
+        self.rows, self.n_blocks, self.capacity, self.backend = rows, n_blocks, capacity, backend
         self.block_slot = torch.full((rows, n_blocks + 1), -1, dtype=torch.int64)
         self.slot_block = torch.full((rows, capacity + 1), -1, dtype=torch.int64)
+        if backend == "native":
+            self.slot_link = lru_native.new_links(rows, capacity)
+            # numba's thread count is per calling thread and capped by the pool it started with
+            self.threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+            self.arrays = (self.block_slot.numpy(), self.slot_block.numpy(), self.slot_link.numpy())  # shared memory
+            lru_native.warm()  # compile here, once per process, not in the first timed step
+            return
         self.slot_stamp = torch.full((rows, capacity + 1), -1, dtype=torch.int64)
+        self.slot_stamp[:, :capacity] = torch.arange(capacity) - capacity  # distinct: slot 0 least recently used
         self.clock = 0
         bounds = torch.linspace(0, rows, min(threads, rows) + 1).round().long().tolist()
         self.chunks = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
@@ -57,10 +82,19 @@ class BlockLRU:
 
     @property
     def nbytes(self) -> int:
-        return self.block_slot.nbytes + self.slot_block.nbytes + self.slot_stamp.nbytes
+        order = self.slot_link if self.backend == "native" else self.slot_stamp
+        return self.block_slot.nbytes + self.slot_block.nbytes + order.nbytes
+
+    def order(self) -> torch.Tensor:
+        """[rows, capacity] slots from least to most recently used (for tests and inspection)."""
+        if self.backend == "native":
+            return lru_native.order(self.slot_link)
+        return self.slot_stamp[:, :self.capacity].argsort(1)
 
     def access(self, blocks: torch.Tensor) -> LRUStep:
         """blocks [rows, n] integer CPU tensor: each row's distinct block ids, ascending, then padding = n_blocks."""
+        if self.backend == "native":
+            return self._access_native(blocks)
         blocks = blocks.long()
         u = int((blocks != self.n_blocks).sum(1).max()) if blocks.numel() else 0
         blocks = blocks[:, :u]  # the padding tail is dropped: the work is proportional to the distinct blocks
@@ -85,6 +119,12 @@ class BlockLRU:
             admit_slot=cat([p.admit_slot for p in parts]),
             lookups=sum(p.lookups for p in parts), hits=sum(p.hits for p in parts),
             evictions=sum(p.evictions for p in parts))
+
+    def _access_native(self, blocks: torch.Tensor) -> LRUStep:
+        b = blocks.to(torch.int32).contiguous().numpy()  # one dtype and layout: one compiled kernel
+        numba.set_num_threads(self.threads)  # applies to this calling thread's parallel regions
+        *arrays, lookups, hits, evictions = lru_native.access(b, self.n_blocks, *self.arrays)
+        return LRUStep(*map(torch.from_numpy, arrays), lookups=int(lookups), hits=int(hits), evictions=int(evictions))
 
     def _access(self, ublock: torch.Tensor, r0: int, r1: int, clock: int) -> LRUStep:
         block_slot, slot_block, slot_stamp = self.block_slot[r0:r1], self.slot_block[r0:r1], self.slot_stamp[r0:r1]

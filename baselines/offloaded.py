@@ -8,7 +8,7 @@ from clo.errors import ConfigError
 from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
 from clo.layout import check_budget, select_budget, split_prompt
 from clo.system import CPU_LINK_GB_S
-from clo.transfer import TransferEngine
+from clo.transfer import TransferEngine, cpu_threads as resolve_threads
 
 
 class OffloadedBaseline(KVOffloadSystem):
@@ -19,11 +19,10 @@ class OffloadedBaseline(KVOffloadSystem):
     memory_parts() / estimate_parts(spec, prompt_len): the same named parts from its buffers and from shapes."""
 
     def __init__(self, topk_ratio: float, sink: int, recent: int, dense_layers: int, transfer: str,
-                 cpu_threads: int) -> None:
+                 cpu_threads: int | str) -> None:
         super().__init__()
         check_budget(topk_ratio, sink, recent, dense_layers)
-        if cpu_threads < 1:
-            raise ConfigError(f"cpu_threads={cpu_threads} must be at least 1")
+        cpu_threads = resolve_threads(cpu_threads)  # validated now, before any long work
         TransferEngine(transfer, cpu_threads, torch.device("cpu"))  # validates the transfer kind now
         self.topk_ratio, self.sink, self.recent, self.dense_layers = topk_ratio, sink, recent, dense_layers
         self.transfer_kind, self.cpu_threads = transfer, cpu_threads

@@ -47,7 +47,7 @@ class RetroInfer(OffloadedBaseline):
 
     def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
                  retriever: str = "hash", rbit: int = 256, seed: int = 0, block_size: int = 8,
-                 cache_multiple: float = 3.0, transfer: str = "uva", cpu_threads: int = 8,
+                 cache_multiple: float = 3.0, transfer: str = "uva", cpu_threads: int | str = "auto",
                  selection: str = "block") -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads)
         if selection not in SELECTIONS:

@@ -12,6 +12,8 @@ The host store is head-major, one row = K and V of one token of one KV head ([B,
 On a CPU device both are the same host-to-host gather (the reference)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from clo.errors import ConfigError
@@ -25,12 +27,20 @@ def gather_rows_ref(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor) 
     return host[b, heads.to(idx.device)[None, :, None], idx]
 
 
+def cpu_threads(threads: int | str) -> int:
+    """A thread count, or 'auto': every core this process may run on (a baseline's CPU side at full strength)."""
+    if threads == "auto":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if isinstance(threads, str) or threads < 1:
+        raise ConfigError(f"cpu_threads={threads!r} must be a count of at least 1, or auto")
+    return int(threads)
+
+
 class TransferEngine:
-    def __init__(self, kind: str, threads: int, device: torch.device):
+    def __init__(self, kind: str, threads: int | str, device: torch.device):
         if kind not in TRANSFERS:
             raise ConfigError(f"transfer={kind!r}; valid: {', '.join(TRANSFERS)}")
-        if threads < 1:
-            raise ConfigError(f"cpu_threads={threads} must be at least 1")
+        threads = cpu_threads(threads)
         if kind == "uva" and device.type == "cuda":
             from clo.kernels import uva_gather  # noqa: F401  (Triton; fails loudly where it is missing)
         self.kind, self.threads, self.device = kind, threads, device

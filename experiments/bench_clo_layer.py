@@ -91,6 +91,16 @@ def measure(clo: CLO, dense: Layer, layer: int) -> dict:
         "persistent": lambda: st.select_persistent(qp, clo.retriever, layer),
         "attention": lambda: st.attend(qp, gen),
     }
+    # the retrieval's own parts, to see which one the layer waits for
+    scores = clo.retriever.scores(layer, qp, st.cached)
+    top = scores.topk(st.k, dim=-1, sorted=False).indices
+    parts.update({
+        "retrieval.scores": lambda: clo.retriever.scores(layer, qp, st.cached),
+        "retrieval.topk": lambda: scores.topk(st.k, dim=-1, sorted=False),
+        "retrieval.topk_fp16": lambda: scores.half().topk(st.k, dim=-1, sorted=False),
+        "retrieval.sort": lambda: top.sort(dim=-1),
+        "transfer_no_miss": lambda: clo.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots),
+    })
     out = {name: replay_ms(fn, reps=10) * 1e3 for name, fn in parts.items()}
     tau = st.tau.clone()
     for case, t in (("all_miss", 2.0), ("all_hit", -2.0)):

@@ -179,19 +179,27 @@ class OrderedDictLRU:
         return len(hits), len(misses), evictions
 
 
+def random_step(g, rows, n_blocks, most=14, width=16):
+    """Each row's distinct blocks, sorted (0 to most - 1 of them), and the [rows, width] padded int32 tensor."""
+    sets = [sorted(set(torch.randint(0, n_blocks, (int(torch.randint(0, most, (1,), generator=g)),),
+                                     generator=g).tolist())) for _ in range(rows)]
+    padded = torch.full((rows, width), n_blocks, dtype=torch.int32)
+    for r, blocks in enumerate(sets):
+        padded[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return sets, padded
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("capacity", [1, 4, 9, 40])
-def test_lru_matches_an_ordered_dict_lru_on_a_random_trace(threads, capacity, monkeypatch):
-    monkeypatch.setattr(baselines.lru, "PARALLEL_MIN", 0)  # exercise the chunked path on small inputs too
+def test_lru_matches_an_ordered_dict_lru_on_a_random_trace(backend, threads, capacity, monkeypatch):
+    monkeypatch.setattr(baselines.lru, "PARALLEL_MIN", 0)  # exercise the torch backend's chunked path too
     rows, n_blocks = 5, 30
     g = torch.Generator().manual_seed(capacity)
-    lru, refs = BlockLRU(rows, n_blocks, capacity, threads), [OrderedDictLRU(capacity) for _ in range(rows)]
+    lru = BlockLRU(rows, n_blocks, capacity, threads, backend)
+    refs = [OrderedDictLRU(capacity) for _ in range(rows)]
     for _ in range(50):
-        sets = [sorted(set(torch.randint(0, n_blocks, (int(torch.randint(0, 14, (1,), generator=g)),),
-                                         generator=g).tolist())) for _ in range(rows)]
-        padded = torch.full((rows, 16), n_blocks, dtype=torch.int32)
-        for r, blocks in enumerate(sets):
-            padded[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        sets, padded = random_step(g, rows, n_blocks)
         before = [set(ref.od) for ref in refs]
         res = lru.access(padded)
         counts = [ref.step(blocks) for ref, blocks in zip(refs, sets)]
@@ -204,6 +212,37 @@ def test_lru_matches_an_ordered_dict_lru_on_a_random_trace(threads, capacity, mo
             assert torch.equal(lru.slot_block[r, lru.block_slot[r, cached]], cached)  # and the maps agree
         missed = [(int(r), int(x)) for r, x in zip(res.miss_row, res.miss_block)]
         assert missed == [(r, x) for r, blocks in enumerate(sets) for x in blocks if x not in before[r]]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lru_backends_decide_identically(threads, monkeypatch):
+    """native and torch: the same LRUStep and the same state, step after step, with the cache often smaller than a
+    step's distinct blocks (so misses bypass it), rows of different lengths, empty rows and an empty step."""
+    monkeypatch.setattr(baselines.lru, "PARALLEL_MIN", 0)
+    rows, n_blocks, capacity = 6, 200, 24
+    g = torch.Generator().manual_seed(7)
+    native, spec = (BlockLRU(rows, n_blocks, capacity, threads, b) for b in ("native", "torch"))
+    assert native.nbytes == spec.nbytes
+    bypassed = 0
+    for step in range(60):
+        sets, padded = random_step(g, rows, n_blocks, most=60 if step % 3 else 8, width=64)
+        if step == 10:
+            padded.fill_(n_blocks)
+        a, b = native.access(padded.long() if step % 2 else padded), spec.access(padded)
+        for f in ("slot", "miss", "miss_row", "miss_block", "admit_pos", "admit_slot"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), f
+        assert (a.lookups, a.hits, a.evictions) == (b.lookups, b.hits, b.evictions)
+        bypassed += a.miss_row.numel() - a.admit_pos.numel()
+        assert torch.equal(native.block_slot, spec.block_slot) and torch.equal(native.slot_block, spec.slot_block)
+        assert torch.equal(native.order(), spec.order())  # the same recency order of the slots
+    assert bypassed > 0
+
+
+def test_lru_refuses_bad_threads_and_backend():
+    with pytest.raises(ConfigError, match="threads"):
+        BlockLRU(2, 10, 4, threads=0)
+    with pytest.raises(ConfigError, match="backend"):
+        BlockLRU(2, 10, 4, backend="cuda")
 
 
 def test_retroinfer_statistics_match_an_independent_trace():

@@ -1,0 +1,134 @@
+"""BlockLRU's native backend (baselines/lru.py): the same decisions as its torch code, compiled with numba, one head
+(row) per thread, O(1) work per looked-up block - what RetroInfer's C++ thread pool costs, not a Python emulation.
+
+Per row the recency order is a circular doubly linked list over the slots: link[r, s] = (prev, next), with node
+`capacity` (the state's trash column) as the sentinel, so link[r, cap, NEXT] is the least recently used slot and
+link[r, cap, PREV] the most recently used. It takes the place of the torch backend's stamps, in as many bytes.
+A step moves each hit to the tail in ascending block order; the non-hit slots are then the head of the list, in
+LRU order, so the admitted misses take the first of them in turn, and that segment moves to the tail at once, its
+order kept - no search, no sort.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import prange
+
+PREV, NEXT = 0, 1
+U = np.uint64  # indexing with unsigned ints spares numba's negative-index wraparound check in the hot loops (~10%)
+
+
+def new_links(rows: int, capacity: int) -> torch.Tensor:
+    """[rows, capacity + 1, 2] int32: the list sentinel -> 0 -> 1 -> ... -> capacity - 1 -> sentinel, so slot 0 is
+    the least recently used (as the torch backend's initial stamps say)."""
+    node = torch.arange(capacity + 1, dtype=torch.int32)
+    one = torch.stack([(node - 1) % (capacity + 1), (node + 1) % (capacity + 1)], 1)
+    return one.expand(rows, -1, -1).contiguous()
+
+
+@numba.njit(inline="always")
+def _to_tail(lk, s, sentinel):  # unlink slot s and make it the most recently used
+    s = U(s)
+    p, n = U(lk[s, PREV]), U(lk[s, NEXT])
+    lk[p, NEXT] = n
+    lk[n, PREV] = p
+    t = U(lk[sentinel, PREV])
+    lk[t, NEXT] = s
+    lk[s, PREV] = t
+    lk[s, NEXT] = sentinel
+    lk[sentinel, PREV] = s
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def access(blocks, nb, block_slot, slot_block, link):
+    """blocks [rows, n] int32 C-contiguous (distinct ascending ids, then padding nb); the state arrays are updated
+    in place. Returns LRUStep's arrays and counts (see baselines/lru.py)."""
+    rows, n = blocks.shape
+    cap = slot_block.shape[1] - 1
+    valid = np.zeros(rows, np.int64)
+    for r in prange(rows):
+        c = 0
+        for j in range(n):
+            c += blocks[r, j] != nb
+        valid[r] = c
+    u = 0  # the padding tail is dropped, as in the torch code
+    for r in range(rows):
+        u = max(u, valid[r])
+    slot = np.empty((rows, u), np.int64)
+    miss = np.empty((rows, u), np.int64)
+    mcol = np.empty((rows, u), np.int32)  # per row: the column of each miss, in order
+    mslot = np.empty((rows, u), np.int32)  # the slots hit, then the slots the admitted misses took
+    n_hit, n_miss = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
+    n_admit, n_evict = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
+    for r in prange(rows):
+        lk, bsl, sbl = link[r], block_slot[r], slot_block[r]
+        h = m = 0
+        for j in range(u):  # branch-free: hits and misses interleave at random, a branch would mispredict
+            b = blocks[r, j]
+            s = bsl[U(b)]  # padding reads the trash column's -1: never a hit, and not counted as a miss
+            slot[r, j], miss[r, j] = s, -1
+            mslot[r, h], mcol[r, m] = s, j  # written always, kept only by the count advancing
+            h += s >= 0
+            m += (s < 0) & (b != nb)
+        for k in range(h):  # touch the hits in ascending block order
+            _to_tail(lk, mslot[r, k], cap)
+        # admit: the list now starts with the cap - h slots not hit in this step, least recent first; the first
+        # a of them are the victims, in order
+        a, e = min(m, cap - h), 0
+        v = lk[cap, NEXT]
+        for k in range(a):
+            mslot[r, k] = v
+            v = lk[U(v), NEXT]
+        for k in range(a):  # iterations independent of each other: their cache misses overlap
+            v = mslot[r, k]
+            old = sbl[U(v)]
+            if old >= 0:
+                bsl[U(old)] = -1
+                e += 1
+            b = blocks[r, mcol[r, k]]
+            bsl[U(b)] = v
+            sbl[U(v)] = b
+        if a:  # the victims keep their order: move the whole segment from the head to the tail
+            first, last = lk[cap, NEXT], mslot[r, a - 1]
+            after, tail = lk[last, NEXT], lk[cap, PREV]
+            if after != cap:
+                lk[cap, NEXT], lk[after, PREV] = after, cap
+                lk[tail, NEXT], lk[first, PREV] = first, tail
+                lk[last, NEXT], lk[cap, PREV] = cap, last
+        n_hit[r], n_miss[r], n_admit[r], n_evict[r] = h, m, a, e
+    # the miss list is row-major: offsets by a (short, serial) prefix sum over rows, then filled per row
+    moff, aoff = np.zeros(rows + 1, np.int64), np.zeros(rows + 1, np.int64)
+    for r in range(rows):
+        moff[r + 1] = moff[r] + n_miss[r]
+        aoff[r + 1] = aoff[r] + n_admit[r]
+    miss_row, miss_block = np.empty(moff[rows], np.int64), np.empty(moff[rows], np.int64)
+    admit_pos, admit_slot = np.empty(aoff[rows], np.int64), np.empty(aoff[rows], np.int64)
+    for r in prange(rows):
+        for k in range(n_miss[r]):
+            j, p = mcol[r, k], moff[r] + k
+            miss[r, j] = p
+            miss_row[p] = r
+            miss_block[p] = blocks[r, j]
+        for k in range(n_admit[r]):  # the admitted misses are each row's first ones
+            admit_pos[aoff[r] + k] = moff[r] + k
+            admit_slot[aoff[r] + k] = mslot[r, k]
+    return (slot, miss, miss_row, miss_block, admit_pos, admit_slot,
+            valid.sum(), n_hit.sum(), n_evict.sum())
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) and start the thread pool now, once per process: not in a timed step."""
+    state = [torch.full((1, 2), -1, dtype=torch.int64).numpy() for _ in range(2)]
+    access(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy())
+
+
+def order(link: torch.Tensor) -> torch.Tensor:
+    """[rows, capacity] slots from least to most recently used (for tests and inspection: a Python walk)."""
+    rows, cap = link.shape[0], link.shape[1] - 1
+    out = torch.empty(rows, cap, dtype=torch.int64)
+    for r in range(rows):
+        s = int(link[r, cap, NEXT])
+        for i in range(cap):
+            out[r, i], s = s, int(link[r, s, NEXT])
+    return out
