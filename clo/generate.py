@@ -20,6 +20,7 @@ class Generation:
     prefill_s: float
     decode_s: float
     steps: list[StepStats] = field(default_factory=list)
+    steady_from: int = 0  # the first step that replays a captured graph (the capture step before it is slow)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -119,4 +120,5 @@ def generate(
         if on_token is not None:
             on_token(i)
     _sync(dev)
-    return Generation(torch.stack(out, dim=1), prefill_s, time.perf_counter() - t0, steps)
+    return Generation(torch.stack(out, dim=1), prefill_s, time.perf_counter() - t0, steps,
+                      steady_from=0 if decode_mode == "eager" else step.warmup + 1)

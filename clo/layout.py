@@ -89,7 +89,7 @@ class LayerStore:
             return
         from clo.retrieval import select_topk
 
-        idx = select_topk(retriever.scores(layer, qp, self.persistent), self.k, self.sink)
+        idx = select_topk(retriever.scores(layer, qp, self.persistent), self.k, self.sink, ascending=False)
         b = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
         p = torch.arange(self.persist.shape[1], device=idx.device)[None, :, None]
         self.sel[:, self.nc:] = self.persist[b, p, idx]

@@ -173,7 +173,7 @@ class CLO(KVOffloadSystem):
             miss = lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
                                      self.cfg["gqa_aggregation"])
         with self.phase("retrieval"):
-            idx = select_topk(self.retriever.scores(layer, qp, st.cached), st.k, st.sink)
+            idx = select_topk(self.retriever.scores(layer, qp, st.cached), st.k, st.sink, ascending=False)
         with self.phase("transfer_exposed"):
             self.transfer.fill(st.host, st.cached, idx, miss, st.slots)
             st.slot_idx.copy_(torch.where(miss[..., None], idx, st.slot_idx))

@@ -58,7 +58,7 @@ def measure(clo: CLO, dense: Layer, layer: int) -> dict:
     q = torch.randn(1, hkv * g, d, dtype=torch.bfloat16, device=DEV)
     qp = st.permute_q(q)
     qc = qp.view(1, -1, g, d)[:, : st.nc]
-    idx = select_topk(clo.retriever.scores(layer, qp, st.cached), st.k, st.sink)
+    idx = select_topk(clo.retriever.scores(layer, qp, st.cached), st.k, st.sink, ascending=False)
     all_miss = torch.ones(1, st.nc, dtype=torch.bool, device=DEV)
     gen = clo.position - st.t0
     a = dense.self_attn
@@ -86,7 +86,7 @@ def measure(clo: CLO, dense: Layer, layer: int) -> dict:
     parts = {
         "dense": dense_work,
         "lookup": lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask, "mean"),
-        "retrieval": lambda: select_topk(clo.retriever.scores(layer, qp, st.cached), st.k, st.sink),
+        "retrieval": lambda: select_topk(clo.retriever.scores(layer, qp, st.cached), st.k, st.sink, ascending=False),
         "transfer": lambda: clo.transfer.fill(st.host, st.cached, idx, all_miss, st.slots),
         "persistent": lambda: st.select_persistent(qp, clo.retriever, layer),
         "attention": lambda: st.attend(qp, gen),

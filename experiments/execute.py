@@ -130,7 +130,8 @@ def run_generation(model, system, tokens, gen_tokens, stop, decode_mode, profile
 def metrics(gen: Generation, system: KVOffloadSystem, cfg: ModelConfig, spec: KVSpec, seqlen: int,
             hbm_gb_s: float, link_gb_s: float | None, warmup: int) -> dict[str, Any]:
     # The first steps pay one-off costs (kernel JIT, allocator growth): they stay in the record, not the means.
-    steps = gen.steps[warmup:] or gen.steps
+    # With a graph, the capture step too (it runs the step eagerly while recording it).
+    steps = gen.steps[max(warmup, gen.steady_from):] or gen.steps
     n = max(len(steps), 1)
     phase_ms = {p: statistics.fmean(s.phase_ms[p] for s in steps) if steps else 0.0 for p in (*PHASES, "total")}
     lookups = sum(s.lookups for s in steps)
