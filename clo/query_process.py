@@ -37,14 +37,15 @@ class ProfileQueryProcess:
         norm = q.norm(dim=-1, keepdim=True)
         state = self.state[layer]
         if state is None:
-            state = q / norm.clamp_min(1e-6)
+            state = self.state[layer] = q / norm.clamp_min(1e-6)
         elif advance:
             rho = self.rho[layer][None, :, None].to(q.dtype)
             noise = torch.randn_like(q)
             noise = noise / noise.norm(dim=-1, keepdim=True)
-            state = rho * state + (1 - rho * rho).clamp_min(0).sqrt() * noise
-            state = state / state.norm(dim=-1, keepdim=True)
-        self.state[layer] = state
+            new = rho * state + (1 - rho * rho).clamp_min(0).sqrt() * noise
+            # in place: a CUDA graph replays reads and writes of this very buffer, so the chain advances on
+            # every replay (rebinding a new tensor would replay the captured step's input forever)
+            state.copy_(new / new.norm(dim=-1, keepdim=True))
         return state * norm
 
 

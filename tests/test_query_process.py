@@ -1,4 +1,5 @@
 """The synthetic query process gives each head the adjacent-step similarity its profile asks for."""
+import pytest
 import torch
 
 from clo.query_process import ProfileQueryProcess, map_profile
@@ -26,3 +27,25 @@ def test_profile_mapping_keeps_the_distribution():
     mapped = map_profile(src, 32, 8)
     assert mapped.shape == (32, 8)
     assert abs(mapped.mean() - src.mean()) < 0.01 and mapped.min() >= 0.5 and mapped.max() <= 1.0
+
+
+@pytest.mark.gpu
+def test_the_process_advances_when_replayed_from_a_cuda_graph():
+    """Decode steps replay a captured graph: each replay must step the chain (cosine to the previous step
+    rho), not redraw around the captured step's state (cosine rho^2)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA; run on the GPU machine")
+    dev = torch.device("cuda")
+    proc = ProfileQueryProcess(torch.tensor([[0.5]]), group=4, device=dev, source="test")
+    q = torch.randn(64, 4, 128, device=dev)
+    proc.query(0, q, advance=True)  # eager first calls, as the decode warm-up makes
+    out = proc.query(0, q, advance=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = proc.query(0, q, advance=True)
+    prev, sims = out.clone(), []
+    for _ in range(20):
+        graph.replay()
+        sims.append(torch.nn.functional.cosine_similarity(out, prev, dim=-1).mean().item())
+        prev = out.clone()
+    assert abs(sum(sims) / len(sims) - 0.5) < 0.05
