@@ -63,8 +63,11 @@ def git_commit(repo: Path) -> dict[str, Any]:
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", None
-    if not commit:  # a copy without .git (the GPU machine's working tree): the launcher says which commit it is
-        return {"commit": os.environ.get("CLO_GIT_COMMIT", "unknown"), "dirty": None, "from": "CLO_GIT_COMMIT"}
+    # The launcher's word wins: the GPU machine's copy of the tree may carry a stale .git (or none) whose HEAD
+    # is not the commit its files come from.
+    if os.environ.get("CLO_GIT_COMMIT") or not commit:
+        return {"commit": os.environ.get("CLO_GIT_COMMIT", "unknown"), "dirty": None, "from": "CLO_GIT_COMMIT",
+                "local_git_head": commit or None}
     return {"commit": commit, "dirty": dirty}
 
 
