@@ -39,7 +39,7 @@ class DecodeStep:
     call from then on replays it. Inputs and output live in static buffers."""
 
     def __init__(self, model: Decoder, kv: KVOffloadSystem, batch: int, device: torch.device, mode: str = "eager",
-                 warmup: int = 2, graph_priority: int = -1):
+                 warmup: int = 2):
         if mode not in DECODE_MODES:
             raise ValueError(f"decode mode {mode!r}; valid: {', '.join(DECODE_MODES)}")
         self.model, self.kv, self.warmup, self.mode, self.batch = model, kv, warmup, mode, batch
@@ -49,9 +49,7 @@ class DecodeStep:
         if mode == "graph":
             kv.use_static_shapes()
         if mode != "eager":
-            # captured at high priority: a system's side stream (CLO's next-layer retrieval and transfers)
-            # then fills the compute stream's gaps instead of delaying it (bench_clo_layer measures both)
-            self.stream = torch.cuda.Stream(device, priority=graph_priority)
+            self.stream = torch.cuda.Stream(device)
 
     def _step(self) -> torch.Tensor:
         return self.model.decode(self.token, self.kv.position, self.kv).argmax(-1)

@@ -103,15 +103,11 @@ def measure(clo: CLO, dense: Layer, layer: int) -> dict:
     })
     out = {name: replay_ms(fn, reps=10) * 1e3 for name, fn in parts.items()}
     tau = st.tau.clone()
-    # the compute stream at high priority: the side stream's kernels (next layer's retrieval) fill its gaps
-    # instead of delaying it; CUDA keeps a captured stream's priority in the graph's kernels
-    high = torch.cuda.Stream(DEV, priority=-1)
     for case, t in (("all_miss", 2.0), ("all_hit", -2.0)):
         st.tau.fill_(t)
         st.valid.fill_(True)
         out[f"side_{case}"] = replay_ms(lambda: clo._refresh(layer, qp), reps=10) * 1e3
         out[f"layer_{case}"] = replay_ms(layer_work, reps=10) * 1e3
-        out[f"layer_{case}_main_high_priority"] = replay_ms(layer_work, reps=10, stream=high) * 1e3
     st.tau.copy_(tau)
     return {k: round(v, 1) for k, v in out.items()}
 

@@ -43,14 +43,13 @@ def pinned_h2d_gb_s(device: torch.device, nbytes: int = 256 << 20, repeats: int 
     return nbytes / median_ms(lambda: dst.copy_(src, non_blocking=True), device, repeats) / 1e6
 
 
-def replay_ms(fn, reps: int = 20, iters: int = 10, stream: torch.cuda.Stream | None = None) -> float:
+def replay_ms(fn, reps: int = 20, iters: int = 10) -> float:
     """Per-call milliseconds of `fn` replayed `reps` times from one CUDA graph: the GPU's own time, without the
-    host launch overhead that an eager call (or a per-call event pair) would add. `stream`: capture on it
-    (its priority goes into the graph's kernels)."""
+    host launch overhead that an eager call (or a per-call event pair) would add."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
     return median_ms(graph.replay, torch.device("cuda"), iters, warmup=0) / reps
