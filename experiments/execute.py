@@ -19,7 +19,6 @@ from clo.kv.timer import PHASES, PhaseTimer
 from clo.model.config import ModelConfig
 from clo.model.weights import build_decoder
 from experiments import preflight
-from experiments.kernel_profile import context as kernel_context, maybe_profile
 from experiments.records import environment
 from experiments.workloads import PROMPTS, build_prompt
 
@@ -84,9 +83,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     prompt = build_prompt(cfg.workload.prompt, seqlen, batch, int(cfg.seed), tokenizer, model_cfg.vocab_size,
                           float(cfg.workload.needle_depth))
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
-    profile = maybe_profile(int(cfg.profile_kernels), int(cfg.workload.warmup_steps), device)
-    with kernel_context(profile):
-        gen = run_generation(model, system, prompt.tokens.to(device), gen_tokens, stop, decode_mode, profile)
+    gen = run_generation(model, system, prompt.tokens.to(device), gen_tokens, stop, decode_mode)
 
     text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
     hbm = cfg.hardware.hbm_gb_s or copy_bandwidth_gb_s(device)
@@ -108,7 +105,6 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
                            int(cfg.workload.warmup_steps)),
         "system_state": state,
         "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
-        "kernels": profile.table() if profile is not None else None,
         "steps": [s.as_dict() for s in gen.steps],
     }
 
@@ -117,14 +113,14 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_generation(model, system, tokens, gen_tokens, stop, decode_mode, profile=None) -> Generation:
+def run_generation(model, system, tokens, gen_tokens, stop, decode_mode) -> Generation:
     n_layers = model.cfg.num_layers
     with tqdm(total=n_layers, desc=f"prefill {tokens.shape[1]} tokens", unit="layer", file=sys.stderr,
               leave=False) as bar_p, tqdm(total=gen_tokens - 1, desc="decode", unit="tok", file=sys.stderr,
                                           leave=False) as bar_d:
         return generate(model, system, tokens, gen_tokens, stop, decode_mode,
                         on_prefill_layer=lambda _: bar_p.update(1),
-                        on_token=lambda _: (bar_d.update(1), profile and profile.step()))
+                        on_token=lambda _: bar_d.update(1))
 
 
 def metrics(gen: Generation, system: KVOffloadSystem, cfg: ModelConfig, spec: KVSpec, seqlen: int,

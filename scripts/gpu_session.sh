@@ -9,8 +9,7 @@ commit=${1:?usage: gpu_session.sh <git commit of this working tree>}
 export CLO_GIT_COMMIT=$commit PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD
-out=/tmp/gpu_session
-mkdir -p "$out"
+out=$(mktemp -d /tmp/gpu_session.XXXX)  # fresh: a machine kept warm between calls keeps /tmp, and runs skip existing records
 stage() {  # stage <name> <seconds> <command...>
   local name=$1 secs=$2
   shift 2
@@ -23,9 +22,10 @@ stage() {  # stage <name> <seconds> <command...>
  python3 -c "import torch, triton, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__)"
 ) > "$out/env.txt" 2>&1
 stage pytest_gpu 120 python3 -m pytest -m gpu -q tests/
-stage bench_clo 80 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
+stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
+stage bench_clo_layer 60 python3 -m experiments.bench_clo_layer --out "$out/clo_layer.json"
 run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants its flags first
-stage clo_graph 150 $run +experiment=clo_synthetic system=clo,fullattn decode_mode=graph seqlen=32k,128k
+stage clo_graph 120 $run +experiment=clo_synthetic system=clo,fullattn seqlen=32k,128k workload.gen_tokens=32
 stage fig2 200 $run +experiment=fig2_breakdown workload.gen_tokens=16
 tar -czf "${OUT:-/tmp}/gpu_session.tgz" -C "$out" .
 cp "$out/summary.log" "${OUT:-/tmp}/summary.log"
