@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from clo.bench.bandwidth import copy_bandwidth_gb_s, layer_time_s, pinned_h2d_gb_s, replay_ms
+from clo.bench.bandwidth import copy_bandwidth_gb_s, dense_work, layer_time_s, pinned_h2d_gb_s, replay_ms
 from clo.kernels.head_cache import lookup_and_update
 from clo.kv.interface import KVSpec
 from clo.kv.timer import PhaseTimer
@@ -54,23 +54,16 @@ def build(seqlen: int, layer: int) -> tuple[CLO, Layer]:
 def measure(clo: CLO, dense: Layer, layer: int) -> dict:
     st = clo.stores[layer]
     d, hkv, g = LLAMA3.head_dim, LLAMA3.num_kv_heads, LLAMA3.group_size
-    x = torch.randn(1, 1, LLAMA3.hidden_size, dtype=torch.bfloat16, device=DEV)
     q = torch.randn(1, hkv * g, d, dtype=torch.bfloat16, device=DEV)
     qp = st.permute_q(q)
     qc = qp.view(1, -1, g, d)[:, : st.nc]
     idx = select_topk(clo.retriever.scores(layer, qp, st.cached), st.k, st.sink, ascending=False)
     all_miss = torch.ones(1, st.nc, dtype=torch.bool, device=DEV)
     gen = clo.position - st.t0
-    a = dense.self_attn
-
-    def dense_work():
-        h = dense.input_layernorm(x)
-        a.k_proj(h), a.v_proj(h)
-        y = x + a.o_proj(a.q_proj(h))
-        return y + dense.mlp(dense.post_attention_layernorm(y))
+    dense_step = dense_work(dense, 1)
 
     def main_work():  # what the compute stream does for this layer, besides waiting
-        dense_work()
+        dense_step()
         st.select_persistent(qp, clo.retriever, layer)
         st.attend(qp, gen)
 
@@ -84,7 +77,7 @@ def measure(clo: CLO, dense: Layer, layer: int) -> dict:
         torch.cuda.current_stream().wait_stream(side)
 
     parts = {
-        "dense": dense_work,
+        "dense": dense_step,
         "lookup": lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask, "mean"),
         "retrieval": lambda: select_topk(clo.retriever.scores(layer, qp, st.cached), st.k, st.sink, ascending=False),
         "transfer": lambda: clo.transfer.fill(st.host, st.cached, idx, all_miss, st.slots),

@@ -11,6 +11,9 @@ from clo.model.decoder import Decoder
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
+TINY = ModelConfig(name="tiny", family="llama", hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
+                   num_kv_heads=2, head_dim=64, vocab_size=2000, rope_theta=1e4, rms_norm_eps=1e-5,
+                   max_position_embeddings=4096)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flashinfer"])
@@ -65,10 +68,7 @@ def test_cuda_graph_decode_generates_the_eager_tokens():
     from clo.generate import generate
     from clo.model.weights import synthetic_decoder
 
-    cfg = ModelConfig(name="tiny", family="llama", hidden_size=512, intermediate_size=1024, num_layers=4,
-                      num_heads=8, num_kv_heads=2, head_dim=64, vocab_size=2000, rope_theta=1e4,
-                      rms_norm_eps=1e-5, max_position_embeddings=4096)
-    model = synthetic_decoder(cfg, 0, CUDA, torch.float32)
+    model = synthetic_decoder(TINY, 0, CUDA, torch.float32)
     prompt = torch.randint(0, 2000, (2, 500), device=CUDA)
     runs = []
     for graph in (False, True):
@@ -90,10 +90,7 @@ def test_piecewise_graphs_generate_the_eager_tokens(system):
 
     make = {"fullattn": FullAttn, "clo": lambda: CLO(dense_layers=1, layer_time_ms=0.1),
             "retroinfer": lambda: RetroInfer(dense_layers=1), "infinigen": lambda: InfiniGen(dense_layers=1)}[system]
-    cfg = ModelConfig(name="tiny", family="llama", hidden_size=512, intermediate_size=1024, num_layers=4,
-                      num_heads=8, num_kv_heads=2, head_dim=64, vocab_size=2000, rope_theta=1e4,
-                      rms_norm_eps=1e-5, max_position_embeddings=4096)
-    model = synthetic_decoder(cfg, 0, CUDA, torch.float32)
+    model = synthetic_decoder(TINY, 0, CUDA, torch.float32)
     prompt = torch.randint(0, 2000, (2, 1000), device=CUDA)
     runs = []
     for mode in ("eager", "piecewise"):
@@ -113,10 +110,7 @@ def test_clo_graph_replay_generates_the_eager_tokens(topk_ratio):
     from clo.model.weights import synthetic_decoder
     from clo.system import CLO
 
-    cfg = ModelConfig(name="tiny", family="llama", hidden_size=512, intermediate_size=1024, num_layers=4,
-                      num_heads=8, num_kv_heads=2, head_dim=64, vocab_size=2000, rope_theta=1e4,
-                      rms_norm_eps=1e-5, max_position_embeddings=4096)
-    model = synthetic_decoder(cfg, 0, CUDA, torch.bfloat16)
+    model = synthetic_decoder(TINY, 0, CUDA, torch.bfloat16)
     prompt = torch.randint(0, 2000, (2, 1000), device=CUDA)
     runs, stats = [], []
     for graph in (False, True):

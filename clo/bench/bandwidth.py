@@ -55,10 +55,9 @@ def replay_ms(fn, reps: int = 20, iters: int = 10) -> float:
     return median_ms(graph.replay, torch.device("cuda"), iters, warmup=0) / reps
 
 
-def layer_time_s(layer, batch: int, repeats: int = 5) -> float:
-    """One decoder layer's dense work (norms, projections, MLP) for one decode step: the T_comp that
-    one-layer-ahead prefetch can hide transfers behind (attention excluded). On CUDA replayed from a graph,
-    as a decode step is; eager timing would count Python launch overhead as compute."""
+def dense_work(layer, batch: int):
+    """A closure running one decoder layer's dense work (norms, projections, MLP; no attention) on a decode
+    step's hidden state of `batch` sequences."""
     p = layer.input_layernorm.weight
     x = torch.randn(batch, 1, p.shape[0], device=p.device, dtype=p.dtype)
     a = layer.self_attn
@@ -69,6 +68,15 @@ def layer_time_s(layer, batch: int, repeats: int = 5) -> float:
         y = x + a.o_proj(a.q_proj(h))
         return y + layer.mlp(layer.post_attention_layernorm(y))
 
+    return work
+
+
+def layer_time_s(layer, batch: int, repeats: int = 5) -> float:
+    """One decoder layer's dense work for one decode step: the T_comp that one-layer-ahead prefetch can hide
+    transfers behind (attention excluded). On CUDA replayed from a graph, as a decode step is; eager timing
+    would count Python launch overhead as compute."""
+    p = layer.input_layernorm.weight
+    work = dense_work(layer, batch)
     with torch.inference_mode():
         if p.is_cuda:
             return replay_ms(work) / 1e3
