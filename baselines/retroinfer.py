@@ -16,8 +16,9 @@ Defaults taken from RetroInfer's public code (cache_hub/retroinfer_cache.py, cur
 microsoft/RetrievalAttention, e.g. River861/RetrievalAttention): a page (our block) is 8 tokens
 (`self.page_size = 8`, "1 cluster = 2 pages = 2 * 8 vectors"), and without a cache_ratio the GPU cache holds 3x
 the retrieved clusters' pages (`cache_cluster_num = ... else (nprobe + nprobe_new) * 3`). Its CPU side is
-BufferManager in library/retroinfer/retroinfer_kernels/src/wave_buffer_cpu.cpp (C++, a thread pool). RetroInfer retrieves clusters of its wave index; we retrieve
-tokens with the same retriever as CLO (the wave index is not implemented), so "retrieved blocks per step" is
+BufferManager in library/retroinfer/retroinfer_kernels/src/wave_buffer_cpu.cpp (C++, a thread pool).
+RetroInfer retrieves clusters of its wave index (`retriever=wave`, baselines/wave_index.py); by default we
+retrieve tokens with the same retriever as CLO, so "retrieved blocks per step" is
 ceil(top-k / block_size), the blocks the step's tokens would fill if packed, and a step that touches more
 distinct blocks than fit admits misses in retrieval order and lets the rest bypass the cache, as RetroInfer's
 BufferManager does.
@@ -30,6 +31,7 @@ import torch
 
 from baselines.lru import BlockLRU, distinct_sorted
 from baselines.offloaded import OffloadedBaseline
+from baselines.wave_index import WaveRetriever
 from clo.errors import ConfigError
 from clo.kv.interface import KVSpec, MemoryEstimate
 from clo.layout import split_prompt
@@ -48,13 +50,15 @@ class RetroInfer(OffloadedBaseline):
     def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
                  retriever: str = "hash", rbit: int = 256, seed: int = 0, block_size: int = 8,
                  cache_multiple: float = 3.0, transfer: str = "uva", cpu_threads: int | str = "auto",
-                 selection: str = "block") -> None:
+                 selection: str = "block", wave_cluster_size: int = 16, wave_segment: int = 8192,
+                 wave_iters: int = 4) -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads)
         if selection not in SELECTIONS:
             raise ConfigError(f"selection={selection!r}; valid: {', '.join(SELECTIONS)}")
         self.selection = selection
-        if retriever not in RETRIEVERS:
-            raise ConfigError(f"retriever={retriever!r}; valid: {', '.join(RETRIEVERS)}")
+        if retriever not in (*RETRIEVERS, "wave"):
+            raise ConfigError(f"retriever={retriever!r}; valid: {', '.join(RETRIEVERS)}, wave")
+        self.wave = WaveRetriever(0, wave_cluster_size, wave_segment, wave_iters)  # validates; sized at allocate
         if block_size < 1:
             raise ConfigError(f"block_size={block_size} must be at least 1 token")
         if cache_multiple < 1.0:
@@ -94,16 +98,24 @@ class RetroInfer(OffloadedBaseline):
         n_blocks, _, cap = self.geometry(t0)
         heads = spec.batch * spec.num_kv_heads
         sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
-        meta = (self.rbit // 8 + 4) if self.retriever_kind == "hash" else spec.head_dim * spec.dtype_bytes
+        if self.retriever_kind == "wave":
+            meta = self.wave.estimate_bytes(heads, n_mid, spec.head_dim)
+        else:
+            per_token = (self.rbit // 8 + 4) if self.retriever_kind == "hash" else spec.head_dim * spec.dtype_bytes
+            meta = heads * n_mid * per_token
         return {**self.common_estimate(spec, t0, -n_mid % self.block_size),
                 "cache": sparse * heads * cap * self.block_size * self.row_bytes(spec),
-                "metadata": sparse * heads * n_mid * meta,
+                "metadata": sparse * meta,
                 "host_metadata": sparse * heads * 8 * (n_blocks + 1 + 2 * (cap + 1))}
 
     def _allocate(self, spec: KVSpec) -> None:
         super()._allocate(spec)
-        self.retriever = make_retriever(self.retriever_kind, spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                        spec.device, self.rbit, self.seed)
+        if self.retriever_kind == "wave":
+            w = self.wave
+            self.retriever = WaveRetriever(spec.num_layers, w.cluster_size, w.segment, w.iters)
+        else:
+            self.retriever = make_retriever(self.retriever_kind, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                            spec.device, self.rbit, self.seed)
         self.cache: list[torch.Tensor | None] = [None] * spec.num_layers
         self.lru: list[BlockLRU | None] = [None] * spec.num_layers
         on_device = spec.device if self.transfer_kind == "uva" else torch.device("cpu")  # where fill wants indices
@@ -115,6 +127,11 @@ class RetroInfer(OffloadedBaseline):
         if not n_mid:
             return
         self.retriever.index(layer, keys_mid)
+        if self.retriever_kind == "wave":  # the host store cluster by cluster: a cluster is a run of blocks
+            host, d = self.host[layer], spec.head_dim
+            perm = self.retriever.perm[layer].cpu()[..., None, None].expand(-1, -1, -1, 2, d)
+            host[:, :, :n_mid] = host[:, :, :n_mid].gather(2, perm)
+            self.retriever.perm[layer] = None  # used once: positions are all a step needs
         n_blocks, _, cap = self.geometry(self.t0)
         rows = spec.batch * spec.num_kv_heads
         self.cache[layer] = torch.zeros(rows, cap, self.block_size, 2, spec.head_dim, dtype=spec.dtype,

@@ -268,6 +268,7 @@ def test_retroinfer_statistics_match_an_independent_trace():
 
 @pytest.mark.parametrize("cls, kw", [(RetroInfer, {}), (RetroInfer, {"selection": "token"}),
                                      (RetroInfer, {"retriever": "exact", "block_size": 5, "selection": "token"}),
+                                     (RetroInfer, {"retriever": "wave", "wave_segment": 40}),
                                      (InfiniGen, {}), (InfiniGen, {"oracle_query": True})])
 def test_memory_is_the_real_buffers_and_matches_the_estimate(cls, kw):
     s = make(cls, dense_layers=1, **kw)
@@ -299,7 +300,8 @@ def test_budget_rule_is_clos():
     (lambda: RetroInfer(cache_multiple=0.5), "working set"),
     (lambda: RetroInfer(cpu_threads=0), "cpu_threads"),
     (lambda: InfiniGen(cpu_threads=0), "cpu_threads"),
-    (lambda: RetroInfer(retriever="wave"), "retriever"),
+    (lambda: RetroInfer(retriever="ivf"), "retriever"),
+    (lambda: RetroInfer(retriever="wave", wave_cluster_size=0), "cluster_size"),
     (lambda: RetroInfer(transfer="dma"), "transfer"),
     (lambda: InfiniGen(channel_fraction=0.0), "channel_fraction"),
     (lambda: RetroInfer(sink=SINK, recent=RECENT, block_size=T0).allocate(spec()), "larger than"),
@@ -378,3 +380,46 @@ def test_infinigen_offline_skew_file_is_used_and_checked():
         make(InfiniGen, skew=str(path))
     with pytest.raises(ConfigError, match="no such file"):
         make(InfiniGen, skew=str(path) + ".missing")
+
+
+# ---- RetroInfer's wave index -------------------------------------------------------------------------------
+def test_wave_index_recovers_planted_clusters_and_retrieves_the_best_first():
+    """Keys around 3 well-separated centres, interleaved in token order: k-means (6 clusters, each centre among
+    the evenly spaced starting keys) keeps every cluster to one centre, the layout makes each cluster a
+    contiguous run, and a query along one centre retrieves that centre's keys before any other."""
+    from baselines.wave_index import WaveRetriever
+
+    g = torch.Generator().manual_seed(0)
+    centres = torch.nn.functional.normalize(torch.randn(3, D, generator=g), dim=-1) * 4
+    truth = (torch.arange(96) % 3).expand(B, HKV, 96)
+    keys = centres[truth] + 0.05 * torch.randn(B, HKV, 96, D, generator=g)
+    w = WaveRetriever(1, cluster_size=16, segment=96, iters=6)
+    w.index(0, keys)
+    ordered = truth.gather(2, w.perm[0])  # the true centre of each position, in the cluster-ordered layout
+    runs = (ordered[..., 1:] != ordered[..., :-1]).sum(-1)
+    assert (runs <= 5).all()  # 6 pure clusters in a row: at most 5 changes of centre (interleaved: 95)
+    q = torch.zeros(B, H, D)
+    q[:, :, :] = centres[2]
+    top = w.scores(0, q, torch.arange(HKV)).topk(4, dim=-1).indices
+    assert (ordered.gather(2, top) == 2).all()
+
+
+def test_wave_index_with_one_key_per_cluster_is_the_exact_retriever():
+    """cluster_size 1: every key its own centroid, the layout the token order, the scores q . k: RetroInfer with
+    the wave index equals exact top-k attention, as with the exact retriever."""
+    s = make(RetroInfer, retriever="wave", wave_cluster_size=1, block_size=5, cache_multiple=100.0,
+             dense_layers=1, selection="token")
+    got, (k0, v0, data), _ = feed(s)
+    assert_outputs(got, reference(k0, v0, data, dense_layers=1))
+
+
+def test_retroinfer_with_the_wave_index_attends_real_rows_of_its_clusters():
+    """The permuted host store still pairs every key with its value: at top-k 100% RetroInfer with the wave
+    index (which attends every middle token, in cluster order) equals dense attention."""
+    kw = dict(topk_ratio=1.0, dense_layers=0, cache_multiple=100.0, selection="token", block_size=4)
+    s = RetroInfer(sink=SINK, recent=RECENT, retriever="wave", wave_segment=40, cpu_threads=2, **kw)
+    s.allocate(spec())
+    got, (k0, v0, data), stats = feed(s)
+    want = exact_topk_attention(k0, v0, data, SINK, RECENT, T0 - SINK - RECENT, 0)
+    assert_outputs(got, want)
+    assert "wave index" in s.describe()["retriever"]
