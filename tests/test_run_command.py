@@ -138,3 +138,14 @@ def test_bad_workload_settings_refused_before_loading(tmp_path):
     assert "valid: auto, needle, random" in err and "[run]" not in err
     err = bad(tmp_path, "workload.query_process=data/profiles/nope.json", "seqlen=64", *FAST)
     assert "no such file" in err and "[run]" not in err
+
+
+def test_the_launchers_commit_wins_over_a_stale_git(monkeypatch):
+    """The GPU machine's copy of the tree carries a .git whose HEAD is not the commit its files come from."""
+    from experiments.records import git_commit
+
+    monkeypatch.setenv("CLO_GIT_COMMIT", "abc1234")
+    got = git_commit(ROOT)
+    assert got["commit"] == "abc1234" and got["from"] == "CLO_GIT_COMMIT" and got["local_git_head"]
+    monkeypatch.delenv("CLO_GIT_COMMIT")
+    assert git_commit(ROOT)["commit"] == got["local_git_head"]
