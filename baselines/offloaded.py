@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from clo.bench.bandwidth import link_gb_s
 from clo.errors import ConfigError
 from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
 from clo.layout import check_budget, select_budget, split_prompt
-from clo.system import CPU_LINK_GB_S
 from clo.transfer import TransferEngine, cpu_threads as resolve_threads
 
 
@@ -44,12 +44,7 @@ class OffloadedBaseline(KVOffloadSystem):
         self.host: list[torch.Tensor | None] = [None] * L
         self.heads = torch.arange(spec.num_kv_heads, device=spec.device)
         self.t0 = 0
-        if spec.device.type == "cuda":  # the link the system floor divides the moved bytes by, as CLO's
-            from clo.bench.bandwidth import pinned_h2d_gb_s
-
-            self.link_gb_s = pinned_h2d_gb_s(spec.device)
-        else:
-            self.link_gb_s = CPU_LINK_GB_S
+        self.link_gb_s = link_gb_s(spec.device)  # what the system floor divides the moved bytes by, as CLO's
 
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         spec = self.spec

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from clo.bench.bandwidth import link_gb_s
 from clo.errors import ConfigError
 from clo.kernels.decode_attention import decode_attention
 from clo.kernels.head_cache import lookup_and_update
@@ -23,8 +24,6 @@ from clo.policy.persistent import HeadPlan, heads_per_layer_time, load_profile, 
 from clo.policy.thresholds import AGGREGATIONS, load_importance, thresholds
 from clo.retrieval import RETRIEVERS, make_retriever, select_topk
 from clo.transfer import TransferEngine
-
-CPU_LINK_GB_S = 49.6  # hardware.md: UVA gather of scattered rows on the H200 machine; the plan's link on CPU runs
 
 
 class CLO(KVOffloadSystem):
@@ -79,13 +78,7 @@ class CLO(KVOffloadSystem):
             self.plan = HeadPlan([[] for _ in range(L)], [[] for _ in range(L)], n_p)
 
     def _link_bandwidth(self, spec: KVSpec) -> float:
-        if self.cfg["link_gb_s"] is not None:
-            return self.cfg["link_gb_s"] * 1e9
-        if spec.device.type != "cuda":
-            return CPU_LINK_GB_S * 1e9
-        from clo.bench.bandwidth import pinned_h2d_gb_s
-
-        return pinned_h2d_gb_s(spec.device) * 1e9
+        return (self.cfg["link_gb_s"] if self.cfg["link_gb_s"] is not None else link_gb_s(spec.device)) * 1e9
 
     @staticmethod
     def _row_bytes(spec: KVSpec) -> int:

@@ -2,6 +2,7 @@
 numbers."""
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -41,6 +42,17 @@ def pinned_h2d_gb_s(device: torch.device, nbytes: int = 256 << 20, repeats: int 
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     return nbytes / median_ms(lambda: dst.copy_(src, non_blocking=True), device, repeats) / 1e6
+
+
+# hardware.md: the UVA gather of scattered rows on the H200 machine; the link a CPU run plans and reports with
+CPU_LINK_GB_S = 49.6
+
+
+@functools.cache
+def link_gb_s(device: torch.device) -> float:
+    """The host->device link that every system plans with and divides its moved bytes by: on CUDA a pinned copy,
+    measured once per process and device (every system of a sweep sees the same link); on a CPU run CPU_LINK_GB_S."""
+    return pinned_h2d_gb_s(device) if device.type == "cuda" else CPU_LINK_GB_S
 
 
 def replay_ms(fn, reps: int = 20, iters: int = 10) -> float:
