@@ -25,7 +25,6 @@ does the whole fetch itself.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
@@ -33,7 +32,7 @@ from baselines.offloaded import OffloadedBaseline
 from clo.errors import ConfigError
 from clo.kv.interface import KVSpec
 from clo.layout import split_prompt
-from clo.policy.persistent import ROOT
+from clo.paths import repo_path
 from clo.retrieval import ExactRetriever, select_topk
 
 
@@ -83,7 +82,7 @@ class InfiniGen(OffloadedBaseline):
         """The offline skew bases ([L, Hkv, D, D], by `python -m baselines.infinigen_skew`), or None (prefill)."""
         if self.skew == "prefill" or self.oracle_query:
             return None
-        path = Path(self.skew) if Path(self.skew).is_absolute() else ROOT / self.skew
+        path = repo_path(self.skew)
         if not path.is_file():
             raise ConfigError(f"skew={self.skew!r}: no such file (make it with python -m baselines.infinigen_skew, "
                               f"or use skew=prefill)")

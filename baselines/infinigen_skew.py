@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from clo.errors import ConfigError
-from clo.policy.persistent import ROOT
+from clo.paths import ROOT
 from clo.profile import record_queries
 
 

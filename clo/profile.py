@@ -19,7 +19,7 @@ from clo.generate import generate
 from clo.kv.interface import KVSpec
 from clo.model.config import ModelConfig
 from clo.model.weights import build_decoder
-from clo.policy.persistent import ROOT
+from clo.paths import ROOT
 from experiments import preflight
 from experiments.execute import load_tokenizer, weights_source
 from experiments.records import environment, write_json_atomic

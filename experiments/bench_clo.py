@@ -22,13 +22,14 @@ from clo.kernels.head_cache import lookup_and_update
 from clo.kernels.uva_gather import uva_gather
 from clo.model.config import ModelConfig
 from clo.model.decoder import Layer
+from clo.paths import ROOT
 from clo.transfer import TransferEngine, gather_rows_ref
 from experiments.bench_decode_attention import time_ms
 from experiments.records import environment, write_json_atomic
 
 DEV = torch.device("cuda")
 # the shapes of conf/model/llama3.yaml, read from it rather than copied
-LLAMA3 = ModelConfig.from_mapping(OmegaConf.load(Path(__file__).resolve().parent.parent / "conf/model/llama3.yaml"))
+LLAMA3 = ModelConfig.from_mapping(OmegaConf.load(ROOT / "conf/model/llama3.yaml"))
 
 
 def bench_transfer(pool_bytes: int = 512 << 20, fraction: float = 0.1) -> list[dict]:

@@ -27,12 +27,12 @@ from clo.kernels.head_cache import lookup_and_update
 from clo.kv.interface import KVSpec
 from clo.kv.timer import PhaseTimer
 from clo.model.decoder import Layer
+from clo.paths import ROOT
 from clo.retrieval import select_topk
 from clo.system import CLO
 from experiments.bench_clo import DEV, LLAMA3
 from experiments.records import environment, write_json_atomic
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def build(seqlen: int, layer: int) -> tuple[CLO, Layer]:

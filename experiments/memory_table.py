@@ -16,10 +16,11 @@ from hydra.utils import instantiate
 
 from clo.kv.interface import GB, KVSpec
 from clo.model.config import ModelConfig
+from clo.paths import ROOT
 from experiments.preflight import parse_tokens
 from experiments.records import environment, write_json_atomic
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = ROOT / "conf"
 
 
 def measure(system_name: str, overrides: list[str], seqlen: int, gen: int) -> dict:

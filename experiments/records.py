@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from clo.paths import ROOT
+
 # Overrides that change where or how a run is reported, not what it measures.
 NOT_IDENTITY = ("results_dir", "force", "wandb.", "hydra.")
 
@@ -81,7 +83,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": str(device),
-        "git": git_commit(Path(__file__).resolve().parent.parent),
+        "git": git_commit(ROOT),
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)

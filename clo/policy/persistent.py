@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from clo.errors import ConfigError
+from clo.paths import repo_path
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -65,7 +64,7 @@ def load_profile(source: str, num_layers: int, num_kv_heads: int) -> tuple[torch
     idle) or a JSON file written by `python -m clo.profile` (relative paths: from the repository root)."""
     if source in (None, "none"):
         return torch.ones(num_layers, num_kv_heads), "none (s_hat = 1: no hard heads)"
-    path = Path(source) if Path(source).is_absolute() else ROOT / source
+    path = repo_path(source)
     if not path.is_file():
         raise ConfigError(f"profile={source!r}: no such file (make it with `python -m clo.profile`)")
     data = json.loads(path.read_text())

@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 
 from clo.errors import ConfigError
+from clo.paths import ROOT
 
 AGGREGATIONS = ("mean", "min")
-DATA = Path(__file__).resolve().parents[2] / "data" / "head_importance"
+DATA = ROOT / "data" / "head_importance"
 
 
 def thresholds(importance: torch.Tensor, eta: float, n: float) -> torch.Tensor:
