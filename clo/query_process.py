@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from clo.errors import ConfigError
-from clo.policy.persistent import ROOT, load_profile
+from clo.paths import repo_path
+from clo.policy.persistent import load_profile
+from experiments.records import write_json_atomic
 
 
 class ProfileQueryProcess:
@@ -67,14 +69,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    src = json.loads((ROOT / args.profile).read_text()) if not Path(args.profile).is_absolute() else json.loads(
-        Path(args.profile).read_text())
+    src = json.loads(repo_path(args.profile).read_text())
     if "s_hat" not in src:
         raise ConfigError(f"{args.profile} has no s_hat")
     mapped = map_profile(torch.tensor(src["s_hat"]), args.layers, args.kv_heads, args.seed)
     out = {"s_hat": mapped.tolist(), "source": f"quantile map of {Path(args.profile).name} (seed {args.seed}); "
                                               f"measured on: {src.get('source', 'unknown')}"}
-    args.out.write_text(json.dumps(out))
+    write_json_atomic(args.out, out)
     print(f"{args.out}: mean {mapped.mean():.3f}, {(mapped > 0.8).float().mean() * 100:.0f}% above 0.8")
 
 
