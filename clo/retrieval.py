@@ -98,6 +98,9 @@ def make_retriever(kind: str, num_layers: int, num_kv_heads: int, head_dim: int,
 def select_topk(scores: torch.Tensor, k: int, offset: int, ascending: bool = True) -> torch.Tensor:
     """scores [B, Hkv, T] over candidates starting at token `offset` -> absolute indices [B, Hkv, k], ascending
     unless `ascending=False`: attention and the gathers do not need the order, and at 128K sorting the
-    indices costs more than the top-k itself (96 vs 64 us per layer on the H200, bench_clo_layer)."""
-    idx = scores.topk(k, dim=-1, sorted=False).indices
+    indices costs more than the top-k itself (96 vs 64 us per layer on the H200, bench_clo_layer). On CUDA the
+    top-k is a radix select (clo/kernels/radix_topk.py), torch.topk elsewhere."""
+    from clo.kernels.radix_topk import topk_indices
+
+    idx = topk_indices(scores, k)
     return (idx.sort(dim=-1).values if ascending else idx) + offset

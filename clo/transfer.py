@@ -37,13 +37,14 @@ def cpu_threads(threads: int | str) -> int:
 
 
 class TransferEngine:
-    def __init__(self, kind: str, threads: int | str, device: torch.device):
+    def __init__(self, kind: str, threads: int | str, device: torch.device, uva_programs: int | None = None):
         if kind not in TRANSFERS:
             raise ConfigError(f"transfer={kind!r}; valid: {', '.join(TRANSFERS)}")
         threads = cpu_threads(threads)
         if kind == "uva" and device.type == "cuda":
             from clo.kernels import uva_gather  # noqa: F401  (Triton; fails loudly where it is missing)
         self.kind, self.threads, self.device = kind, threads, device
+        self.uva_programs = uva_programs  # cap on the gather's grid (None: the kernel's default)
         self.host_syncs = 0
 
     def fill(self, host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
@@ -55,7 +56,7 @@ class TransferEngine:
         if self.kind == "uva":
             from clo.kernels.uva_gather import uva_gather
 
-            uva_gather(host, heads, idx, miss, slots)
+            uva_gather(host, heads, idx, miss, slots, programs=self.uva_programs)
             return
         self._cpu_gather(host, heads, idx, miss, slots)
 

@@ -1,10 +1,11 @@
 """CLO's mechanisms on the GPU, each next to its physical limit, all variants in one run (issue 3):
 
   transfer  scattered 256 B / 512 B rows (10% of a 512 MiB pinned pool) moved by the GPU-initiated UVA gather
-            (zero CPU threads) and by CPU gather + copy with 1/4/16 threads, against a pinned bulk copy of
+            (zero CPU threads; several caps on its grid) and by CPU gather + copy with 1/4/16 threads, against a pinned bulk copy of
             the same bytes measured in the same run
   lookup    the fused lookup + label update at Llama-3-8B shape, against one layer's dense compute time
-  retrieval hash scoring (256-bit codes) and top-k at 128K, against their memory floor
+  retrieval hash scoring (256-bit codes) and top-k (torch.topk and the radix select) at 128K, against their
+            memory floor
 
     python -m experiments.bench_clo --out results/bench/clo_mechanisms.json
 """
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf
 from clo.bench.bandwidth import copy_bandwidth_gb_s, layer_time_s, replay_ms
 from clo.kernels.hash_score import hash_scores
 from clo.kernels.head_cache import lookup_and_update
+from clo.kernels.radix_topk import topk_indices, topk_ref
 from clo.kernels.uva_gather import uva_gather
 from clo.model.config import ModelConfig
 from clo.model.decoder import Layer
@@ -30,6 +32,7 @@ from experiments.records import environment, write_json_atomic
 DEV = torch.device("cuda")
 # the shapes of conf/model/llama3.yaml, read from it rather than copied
 LLAMA3 = ModelConfig.from_mapping(OmegaConf.load(ROOT / "conf/model/llama3.yaml"))
+UVA_PROGRAMS = (16, 32, 64, 132, 264, None)  # caps on the gather's grid (None: one program per tile)
 
 
 def bench_transfer(pool_bytes: int = 512 << 20, fraction: float = 0.1) -> list[dict]:
@@ -47,18 +50,20 @@ def bench_transfer(pool_bytes: int = 512 << 20, fraction: float = 0.1) -> list[d
         bulk_dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEV)
         bulk_ms = time_ms(lambda: bulk_dst.copy_(bulk_src, non_blocking=True), iters=20)
         bulk = nbytes / bulk_ms / 1e6
-        uva_ms = time_ms(lambda: uva_gather(host, heads, idx, miss, slots), iters=20)
-        exact = torch.equal(slots.cpu(), gather_rows_ref(host, heads.cpu(), idx.cpu()))
-        rows_out.append({"row_bytes": row_bytes, "rows": k, "path": "uva (0 CPU threads)", "gb_s": round(nbytes / uva_ms / 1e6, 1),
-                         "of_bulk": round(nbytes / uva_ms / 1e6 / bulk, 3), "bulk_gb_s": round(bulk, 1),
-                         "exact_rows": exact})
+        for programs in UVA_PROGRAMS:
+            slots.zero_()
+            uva_ms = time_ms(lambda: uva_gather(host, heads, idx, miss, slots, programs=programs), iters=20)
+            exact = torch.equal(slots.cpu(), gather_rows_ref(host, heads.cpu(), idx.cpu()))
+            rows_out.append({"row_bytes": row_bytes, "rows": k, "path": f"uva (0 CPU threads, {programs} programs)",
+                             "gb_s": round(nbytes / uva_ms / 1e6, 1), "of_bulk": round(nbytes / uva_ms / 1e6 / bulk, 3),
+                             "bulk_gb_s": round(bulk, 1), "exact_rows": exact})
         for threads in (1, 4, 16):
             eng = TransferEngine("cpu_gather", threads, DEV)
             ms = time_ms(lambda: eng.fill(host, heads, idx, miss, slots), iters=5)
             rows_out.append({"row_bytes": row_bytes, "rows": k, "path": f"cpu_gather {threads} threads",
                              "gb_s": round(nbytes / ms / 1e6, 1), "of_bulk": round(nbytes / ms / 1e6 / bulk, 3),
                              "bulk_gb_s": round(bulk, 1)})
-        for r in rows_out[-4:]:
+        for r in rows_out[-3 - len(UVA_PROGRAMS):]:
             print(f"transfer {r['row_bytes']:>4} B rows  {r['path']:<22} {r['gb_s']:7.1f} GB/s = {r['of_bulk']:.2f} of bulk")
     return rows_out
 
@@ -89,12 +94,14 @@ def bench_retrieval(tokens: int = 131072, hkv: int = 8, g: int = 4, rbit: int = 
     bw = copy_bandwidth_gb_s(DEV)
     score_ms = replay_ms(lambda: hash_scores(codes, norms, qcodes, rbit))
     scores = hash_scores(codes, norms, qcodes, rbit)
-    topk_ms = replay_ms(lambda: scores.topk(tokens // 10, dim=-1, sorted=False), reps=10)
+    topk_ms = replay_ms(lambda: topk_ref(scores, tokens // 10), reps=10)
+    radix_ms = replay_ms(lambda: topk_indices(scores, tokens // 10), reps=10)
     floor = (codes.nbytes + norms.nbytes + scores.nbytes) / (bw * 1e9) * 1e3
     out = {"tokens": tokens, "hash_score_us": round(score_ms * 1e3, 1), "floor_us": round(floor * 1e3, 1),
-           "torch_topk_us": round(topk_ms * 1e3, 1)}
+           "torch_topk_us": round(topk_ms * 1e3, 1), "radix_topk_us": round(radix_ms * 1e3, 1),
+           "topk_floor_us": round(5 * scores.nbytes / (bw * 1e9) * 1e6, 1)}  # radix select reads the scores 5 times
     print(f"hash scoring {tokens} tokens x {hkv} heads: {out['hash_score_us']} us (floor {out['floor_us']} us); "
-          f"top-10% torch.topk {out['torch_topk_us']} us")
+          f"top-10% torch.topk {out['torch_topk_us']} us, radix select {out['radix_topk_us']} us")
     return out
 
 

@@ -18,11 +18,13 @@ hit' only the prefetch heads' (they are refreshed every step by design). The par
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import torch
 
 from clo.bench.bandwidth import copy_bandwidth_gb_s, dense_work, layer_time_s, pinned_h2d_gb_s, replay_ms
+from clo.kernels import radix_topk
 from clo.kernels.head_cache import lookup_and_update
 from clo.kv.interface import KVSpec
 from clo.kv.timer import PhaseTimer
@@ -32,7 +34,6 @@ from clo.retrieval import select_topk
 from clo.system import CLO
 from experiments.bench_clo import DEV, LLAMA3
 from experiments.records import environment, write_json_atomic
-
 
 
 def build(seqlen: int, layer: int) -> tuple[CLO, Layer]:
@@ -51,7 +52,18 @@ def build(seqlen: int, layer: int) -> tuple[CLO, Layer]:
     return clo, dense
 
 
-def measure(clo: CLO, dense: Layer, layer: int) -> dict:
+@contextlib.contextmanager
+def torch_topk():
+    """Every top-k of the layer by torch.topk instead of the radix select, for the comparison."""
+    saved = radix_topk.topk_indices
+    radix_topk.topk_indices = radix_topk.topk_ref
+    try:
+        yield
+    finally:
+        radix_topk.topk_indices = saved
+
+
+def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int]) -> dict:
     st = clo.stores[layer]
     d, hkv, g = LLAMA3.head_dim, LLAMA3.num_kv_heads, LLAMA3.group_size
     q = torch.randn(1, hkv * g, d, dtype=torch.bfloat16, device=DEV)
@@ -76,33 +88,47 @@ def measure(clo: CLO, dense: Layer, layer: int) -> dict:
         main_work()
         torch.cuda.current_stream().wait_stream(side)
 
-    parts = {
-        "dense": dense_step,
-        "lookup": lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask, "mean"),
-        "retrieval": lambda: select_topk(clo.retriever.scores(layer, qp, st.cached), st.k, st.sink, ascending=False),
-        "transfer": lambda: clo.transfer.fill(st.host, st.cached, idx, all_miss, st.slots),
-        "persistent": lambda: st.select_persistent(qp, clo.retriever, layer),
-        "attention": lambda: st.attend(qp, gen),
-    }
-    # the retrieval's own parts, to see which one the layer waits for
+    def timed(fn):
+        return round(replay_ms(fn, reps=10) * 1e3, 1)
+
+    def layer_parts() -> dict:  # the parts that depend on the top-k and the gather's grid
+        out = {"retrieval": timed(lambda: select_topk(clo.retriever.scores(layer, qp, st.cached), st.k, st.sink,
+                                                      ascending=False)),
+               "transfer": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, all_miss, st.slots)),
+               "persistent": timed(lambda: st.select_persistent(qp, clo.retriever, layer))}
+        tau = st.tau.clone()
+        for case, t in (("all_miss", 2.0), ("all_hit", -2.0)):
+            st.tau.fill_(t)
+            st.valid.fill_(True)
+            out[f"side_{case}"] = timed(lambda: clo._refresh(layer, qp))
+            out[f"layer_{case}"] = timed(layer_work)
+        st.tau.copy_(tau)
+        return out
+
     scores = clo.retriever.scores(layer, qp, st.cached)
-    top = scores.topk(st.k, dim=-1, sorted=False).indices
-    parts.update({
-        "retrieval.scores": lambda: clo.retriever.scores(layer, qp, st.cached),
-        "retrieval.topk": lambda: scores.topk(st.k, dim=-1, sorted=False),
-        "retrieval.topk_fp16": lambda: scores.half().topk(st.k, dim=-1, sorted=False),
-        "retrieval.sort": lambda: top.sort(dim=-1),
-        "transfer_no_miss": lambda: clo.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots),
-    })
-    out = {name: replay_ms(fn, reps=10) * 1e3 for name, fn in parts.items()}
-    tau = st.tau.clone()
-    for case, t in (("all_miss", 2.0), ("all_hit", -2.0)):
-        st.tau.fill_(t)
-        st.valid.fill_(True)
-        out[f"side_{case}"] = replay_ms(lambda: clo._refresh(layer, qp), reps=10) * 1e3
-        out[f"layer_{case}"] = replay_ms(layer_work, reps=10) * 1e3
-    st.tau.copy_(tau)
-    return {k: round(v, 1) for k, v in out.items()}
+    out = {
+        "dense": timed(dense_step),
+        "lookup": timed(lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
+                                                  "mean")),
+        "attention": timed(lambda: st.attend(qp, gen)),
+        "transfer_no_miss": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots)),
+        # the retrieval's own parts, to see which one the layer waits for
+        "retrieval.scores": timed(lambda: clo.retriever.scores(layer, qp, st.cached)),
+        "retrieval.topk_torch": timed(lambda: radix_topk.topk_ref(scores, st.k)),
+        "retrieval.topk_radix": timed(lambda: radix_topk.topk_indices(scores, st.k)),
+        **layer_parts(),
+    }
+    # the variants the defaults were chosen from: torch.topk, and caps on the UVA gather's grid
+    variants = {}
+    with torch_topk():
+        variants["torch_topk"] = layer_parts()
+    default = clo.transfer.uva_programs
+    for cap in uva_programs:
+        clo.transfer.uva_programs = cap
+        variants[f"uva_programs_{cap}"] = layer_parts()
+    clo.transfer.uva_programs = default
+    out["variants"] = variants
+    return out
 
 
 def floors(clo: CLO, dense: Layer, layer: int) -> dict:
@@ -131,15 +157,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seqlen", type=int, default=131072)
     ap.add_argument("--layer", type=int, default=5, help="a layer with the median number of persistent heads")
+    ap.add_argument("--uva-programs", type=int, nargs="*", default=[16, 32, 64, 132, 264, 100000],
+                    help="caps on the UVA gather's grid to compare (100000: one program per tile)")
     args = ap.parse_args()
     clo, dense = build(args.seqlen, args.layer)
-    us, fl = measure(clo, dense, args.layer), floors(clo, dense, args.layer)
+    us, fl = measure(clo, dense, args.layer, args.uva_programs), floors(clo, dense, args.layer)
     # the step's own floor for this layer: HBM (weights + metadata + attended rows) vs the link (moved rows)
     hbm_floor = fl["dense_floor_us"] + fl["retrieval_floor_us"] + fl["attention_floor_us"]
-    for case in ("all_miss", "all_hit"):
-        own = max(hbm_floor, fl["transfer_floor_us"] if case == "all_miss" else fl["transfer_floor_all_hit_us"])
-        us[f"layer_{case}_over_floor"] = round(us[f"layer_{case}"] / own, 2)
-    print("\n".join(f"{k:>24} {v}" for k, v in {**us, **fl}.items()))
+    for parts in (us, *us["variants"].values()):
+        for case in ("all_miss", "all_hit"):
+            own = max(hbm_floor, fl["transfer_floor_us"] if case == "all_miss" else fl["transfer_floor_all_hit_us"])
+            parts[f"layer_{case}_over_floor"] = round(parts[f"layer_{case}"] / own, 2)
+    print("\n".join(f"{k:>24} {v}" for k, v in {**us, **fl}.items() if k != "variants"))
+    for name, parts in us["variants"].items():
+        print(f"{name:>24} " + " ".join(f"{k}={v}" for k, v in parts.items()))
     write_json_atomic(args.out, {"bench": "clo_layer", "seqlen": args.seqlen, "layer": args.layer,
                                  "weights": "synthetic (random K/V, random layer weights)", "us": us, "floors": fl,
                                  "plan": clo.plan.summary(), "environment": environment(DEV)})

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything GPU-side, for a session with little device time:
-#   run(command="bash scripts/gpu_session.sh <commit>", carry=[".whl"], timeout_s=600)
+#   run(command="bash scripts/gpu_session.sh <commit> [stage ...]", carry=[".whl"], timeout_s=600)
+# With stage names (pytest_gpu bench_clo bench_clo_layer clo_graph fig2), only those run.
 # It installs the carried wheels (hardware.md), runs the GPU tests, the kernel benchmarks and the system runs,
 # and packs every record and log into $OUT/gpu_session.tgz (one file: the device returns at most 8).
 # Stages are independent and time-boxed, so one failure or overrun does not lose the others' output.
 set -u
-commit=${1:?usage: gpu_session.sh <git commit of this working tree>}
+commit=${1:?usage: gpu_session.sh <git commit of this working tree> [stage ...]}
+shift
+only=" $* "
 export CLO_GIT_COMMIT=$commit PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD
@@ -13,6 +16,7 @@ out=$(mktemp -d /tmp/gpu_session.XXXX)  # fresh: a machine kept warm between cal
 stage() {  # stage <name> <seconds> <command...>
   local name=$1 secs=$2
   shift 2
+  [[ "$only" == "  " || "$only" == *" $name "* ]] || return 0
   echo "== $name" | tee -a "$out/summary.log"
   timeout "$secs" "$@" > "$out/$name.log" 2>&1
   echo "   exit $?" | tee -a "$out/summary.log"

@@ -1,4 +1,4 @@
-"""CLO's kernels (UVA gather, hash scores, fused cache lookup) against their references.
+"""CLO's kernels (UVA gather, hash scores, radix top-k, fused cache lookup) against their references.
 
 The references run everywhere; the Triton kernels run on the GPU (`-m gpu`) and, on a CPU machine with
 triton installed, in the Triton interpreter: TRITON_INTERPRET=1 python -m pytest tests/test_clo_kernels.py
@@ -90,12 +90,12 @@ def test_hash_scores_ref_matches_retriever():
 
 
 # ---- the Triton kernels against the references (shared by the interpreter and the GPU tests) ----------------
-def check_uva_gather(device, b, hkv, t, d, h, k, dtype, block=16):
+def check_uva_gather(device, b, hkv, t, d, h, k, dtype, block=16, programs=None):
     from clo.kernels.uva_gather import uva_gather
 
     host, heads, idx, miss, slots = gather_case(b, hkv, t, d, h, k, dtype, device)
     before = slots.clone()
-    uva_gather(host, heads, idx, miss, slots, block=block)
+    uva_gather(host, heads, idx, miss, slots, block=block, programs=programs)
     want = before.cpu().clone()
     uva_gather_ref(host, heads.cpu(), idx.cpu(), miss.cpu(), want)
     got = slots.cpu()
@@ -131,10 +131,42 @@ def check_lookup(device, b, hc, g_, d, dtype, aggregation):
 
 
 @interpreter
-@pytest.mark.parametrize("d,block", [(8, 4), (12, 16)])  # 12: a row of 24 elements, padded to 32
-def test_uva_gather_interpreted(d, block):
+@pytest.mark.parametrize("d,block,programs", [(8, 4, None), (12, 16, None), (8, 4, 3)])  # 12: rows padded to 32
+def test_uva_gather_interpreted(d, block, programs):
+    """programs=3 < 12 tiles: each program loops over tiles of several heads, hit and missed."""
     pytest.importorskip("triton")
-    check_uva_gather("cpu", 2, 4, 40, d, 3, 7, torch.bfloat16, block)
+    check_uva_gather("cpu", 2, 4, 40, d, 3, 7, torch.bfloat16, block, programs)
+
+
+def check_radix_topk(device, r, t, k, kind, block):
+    from clo.kernels.radix_topk import radix_topk, topk_ref
+
+    gen = torch.Generator().manual_seed(r * t + k)
+    scores = {"randn": lambda: torch.randn(r, t, generator=gen),
+              "ties": lambda: torch.randint(0, 7, (r, t), generator=gen).float(),  # the k-th value is shared
+              "negative": lambda: -torch.rand(r, t, generator=gen) * 1e-3}[kind]()
+    got = radix_topk(scores.to(device), k, block=block).cpu()
+    assert got.shape == (r, k)
+    for row, idx in enumerate(got):
+        assert idx.unique().numel() == k and 0 <= idx.min() and idx.max() < t  # k distinct positions
+        want = scores[row, topk_ref(scores[row], k)]
+        assert torch.equal(scores[row, idx].sort().values, want.sort().values)  # the k largest values
+
+
+@interpreter
+@pytest.mark.parametrize("r,t,k,kind", [(3, 1000, 100, "randn"), (2, 777, 777, "randn"), (2, 500, 1, "randn"),
+                                        (4, 1000, 300, "ties"), (2, 600, 50, "negative")])
+def test_radix_topk_interpreted(r, t, k, kind):
+    pytest.importorskip("triton")
+    check_radix_topk("cpu", r, t, k, kind, block=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r,t,k,kind", [(8, 131072, 13028, "randn"), (6, 131072, 13028, "ties"),
+                                        (2, 5000, 5000, "negative"), (3, 70000, 1, "randn")])
+def test_radix_topk_triton_matches_ref(r, t, k, kind):
+    pytest.importorskip("triton")
+    check_radix_topk("cuda", r, t, k, kind, block=4096)
 
 
 @interpreter
@@ -155,9 +187,10 @@ def test_lookup_interpreted(aggregation, g_, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_uva_gather_triton_matches_ref(d, dtype):
+@pytest.mark.parametrize("programs", [None, 7])
+def test_uva_gather_triton_matches_ref(d, dtype, programs):
     pytest.importorskip("triton")
-    check_uva_gather("cuda", 2, 8, 5000, d, 6, 500, dtype)
+    check_uva_gather("cuda", 2, 8, 5000, d, 6, 500, dtype, programs=programs)
 
 
 @pytest.mark.gpu
@@ -178,18 +211,20 @@ def test_lookup_triton_matches_ref(aggregation, g_, d, dtype):
 
 @pytest.mark.gpu
 def test_kernels_replay_in_a_cuda_graph():
-    """The three kernels are captured once and replayed on new inputs: no host sync inside."""
+    """The four kernels are captured once and replayed on new inputs: no host sync inside."""
     pytest.importorskip("triton")
     from clo.kernels.hash_score import hash_scores
     from clo.kernels.head_cache import lookup_and_update
+    from clo.kernels.radix_topk import topk_indices
     from clo.kernels.uva_gather import uva_gather
 
     host, heads, idx, miss, slots = gather_case(1, 8, 3000, 128, 8, 300, torch.bfloat16, "cuda")
     codes, norms, qcodes, _ = hash_case(1, 8, 8, 3000, 4, 256, "cuda")
     q, labels, valid, tau, weights, force = lookup_case(1, 8, 4, 128, torch.bfloat16, "cuda")
+
     for _ in range(2):  # compile outside the capture
         uva_gather(host, heads, idx, miss, slots.clone())
-        hash_scores(codes, norms, qcodes, 256)
+        topk_indices(hash_scores(codes, norms, qcodes, 256), 300)
         lookup_and_update(q, labels.clone(), valid.clone(), tau, weights, force, "mean")
     labels0, valid0 = labels.clone(), valid.clone()
     torch.cuda.synchronize()
@@ -197,6 +232,7 @@ def test_kernels_replay_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         m = lookup_and_update(q, labels, valid, tau, weights, force, "mean")
         s = hash_scores(codes, norms, qcodes, 256)
+        top = topk_indices(s, 300)
         uva_gather(host, heads, idx, m, slots)
     for seed in (1, 2):
         new_q, new_labels, new_valid = lookup_case(1, 8, 4, 128, torch.bfloat16, "cuda", seed)[:3]
@@ -208,5 +244,7 @@ def test_kernels_replay_in_a_cuda_graph():
         want_m = lookup_and_update_ref(new_q.cpu(), labels0, valid0, tau.cpu(), weights.cpu(), force.cpu(), "mean")
         assert torch.equal(m.cpu(), want_m) and torch.equal(labels.cpu(), labels0)
         torch.testing.assert_close(s.cpu(), hash_scores_ref(codes.cpu(), norms.cpu(), qcodes.cpu(), 256))
+        want_top = s.cpu().topk(300, dim=-1).values.sort(-1).values
+        assert torch.equal(s.cpu().gather(-1, top.cpu()).sort(-1).values, want_top)
         uva_gather_ref(host, heads.cpu(), idx.cpu(), want_m, before)
         assert torch.equal(slots.cpu(), before)
