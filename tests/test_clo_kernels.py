@@ -90,7 +90,7 @@ def test_hash_scores_ref_matches_retriever():
 
 
 # ---- the Triton kernels against the references (shared by the interpreter and the GPU tests) ----------------
-def check_uva_gather(device, b, hkv, t, d, h, k, dtype, block=16, programs=None):
+def check_uva_gather(device, b, hkv, t, d, h, k, dtype, block=16, programs=1 << 20):
     from clo.kernels.uva_gather import uva_gather
 
     host, heads, idx, miss, slots = gather_case(b, hkv, t, d, h, k, dtype, device)
@@ -131,7 +131,7 @@ def check_lookup(device, b, hc, g_, d, dtype, aggregation):
 
 
 @interpreter
-@pytest.mark.parametrize("d,block,programs", [(8, 4, None), (12, 16, None), (8, 4, 3)])  # 12: rows padded to 32
+@pytest.mark.parametrize("d,block,programs", [(8, 4, 1 << 20), (12, 16, 1 << 20), (8, 4, 3)])  # 12: rows padded to 32
 def test_uva_gather_interpreted(d, block, programs):
     """programs=3 < 12 tiles: each program loops over tiles of several heads, hit and missed."""
     pytest.importorskip("triton")
@@ -187,7 +187,7 @@ def test_lookup_interpreted(aggregation, g_, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("programs", [None, 7])
+@pytest.mark.parametrize("programs", [1 << 20, 32, 7])
 def test_uva_gather_triton_matches_ref(d, dtype, programs):
     pytest.importorskip("triton")
     check_uva_gather("cuda", 2, 8, 5000, d, 6, 500, dtype, programs=programs)
