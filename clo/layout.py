@@ -12,7 +12,7 @@ import math
 import torch
 
 from clo.errors import ConfigError
-from clo.kernels.decode_attention import decode_attention, merge_attention
+from clo.kernels.decode_attention import decode_attention, hybrid_attention
 from clo.kv.interface import KVSpec
 
 
@@ -64,11 +64,15 @@ class LayerStore:
         self.window[:, :, self.sink: self.sink + self.recent] = kv[:, :, t0 - self.recent: t0]
         self.prefetch_mask = torch.tensor([h in prefetch for h in cached], dtype=torch.bool, device=dev)
         self.sel = torch.zeros(b, hkv, k, 2, d, dtype=dtype, device=dev)
+        self.sel_len = torch.full((b,), k, device=dev)
         self.slots = self.sel[:, : self.nc]  # a view: the transfer engine writes straight into it
         self.slot_idx = torch.zeros(b, self.nc, k, dtype=torch.long, device=dev)
         self.labels = torch.zeros(b, self.nc, group, d, dtype=torch.float32, device=dev)
         self.valid = torch.zeros(b, self.nc, dtype=torch.bool, device=dev)
         self.persist = kv[:, self.nc:].contiguous() if persistent else None
+        # select_persistent gathers every persistent head's rows from `persist` (its heads 0.., all "missed")
+        self.persist_gather = (torch.arange(len(persistent), device=dev),
+                               torch.ones(b, len(persistent), dtype=torch.bool, device=dev))
         self.tau = self.weights = None  # set by the system, in cached order
 
     def permute_q(self, q: torch.Tensor) -> torch.Tensor:
@@ -87,25 +91,28 @@ class LayerStore:
         """Top-k of the persistent heads' middle tokens for the real query, gathered on the device into sel."""
         if self.persist is None or not self.k:
             return
+        from clo.kernels.uva_gather import uva_gather_ref
         from clo.retrieval import select_topk
 
         idx = select_topk(retriever.scores(layer, qp, self.persistent), self.k, self.sink, ascending=False)
-        b = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
-        p = torch.arange(self.persist.shape[1], device=idx.device)[None, :, None]
-        self.sel[:, self.nc:] = self.persist[b, p, idx]
+        heads, every = self.persist_gather
+        if idx.is_cuda:  # one kernel writes the rows where they go (torch: index, then copy, plus aranges)
+            from clo.kernels.uva_gather import uva_gather
+
+            uva_gather(self.persist, heads, idx, every, self.sel[:, self.nc:], programs=1 << 30)
+        else:
+            uva_gather_ref(self.persist, heads, idx, every, self.sel[:, self.nc:])
 
     def attend(self, qp: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
         """Hybrid attention (spec 2.7) over the window (sink, recent, generated: length from the device) and sel,
-        each where it lies, merged by log-sum-exp. qp and the result are in the permuted head order."""
+        each where it lies. qp and the result are in the permuted head order."""
         b = qp.shape[0]
         win_len = (generated + 1 + self.sink + self.recent).expand(b)
-        parts = [decode_attention(qp, self.window[:, :, :, 0].transpose(1, 2), self.window[:, :, :, 1].transpose(1, 2),
-                                  win_len, return_lse=True)]
-        if self.k:
-            sel_len = torch.full((b,), self.k, device=qp.device)
-            parts.append(decode_attention(qp, self.sel[:, :, :, 0].transpose(1, 2), self.sel[:, :, :, 1].transpose(1, 2),
-                                          sel_len, return_lse=True))
-        return merge_attention(parts)
+        window = (self.window[:, :, :, 0].transpose(1, 2), self.window[:, :, :, 1].transpose(1, 2), win_len)
+        if not self.k:
+            return decode_attention(qp, *window)
+        sel = (self.sel[:, :, :, 0].transpose(1, 2), self.sel[:, :, :, 1].transpose(1, 2), self.sel_len)
+        return hybrid_attention(qp, window, sel)
 
     def memory(self) -> dict[str, int]:
         persist = self.persist.nbytes if self.persist is not None else 0

@@ -75,11 +75,21 @@ class HashRetriever:
         self.codes[layer] = self.encode(layer, keys)
         self.norms[layer] = keys.float().norm(dim=-1)
 
+    def encode_query(self, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """q [B, H, D] -> codes of each scored KV head's query group [B, h, G, rbit / 8]."""
+        from clo.kernels.hash_score import encode_query_triton, triton
+
+        b, hkv = self.codes[layer].shape[:2]
+        d = q.shape[-1]
+        if q.is_cuda and triton is not None and self.rbit % 32 == 0 and d >= 16 and d & (d - 1) == 0:
+            return encode_query_triton(q if q.stride(2) == 1 else q.contiguous(), self.proj[layer], heads,
+                                       q.shape[1] // hkv)
+        return self.encode(layer, q.view(b, hkv, -1, d))[:, heads]
+
     def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         from clo.kernels.hash_score import hash_scores  # Triton on CUDA, the torch reference elsewhere
 
-        b, hkv = self.codes[layer].shape[:2]
-        qc = self.encode(layer, q.view(b, hkv, -1, q.shape[-1]))[:, heads]  # [B, h, G, rbit/8]
+        qc = self.encode_query(layer, q, heads)
         return hash_scores(self.codes[layer], self.norms[layer], qc, self.rbit, heads)
 
     def metadata_bytes(self) -> int:
@@ -102,5 +112,5 @@ def select_topk(scores: torch.Tensor, k: int, offset: int, ascending: bool = Tru
     top-k is a radix select (clo/kernels/radix_topk.py), torch.topk elsewhere."""
     from clo.kernels.radix_topk import topk_indices
 
-    idx = topk_indices(scores, k)
-    return (idx.sort(dim=-1).values if ascending else idx) + offset
+    idx = topk_indices(scores, k, offset)
+    return idx.sort(dim=-1).values if ascending else idx

@@ -113,6 +113,7 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int]) -> dict
         "attention": timed(lambda: st.attend(qp, gen)),
         "transfer_no_miss": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots)),
         # the retrieval's own parts, to see which one the layer waits for
+        "retrieval.encode_query": timed(lambda: clo.retriever.encode_query(layer, qp, st.cached)),
         "retrieval.scores": timed(lambda: clo.retriever.scores(layer, qp, st.cached)),
         "retrieval.topk_torch": timed(lambda: radix_topk.topk_ref(scores, st.k)),
         "retrieval.topk_radix": timed(lambda: radix_topk.topk_indices(scores, st.k)),

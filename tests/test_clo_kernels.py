@@ -145,7 +145,7 @@ def check_radix_topk(device, r, t, k, kind, block):
     scores = {"randn": lambda: torch.randn(r, t, generator=gen),
               "ties": lambda: torch.randint(0, 7, (r, t), generator=gen).float(),  # the k-th value is shared
               "negative": lambda: -torch.rand(r, t, generator=gen) * 1e-3}[kind]()
-    got = radix_topk(scores.to(device), k, block=block).cpu()
+    got = radix_topk(scores.to(device), k, offset=5, block=block).cpu() - 5
     assert got.shape == (r, k)
     for row, idx in enumerate(got):
         assert idx.unique().numel() == k and 0 <= idx.min() and idx.max() < t  # k distinct positions
@@ -167,6 +167,39 @@ def test_radix_topk_interpreted(r, t, k, kind):
 def test_radix_topk_triton_matches_ref(r, t, k, kind):
     pytest.importorskip("triton")
     check_radix_topk("cuda", r, t, k, kind, block=4096)
+
+
+def check_encode_query(device, b, hkv, g_, d, rbit, dtype):
+    """The kernel's codes are HashRetriever.encode's, except for signs of projections within float rounding
+    of zero (the kernel sums in another order)."""
+    from clo.kernels.hash_score import encode_query_triton
+
+    hr = HashRetriever(2, hkv, d, torch.device(device), rbit=rbit, seed=3)
+    gen = torch.Generator().manual_seed(b * hkv + g_)
+    q = torch.randn(b, hkv * g_, d, generator=gen).to(dtype)
+    heads = torch.randperm(hkv, generator=gen)[: max(1, hkv - 1)]
+    got = encode_query_triton(q.to(device), hr.proj[1], heads.to(device), g_).cpu()
+    want = hr.encode(1, q.to(device).view(b, hkv, g_, d))[:, heads.to(device)].cpu()
+    assert got.shape == want.shape == (b, len(heads), g_, rbit // 8)
+    proj = torch.einsum("bkgd,kdr->bkgr", q.double().view(b, hkv, g_, d), hr.proj[1].cpu().double())[:, heads]
+    clear = proj.abs() > 1e-4  # bits whose sign no summation order can flip
+    bits = lambda codes: ((codes[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten(-2).bool()
+    assert torch.equal(bits(got)[clear], bits(want)[clear]) and clear.float().mean() > 0.99
+
+
+@interpreter
+@pytest.mark.parametrize("g_,d,rbit", [(4, 16, 64), (3, 32, 96)])
+def test_encode_query_interpreted(g_, d, rbit):
+    pytest.importorskip("triton")
+    check_encode_query("cpu", 2, 3, g_, d, rbit, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g_,d,rbit,dtype", [(4, 128, 256, torch.bfloat16), (5, 64, 128, torch.float16),
+                                             (4, 128, 256, torch.float32)])
+def test_encode_query_triton_matches_ref(g_, d, rbit, dtype):
+    pytest.importorskip("triton")
+    check_encode_query("cuda", 2, 8, g_, d, rbit, dtype)
 
 
 @interpreter

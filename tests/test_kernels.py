@@ -1,4 +1,6 @@
 """Kernel references (the specification) on the CPU; the fast versions against them on the GPU."""
+import os
+
 import pytest
 import torch
 
@@ -70,3 +72,47 @@ def test_decode_attention_triton_broadcast_lengths_and_fp32():
     lengths = torch.tensor([450], device="cuda").expand(3)
     got, want = decode_attention_triton(q, k, v, lengths), decode_attention_ref(q, k, v, lengths)
     assert (got - want).norm() / want.norm() < 1e-2  # tl.dot may use tf32 for fp32 inputs
+
+
+def check_hybrid_attention(device, b, hkv, g_, d, caps, dtype):
+    """hybrid_attention over two buffers laid out as CLO keeps them ([B, Hkv, T, 2, D], read through transposed
+    views) equals attention over their concatenation."""
+    from clo.kernels.decode_attention import hybrid_attention
+
+    gen = torch.Generator().manual_seed(sum(caps))
+    q = torch.randn(b, hkv * g_, d, generator=gen).to(dtype).to(device)
+    bufs = [torch.randn(b, hkv, cap, 2, d, generator=gen).to(dtype).to(device) for cap in caps]
+    lens = [torch.randint(1, cap + 1, (b,), generator=gen).to(device) for cap in caps]
+    views = [(x[:, :, :, 0].transpose(1, 2), x[:, :, :, 1].transpose(1, 2), n) for x, n in zip(bufs, lens)]
+    got = hybrid_attention(q, *views).float().cpu()
+    for i in range(b):  # the reference: one buffer holding the valid rows of both
+        k = torch.cat([x[i:i + 1, :, : n[i]] for x, n in zip(bufs, lens)], dim=2).cpu()
+        want = decode_attention_ref(q[i:i + 1].cpu(), k[:, :, :, 0].transpose(1, 2), k[:, :, :, 1].transpose(1, 2),
+                                    torch.tensor([k.shape[2]]))
+        assert (got[i] - want[0].float()).norm() / want.norm() < 1e-2
+
+
+def test_hybrid_attention_reference():
+    check_hybrid_attention("cpu", 2, 2, 3, 16, (40, 300), torch.float32)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
+def test_hybrid_attention_interpreted():
+    pytest.importorskip("triton")
+    from clo.kernels import decode_attention as da
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 16, generator=gen)
+    bufs = [torch.randn(2, 2, cap, 2, 16, generator=gen) for cap in (40, 300)]
+    lens = [torch.tensor([40, 7]), torch.tensor([300, 123])]
+    views = [(x[:, :, :, 0].transpose(1, 2), x[:, :, :, 1].transpose(1, 2), n) for x, n in zip(bufs, lens)]
+    got = da.decode_attention_triton(q, *views[0], second=views[1])
+    want = da.merge_attention([da.decode_attention_ref(q, *v, return_lse=True) for v in views])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("caps", [(96 + 32, 13028), (80, 500), (3000, 17)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hybrid_attention_triton_matches_ref(caps, dtype):
+    check_hybrid_attention("cuda", 2, 8, 4, 128, caps, dtype)

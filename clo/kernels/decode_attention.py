@@ -10,7 +10,8 @@ many programs, then merge the partial softmaxes).
 `decode_attention_ref` is the specification (plain torch, runs anywhere); `decode_attention` picks the Triton
 kernel on CUDA and the reference elsewhere. With return_lse, each also returns the log-sum-exp of the scores
 [B, H] (fp32), so that attention over several buffers can be computed per buffer and merged exactly
-(`merge_attention`): CLO's hybrid attention reads its window and its slots where they lie.
+(`merge_attention`). `hybrid_attention` is CLO's: its window and its selected rows, each read where it lies, in
+one split launch and one merge.
 """
 from __future__ import annotations
 
@@ -50,15 +51,31 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(Q, K, V, Lens, Out, M, L, sm_scale,
+    def _split_kernel(Q, K, V, Lens, K2, V2, Lens2, Out, M, L, sm_scale,
                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                      stride_k2b, stride_k2t, stride_k2h, stride_v2b, stride_v2t, stride_v2h,
                       HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                      SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr):
+                      SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS1: tl.constexpr,
+                      SPLIT_LEN2: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Splits 0..SPLITS1-1 cover the first buffer, the rest (TWO) the second: one launch for both."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // HKV
         kvh = bh % HKV
+        k_ptr = K + b * stride_kb + kvh * stride_kh
+        v_ptr = V + b * stride_vb + kvh * stride_vh
+        stride_t, stride_u = stride_kt, stride_vt
         length = tl.load(Lens + b)
+        start = split * SPLIT_LEN
+        span = SPLIT_LEN
+        if TWO:
+            if split >= SPLITS1:
+                k_ptr = K2 + b * stride_k2b + kvh * stride_k2h
+                v_ptr = V2 + b * stride_v2b + kvh * stride_v2h
+                stride_t, stride_u = stride_k2t, stride_v2t
+                length = tl.load(Lens2 + b)
+                start = (split - SPLITS1) * SPLIT_LEN2
+                span = SPLIT_LEN2
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         q = tl.load(Q + b * stride_qb + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
@@ -66,21 +83,18 @@ if triton is not None:
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        start = split * SPLIT_LEN
-        end = tl.minimum(start + SPLIT_LEN, length)
+        end = tl.minimum(start + span, length)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
-            kb = tl.load(K + b * stride_kb + n[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                         mask=valid[:, None], other=0.0)
+            kb = tl.load(k_ptr + n[:, None] * stride_t + d[None, :], mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kb)) * sm_scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            vb = tl.load(V + b * stride_vb + n[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                         mask=valid[:, None], other=0.0)
+            vb = tl.load(v_ptr + n[:, None] * stride_u + d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
             m_i = m_new
         row = (bh * SPLITS + split) * G_PAD + g
@@ -122,23 +136,33 @@ def _splits(batch_kv_heads: int, capacity: int, block_n: int) -> tuple[int, int]
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                            block_n: int = 64, num_warps: int = 4, return_lse: bool = False):
+                            block_n: int = 64, num_warps: int = 4, return_lse: bool = False,
+                            second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """With `second` = (k2, v2, lengths2): attention over the union of both buffers, in the same two launches."""
     b, h, d = q.shape
-    cap, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     g = h // hkv
     g_pad = max(16, triton.next_power_of_2(g))  # tl.dot needs at least 16 rows
-    assert q.stride(2) == k.stride(3) == v.stride(3) == 1, "head_dim must be the contiguous dimension"
-    lengths = lengths.contiguous()  # the kernel reads lengths[b] at offset b: no broadcast (stride 0) views
-    splits, split_len = _splits(b * hkv, cap, block_n)
+    k2, v2, lengths2 = second if second is not None else (k, v, lengths)
+    assert q.stride(2) == k.stride(3) == v.stride(3) == k2.stride(3) == v2.stride(3) == 1, \
+        "head_dim must be the contiguous dimension"
+    assert k2.shape[0] == b and k2.shape[2] == hkv and k2.dtype == k.dtype
+    # the kernel reads lengths[b] at offset b: no broadcast (stride 0) views
+    lengths, lengths2 = lengths.contiguous(), lengths2.contiguous()
+    splits1, split_len = _splits(b * hkv, k.shape[1], block_n)
+    splits2, split_len2 = _splits(b * hkv, k2.shape[1], block_n) if second is not None else (0, 1)
+    splits = splits1 + splits2
     part = torch.empty(b * hkv * splits * g_pad, d, dtype=torch.float32, device=q.device)
     m = torch.empty(b * hkv * splits * g_pad, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     out = torch.empty_like(q)
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
     _split_kernel[(b * hkv, splits)](
-        q, k, v, lengths, part, m, l_, 1.0 / math.sqrt(d),
+        q, k, v, lengths, k2, v2, lengths2, part, m, l_, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits, SPLIT_LEN=split_len, BLOCK_N=block_n, num_warps=num_warps)
+        k2.stride(0), k2.stride(1), k2.stride(2), v2.stride(0), v2.stride(1), v2.stride(2),
+        HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits, SPLIT_LEN=split_len, SPLITS1=splits1,
+        SPLIT_LEN2=split_len2, TWO=second is not None, BLOCK_N=block_n, num_warps=num_warps)
     _merge_kernel[(b * hkv,)](part, m, l_, out, lse, out.stride(0), out.stride(1),
                               HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits)
     return (out, lse) if return_lse else out
@@ -149,3 +173,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     if q.is_cuda and triton is not None:
         return decode_attention_triton(q, k, v, lengths, return_lse=return_lse)
     return decode_attention_ref(q, k, v, lengths, return_lse)
+
+
+def hybrid_attention(q: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     second: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Exact attention over the union of two KV buffers, each (k, v, lengths) as decode_attention takes them,
+    read where they lie (spec 2.7). On CUDA one split kernel covers both and one merge combines them; the
+    specification is per-buffer attention merged by log-sum-exp (`merge_attention`)."""
+    if q.is_cuda and triton is not None:
+        return decode_attention_triton(q, *first, second=second)
+    return merge_attention([decode_attention_ref(q, *first, return_lse=True),
+                            decode_attention_ref(q, *second, return_lse=True)])

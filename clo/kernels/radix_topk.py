@@ -1,6 +1,6 @@
 """Exact top-k of fp32 scores by radix select: the indices of the k largest scores of each row, in no order.
 
-  scores [R, T] fp32 -> idx [R, k] int64
+  scores [R, T] fp32 -> offset + idx [R, k] int64
 
 torch.topk at k = 13K of 131K candidates takes ~63 us per call on the H200 (bench_clo_layer), and a CLO layer
 makes two (the cached heads on the side stream, the persistent heads on the compute stream): more than the
@@ -25,8 +25,8 @@ except ImportError:  # CPU machines: the reference is used
 PASSES, BINS = 4, 256  # one pass per byte of the key
 
 
-def topk_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
-    return scores.topk(k, dim=-1, sorted=False).indices
+def topk_ref(scores: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
+    return scores.topk(k, dim=-1, sorted=False).indices + offset
 
 
 if triton is not None:
@@ -67,7 +67,7 @@ if triton is not None:
         tl.atomic_add(Hist + (P * R + row) * 256 + tl.arange(0, 256), counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
-    def _compact_kernel(Scores, Hist, Count, Out, T, K, R, stride_r, stride_o, BLOCK: tl.constexpr):
+    def _compact_kernel(Scores, Hist, Count, Out, T, K, R, offset, stride_r, stride_o, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < T
@@ -79,11 +79,12 @@ if triton is not None:
         at_above = tl.atomic_add(Count + row * 2, tl.sum(above, 0), sem="relaxed") + tl.cumsum(above, 0) - 1
         at_equal = tl.atomic_add(Count + row * 2 + 1, tl.sum(equal, 0), sem="relaxed") + tl.cumsum(equal, 0) - 1
         out = Out + row.to(tl.int64) * stride_o
-        tl.store(out + at_above, t.to(tl.int64), mask=above != 0)
-        tl.store(out + (K - need) + at_equal, t.to(tl.int64), mask=(equal != 0) & (at_equal < need))
+        pos = t.to(tl.int64) + offset
+        tl.store(out + at_above, pos, mask=above != 0)
+        tl.store(out + (K - need) + at_equal, pos, mask=(equal != 0) & (at_equal < need))
 
 
-def radix_topk(scores: torch.Tensor, k: int, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
+def radix_topk(scores: torch.Tensor, k: int, offset: int = 0, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
     r, t = scores.shape
     assert scores.dtype == torch.float32 and 0 <= k <= t, (scores.dtype, k, t)
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
@@ -95,13 +96,13 @@ def radix_topk(scores: torch.Tensor, k: int, block: int = 4096, num_warps: int =
     grid = (r, triton.cdiv(t, block))
     for p in range(PASSES):
         _histogram_kernel[grid](scores, hist, t, k, r, scores.stride(0), P=p, BLOCK=block, num_warps=num_warps)
-    _compact_kernel[grid](scores, hist, count, out, t, k, r, scores.stride(0), out.stride(0), BLOCK=block,
+    _compact_kernel[grid](scores, hist, count, out, t, k, r, offset, scores.stride(0), out.stride(0), BLOCK=block,
                           num_warps=num_warps)
     return out
 
 
-def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [..., T] -> indices [..., k] of the k largest along the last dim, in no order."""
+def topk_indices(scores: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
+    """scores [..., T] -> offset + indices [..., k] of the k largest along the last dim, in no order."""
     if scores.is_cuda and triton is not None and scores.dtype == torch.float32:
-        return radix_topk(scores.reshape(-1, scores.shape[-1]), k).view(*scores.shape[:-1], k)
-    return topk_ref(scores, k)
+        return radix_topk(scores.reshape(-1, scores.shape[-1]), k, offset).view(*scores.shape[:-1], k)
+    return topk_ref(scores, k, offset)
