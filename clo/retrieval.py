@@ -81,7 +81,7 @@ class HashRetriever:
 
         b, hkv = self.codes[layer].shape[:2]
         d = q.shape[-1]
-        if q.is_cuda and triton is not None and self.rbit % 32 == 0 and d >= 16 and d & (d - 1) == 0:
+        if q.is_cuda and triton is not None and self.rbit % 32 == 0 and d & (d - 1) == 0:
             return encode_query_triton(q if q.stride(2) == 1 else q.contiguous(), self.proj[layer], heads,
                                        q.shape[1] // hkv)
         return self.encode(layer, q.view(b, hkv, -1, d))[:, heads]

@@ -119,6 +119,7 @@ class CLO(KVOffloadSystem):
         self.side = torch.cuda.Stream(spec.device) if cuda and self.wants_speculative_query else None
         self.ready = [torch.cuda.Event() if self.side is not None else None for _ in range(spec.num_layers)]
         self.pending = [False] * spec.num_layers
+        self.side_inputs: list[torch.Tensor | None] = [None] * spec.num_layers
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -154,6 +155,10 @@ class CLO(KVOffloadSystem):
             self._refresh(layer, self.stores[layer].permute_q(q_spec))
             self.ready[layer].record(self.side)
         self.pending[layer] = True
+        # q_spec was allocated on the compute stream and is read on the side stream: freed now, its memory
+        # could be handed to the compute stream's next kernel while the side stream still reads it (the
+        # lookups then see another tensor's bytes). Held until decode has joined the side stream.
+        self.side_inputs[layer] = q_spec
 
     def _refresh(self, layer: int, qp: torch.Tensor) -> None:
         """Lookup with qp (permuted head order); for missed heads, new top-k with qp and their rows moved
@@ -193,6 +198,7 @@ class CLO(KVOffloadSystem):
             with self.phase("transfer_exposed"):  # the stall behind the side stream is all that is exposed
                 torch.cuda.current_stream().wait_event(self.ready[layer])
             self.pending[layer] = False
+            self.side_inputs[layer] = None  # later reuse of its memory is ordered after the side stream
         elif not self.wants_speculative_query or layer == 0:
             self._refresh(layer, qp)
         with self.phase("retrieval"):

@@ -81,22 +81,25 @@ if triton is not None:
     @triton.jit
     def _encode_query_kernel(Q, W, Heads, Out, stride_qb, stride_qh, stride_wh, stride_wd, stride_ob, stride_oh,
                              stride_og, H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                             NW: tl.constexpr):
+                             CHUNK: tl.constexpr):
+        """One program per (sequence, KV head, 32-bit word): 32 projections of the group's queries, as signs."""
         bj = tl.program_id(0)
+        w = tl.program_id(1)
         b = bj // H
         j = bj % H
         head = tl.load(Heads + j)
         g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D)
-        q = tl.load(Q + b * stride_qb + (head * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
-                    other=0.0).to(tl.float32)
         bit = tl.arange(0, 32)
-        for w in tl.static_range(NW):  # one 32-bit word (32 projections) at a time: W's slice stays small
-            proj = tl.load(W + head * stride_wh + d[:, None] * stride_wd + (w * 32 + bit)[None, :])  # [D, 32]
-            x = tl.dot(q, proj, input_precision="ieee")  # [G_PAD, 32]
-            word = tl.sum((x > 0).to(tl.uint32) << bit.to(tl.uint32)[None, :], 1)  # distinct bits: sum == or
-            tl.store(Out + b * stride_ob + j * stride_oh + g * stride_og + w, word.to(tl.int32, bitcast=True),
-                     mask=g < G)
+        x = tl.zeros([G_PAD, 32], tl.float32)
+        for d0 in tl.static_range(0, D, CHUNK):  # multiply-add in registers: a few KB of work, no tensor cores
+            d = d0 + tl.arange(0, CHUNK)
+            q = tl.load(Q + b * stride_qb + (head * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
+                        other=0.0).to(tl.float32)
+            proj = tl.load(W + head * stride_wh + d[:, None] * stride_wd + (w * 32 + bit)[None, :])  # [CHUNK, 32]
+            x += tl.sum(q[:, :, None] * proj[None, :, :], 1)
+        word = tl.sum((x > 0).to(tl.uint32) << bit.to(tl.uint32)[None, :], 1)  # distinct bits: sum == or
+        tl.store(Out + b * stride_ob + j * stride_oh + g * stride_og + w, word.to(tl.int32, bitcast=True),
+                 mask=g < G)
 
 
 def encode_query_triton(q: torch.Tensor, proj: torch.Tensor, heads: torch.Tensor, group: int) -> torch.Tensor:
@@ -105,12 +108,13 @@ def encode_query_triton(q: torch.Tensor, proj: torch.Tensor, heads: torch.Tensor
     b, _, d = q.shape
     rbit = proj.shape[2]
     h = heads.shape[0]
-    assert rbit % 32 == 0 and d >= 16 and d & (d - 1) == 0 and proj.stride(2) == 1 and q.stride(2) == 1
+    assert rbit % 32 == 0 and d & (d - 1) == 0 and proj.stride(2) == 1 and q.stride(2) == 1
     out = torch.empty(b, h, group, rbit // 32, dtype=torch.int32, device=q.device)
     if b and h:
-        _encode_query_kernel[(b * h,)](q, proj, heads.contiguous(), out, q.stride(0), q.stride(1), proj.stride(0),
-                                       proj.stride(1), out.stride(0), out.stride(1), out.stride(2), H=h, G=group,
-                                       G_PAD=max(16, triton.next_power_of_2(group)), D=d, NW=rbit // 32)
+        _encode_query_kernel[(b * h, rbit // 32)](
+            q, proj, heads.contiguous(), out, q.stride(0), q.stride(1), proj.stride(0), proj.stride(1),
+            out.stride(0), out.stride(1), out.stride(2), H=h, G=group, G_PAD=triton.next_power_of_2(group), D=d,
+            CHUNK=min(d, 16))
     return out.view(torch.uint8)  # little-endian: byte j of word w holds projections 32w + 8j .. 32w + 8j + 7
 
 

@@ -8,7 +8,7 @@
 
 The kernel reads the host rows through their pointer (UVA: a pinned allocation is mapped into the device's
 address space), so there is no CPU gather, no staging buffer and no host sync; the grid depends only on
-shapes, so it can be captured in a CUDA graph. Tiles of hit heads are masked off before touching the link.
+shapes, so it can be captured in a CUDA graph. Hit heads are skipped before touching the link.
 The same kernel gathers from device memory (a layer's persistent heads, clo/layout.py), there with one program
 per tile. `uva_gather_ref` (= `TransferEngine.fill` on the CPU) is the specification.
 """
@@ -40,32 +40,31 @@ def uva_gather_ref(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, m
 if triton is not None:
 
     @triton.jit
-    def _uva_gather_kernel(Host, Heads, Idx, Miss, Slots, K, TILES_PER_HEAD, TILES,
+    def _uva_gather_kernel(Host, Heads, Idx, Miss, Slots, K, BH, TILES_PER_HEAD,
                            stride_hb, stride_hh, stride_ht, stride_ib, stride_ih,
                            stride_sb, stride_sh, stride_sk,
                            H: tl.constexpr, ROW: tl.constexpr, ROW_PAD: tl.constexpr, BLOCK: tl.constexpr):
         c = tl.arange(0, ROW_PAD)
         r = tl.arange(0, BLOCK)
-        # grid-stride over the tiles (BLOCK rows of one head): a capped number of programs keeps the link busy
-        # without holding every SM while it waits on the link
-        for tile in range(tl.program_id(0), TILES, tl.num_programs(0)):
-            bj = tile // TILES_PER_HEAD
-            b = bj // H
-            j = bj % H
-            missed = tl.load(Miss + bj)
-            head = tl.load(Heads + j)
-            i = (tile % TILES_PER_HEAD) * BLOCK + r
-            # a hit: every access masked off, nothing crosses the link (a vector mask: the interpreter
-            # refuses a scalar one)
-            rmask = (i < K) & ((r * 0 + missed) != 0)
-            tok = tl.load(Idx + b.to(tl.int64) * stride_ib + j * stride_ih + i, mask=rmask, other=0)
-            mask = rmask[:, None] & (c < ROW)[None, :]
-            # int64 offsets: a host store is easily larger than 2^31 elements
-            src = Host + (b.to(tl.int64) * stride_hb + head * stride_hh + tok * stride_ht)[:, None] + c[None, :]
-            rows = tl.load(src, mask=mask)  # BLOCK rows in flight per program: the link needs many outstanding reads
-            dst = Slots + (b.to(tl.int64) * stride_sb + j * stride_sh + i.to(tl.int64) * stride_sk)[:, None] \
-                + c[None, :]
-            tl.store(dst, rows, mask=mask)
+        for bj in range(BH):
+            if tl.load(Miss + bj) != 0:  # a hit costs each program one load: nothing crosses the link
+                b = bj // H
+                j = bj % H
+                head = tl.load(Heads + j)
+                # grid-stride over the head's tiles (BLOCK rows each): a capped number of programs keeps the
+                # link busy without holding every SM while it waits on the link
+                for tile in range(tl.program_id(0), TILES_PER_HEAD, tl.num_programs(0)):
+                    i = tile * BLOCK + r
+                    rmask = i < K
+                    tok = tl.load(Idx + b.to(tl.int64) * stride_ib + j * stride_ih + i, mask=rmask, other=0)
+                    mask = rmask[:, None] & (c < ROW)[None, :]
+                    # int64 offsets: a host store is easily larger than 2^31 elements
+                    src = Host + (b.to(tl.int64) * stride_hb + head * stride_hh + tok * stride_ht)[:, None] \
+                        + c[None, :]
+                    rows = tl.load(src, mask=mask)  # BLOCK rows in flight per program: the link needs many reads
+                    dst = Slots + (b.to(tl.int64) * stride_sb + j * stride_sh + i.to(tl.int64) * stride_sk)[:, None] \
+                        + c[None, :]
+                    tl.store(dst, rows, mask=mask)
 
 
 def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
@@ -74,7 +73,7 @@ def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss:
     """In place on `slots`. `host` must be pinned when the others live on a GPU (Triton's launcher refuses
     an unmapped host pointer); in the Triton interpreter every tensor is a CPU tensor. `block` rows per
     program: by default ~16 KB, which keeps the link full (any 4..64 did on the H200). `programs` caps the
-    grid; each program loops over tiles (BLOCK rows of one head)."""
+    grid; each program loops over the missed heads and, in each, over its share of the head's tiles."""
     b, h, k = idx.shape
     d = host.shape[-1]
     assert host.shape[3] == 2 and slots.shape == (b, h, k, 2, d) and heads.shape == (h,) and miss.shape == (b, h)
@@ -87,9 +86,8 @@ def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss:
     miss = miss.contiguous().view(torch.uint8)
     block = block or min(64, max(4, triton.next_power_of_2(16384 // (2 * d * host.element_size()))))
     tiles_per_head = triton.cdiv(k, block)
-    tiles = b * h * tiles_per_head
-    grid = (min(tiles, programs),)
-    _uva_gather_kernel[grid](host, heads.contiguous(), idx, miss, slots, k, tiles_per_head, tiles,
+    grid = (min(tiles_per_head, programs),)
+    _uva_gather_kernel[grid](host, heads.contiguous(), idx, miss, slots, k, b * h, tiles_per_head,
                              host.stride(0), host.stride(1), host.stride(2), idx.stride(0), idx.stride(1),
                              slots.stride(0), slots.stride(1), slots.stride(2),
                              H=h, ROW=2 * d, ROW_PAD=triton.next_power_of_2(2 * d), BLOCK=block,
