@@ -33,6 +33,6 @@ run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants
 stage clo_graph 120 $run +experiment=clo_synthetic system=clo,fullattn seqlen=${SEQLENS:-32k,128k} workload.gen_tokens=32
 stage fig2 200 $run +experiment=fig2_breakdown workload.gen_tokens=16
 stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg,tgp seqlen=128k workload.gen_tokens=16
-stage clo_512k 330 $run +experiment=clo_synthetic system=clo seqlen=512k workload.gen_tokens=16  # prefill ~3 min
+stage clo_512k 450 $run +experiment=clo_synthetic system=clo seqlen=512k workload.gen_tokens=16  # prefill ~3 min
 tar -czf "${OUT:-/tmp}/gpu_session.tgz" -C "$out" .
 cp "$out/summary.log" "${OUT:-/tmp}/summary.log"

@@ -47,7 +47,9 @@ def check_prefill_and_decode(ref, ours: Decoder, seq: int = 40, batch: int = 2, 
 
 @pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}])
-def test_llama_random_matches_transformers(rope_scaling):
+@pytest.mark.parametrize("chunk", [8192, 7])  # 7: the prompt's projections and norms in chunks, as at 512K
+def test_llama_random_matches_transformers(rope_scaling, chunk, monkeypatch):
+    monkeypatch.setattr("clo.model.decoder.PREFILL_CHUNK", chunk)
     torch.manual_seed(0)
     hf_cfg = LlamaConfig(**SMALL, rope_theta=500000.0, rope_scaling=rope_scaling)
     ref = LlamaForCausalLM(hf_cfg).eval()

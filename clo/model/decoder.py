@@ -121,11 +121,13 @@ class Decoder(nn.Module):
         cos, sin = self.rotary().cos_sin(torch.arange(t, device=tokens.device), x.dtype)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
+            q, k, v = self._chunked_qkv(layer, x, cos, sin)
             kv.prefill(i, k, v)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             del q, k, v
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            for s in range(0, t, PREFILL_CHUNK):  # in place, a chunk at a time: no second residual stream
+                x[:, s: s + PREFILL_CHUNK] += attn.o_proj(o[:, :, s: s + PREFILL_CHUNK].transpose(1, 2).flatten(2))
+            del o
             x = layer.mlp_block(x)
             if on_layer is not None:
                 on_layer(i)
@@ -133,6 +135,19 @@ class Decoder(nn.Module):
         if all_logits:
             return self._chunked_logits(x)
         return self.lm_head(self.model.norm(x[:, -1])).float()
+
+    @staticmethod
+    def _chunked_qkv(layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k, v [B, heads, T, D] of the whole prompt, computed PREFILL_CHUNK tokens at a time: the norm's fp32
+        temporaries and RoPE's of the whole prompt at once are 8 GiB each at 512K tokens."""
+        attn = layer.self_attn
+        b, t, _ = x.shape
+        q = x.new_empty(b, attn.h, t, attn.d)
+        k, v = x.new_empty(b, attn.hkv, t, attn.d), x.new_empty(b, attn.hkv, t, attn.d)
+        for s in range(0, t, PREFILL_CHUNK):
+            e = min(s + PREFILL_CHUNK, t)
+            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e] = attn.qkv(layer.input_layernorm(x[:, s:e]), cos[s:e], sin[s:e])
+        return q, k, v
 
     def _chunked_logits(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat(
