@@ -19,13 +19,13 @@ class OffloadedBaseline(KVOffloadSystem):
     memory_parts() / estimate_parts(spec, prompt_len): the same named parts from its buffers and from shapes."""
 
     def __init__(self, topk_ratio: float, sink: int, recent: int, dense_layers: int, transfer: str,
-                 cpu_threads: int | str) -> None:
+                 cpu_threads: int | str, uva_programs: int | None = None) -> None:
         super().__init__()
         check_budget(topk_ratio, sink, recent, dense_layers)
         cpu_threads = resolve_threads(cpu_threads)  # validated now, before any long work
-        TransferEngine(transfer, cpu_threads, torch.device("cpu"))  # validates the transfer kind now
+        TransferEngine(transfer, cpu_threads, torch.device("cpu"), uva_programs)  # validates the transfer now
         self.topk_ratio, self.sink, self.recent, self.dense_layers = topk_ratio, sink, recent, dense_layers
-        self.transfer_kind, self.cpu_threads = transfer, cpu_threads
+        self.transfer_kind, self.cpu_threads, self.uva_programs = transfer, cpu_threads, uva_programs
 
     def k_select(self, prompt_len: int) -> int:
         return select_budget(prompt_len, self.topk_ratio, self.sink, self.recent)
@@ -37,7 +37,7 @@ class OffloadedBaseline(KVOffloadSystem):
     def _allocate(self, spec: KVSpec) -> None:
         if self.dense_layers > spec.num_layers:
             raise ConfigError(f"dense_layers={self.dense_layers} exceeds the model's {spec.num_layers} layers")
-        self.transfer = TransferEngine(self.transfer_kind, self.cpu_threads, spec.device)
+        self.transfer = TransferEngine(self.transfer_kind, self.cpu_threads, spec.device, self.uva_programs)
         L = spec.num_layers
         self.dense_kv: list[torch.Tensor | None] = [None] * L
         self.window: list[torch.Tensor | None] = [None] * L

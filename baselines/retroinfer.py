@@ -50,9 +50,10 @@ class RetroInfer(OffloadedBaseline):
     def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
                  retriever: str = "hash", rbit: int = 256, seed: int = 0, block_size: int = 8,
                  cache_multiple: float = 3.0, transfer: str = "uva", cpu_threads: int | str = "auto",
+                 uva_programs: int | None = None,
                  selection: str = "block", wave_cluster_size: int = 16, wave_segment: int = 8192,
                  wave_iters: int = 4) -> None:
-        super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads)
+        super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, uva_programs)
         if selection not in SELECTIONS:
             raise ConfigError(f"selection={selection!r}; valid: {', '.join(SELECTIONS)}")
         self.selection = selection
@@ -195,8 +196,8 @@ class RetroInfer(OffloadedBaseline):
         return {"retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
                 "block_size": self.block_size, "blocks_per_head": n_blocks, "retrieved_blocks_per_step": per_step,
                 "cache_blocks_per_head": cap, "cache_multiple": self.cache_multiple, "evictions": self.evictions,
-                "cpu_threads": self.cpu_threads, "transfer": self.transfer_kind, "link_gb_s": self.link_gb_s,
-                "selection": self.selection,
+                "cpu_threads": self.cpu_threads, "transfer": self.transfer_kind, "uva_programs": self.uva_programs,
+                "link_gb_s": self.link_gb_s, "selection": self.selection,
                 "defaults_source": "RetroInfer cache_hub/retroinfer_cache.py (microsoft/RetrievalAttention): "
                                    "page_size 8, cache = 3 x the retrieved clusters' pages",
                 "memory_parts": self.memory_parts()}

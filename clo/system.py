@@ -35,7 +35,7 @@ class CLO(KVOffloadSystem):
                  threshold_override: float | None = None, importance: str = "uniform", profile: str = "none",
                  epsilon: float = 0.1, persistent: bool = True, speculative: bool = True,
                  layer_time_ms: float | None = None, link_gb_s: float | None = None, transfer: str = "uva",
-                 cpu_threads: int = 4) -> None:
+                 cpu_threads: int = 4, uva_programs: int | None = 32) -> None:
         super().__init__()
         check_budget(topk_ratio, sink, recent, dense_layers)
         if not -1.0 < eta <= 1.0:
@@ -50,11 +50,11 @@ class CLO(KVOffloadSystem):
                         threshold_override=threshold_override, importance=importance, profile=profile,
                         epsilon=epsilon, persistent=persistent, speculative=speculative,
                         layer_time_ms=layer_time_ms, link_gb_s=link_gb_s, transfer=transfer,
-                        cpu_threads=cpu_threads)
+                        cpu_threads=cpu_threads, uva_programs=uva_programs)
         self.wants_speculative_query = speculative
         self.supports_cuda_graph = transfer == "uva"  # the CPU-gather path syncs with the host by design
-        self.transfer_kind, self.cpu_threads = transfer, cpu_threads
-        TransferEngine(transfer, cpu_threads, torch.device("cpu"))  # validates both before any long work
+        self.transfer_kind, self.cpu_threads, self.uva_programs = transfer, cpu_threads, uva_programs
+        TransferEngine(transfer, cpu_threads, torch.device("cpu"), uva_programs)  # validates before any long work
 
     # ---- planning ------------------------------------------------------------------------------------------
     def _policy(self, spec: KVSpec) -> None:
@@ -106,7 +106,7 @@ class CLO(KVOffloadSystem):
 
     def _allocate(self, spec: KVSpec) -> None:
         self._policy(spec)  # again: the spec now carries the measured layer time
-        self.transfer = TransferEngine(self.transfer_kind, self.cpu_threads, spec.device)
+        self.transfer = TransferEngine(self.transfer_kind, self.cpu_threads, spec.device, self.uva_programs)
         self.retriever = make_retriever(self.cfg["retriever"], spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                         spec.device, self.cfg["rbit"], self.cfg["seed"])
         self.stores: list[LayerStore | None] = [None] * spec.num_layers

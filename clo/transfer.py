@@ -44,7 +44,9 @@ class TransferEngine:
         if kind == "uva" and device.type == "cuda":
             from clo.kernels import uva_gather  # noqa: F401  (Triton; fails loudly where it is missing)
         self.kind, self.threads, self.device = kind, threads, device
-        self.uva_programs = uva_programs  # the gather's grid (None: the kernel's default, UVA_PROGRAMS)
+        if uva_programs is not None and uva_programs < 1:
+            raise ConfigError(f"uva_programs={uva_programs} must be at least 1, or null (one per tile)")
+        self.uva_programs = uva_programs  # cap on the gather's grid (None: one program per tile)
         self.host_syncs = 0
 
     def fill(self, host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
@@ -54,9 +56,9 @@ class TransferEngine:
             slots.copy_(torch.where(miss[..., None, None, None], gather_rows_ref(host, heads, idx), slots))
             return
         if self.kind == "uva":
-            from clo.kernels.uva_gather import UVA_PROGRAMS, uva_gather
+            from clo.kernels.uva_gather import uva_gather
 
-            uva_gather(host, heads, idx, miss, slots, programs=self.uva_programs or UVA_PROGRAMS)
+            uva_gather(host, heads, idx, miss, slots, programs=self.uva_programs)
             return
         self._cpu_gather(host, heads, idx, miss, slots)
 

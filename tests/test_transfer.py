@@ -25,3 +25,5 @@ def test_bad_transfer_settings():
         TransferEngine("cpu_gather", 0, torch.device("cpu"))
     with pytest.raises(ConfigError, match="transfer"):
         TransferEngine("rdma", 1, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="uva_programs"):
+        TransferEngine("uva", 1, torch.device("cpu"), uva_programs=0)

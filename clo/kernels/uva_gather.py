@@ -22,12 +22,6 @@ try:
 except ImportError:  # CPU machines: the reference is used
     triton = None
 
-# Programs of the gather's grid. Each loops over tiles, so a few dozen keep the link full (0.88 of bulk at 32)
-# while leaving the SMs to the compute stream: one program per tile (~400 per head) held them while waiting on
-# the link and slowed a CLO layer's overlapped compute, all heads missing 1161 -> 1003 us (H200, 128K,
-# results/history/5096e45_uva_programs/). Other GPUs may want another number: bench_clo_layer --uva-programs.
-UVA_PROGRAMS = 32
-
 
 def uva_gather_ref(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
                    slots: torch.Tensor) -> None:
@@ -68,12 +62,14 @@ if triton is not None:
 
 
 def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
-               slots: torch.Tensor, block: int | None = None, programs: int = UVA_PROGRAMS,
+               slots: torch.Tensor, block: int | None = None, programs: int | None = None,
                num_warps: int = 4) -> None:
     """In place on `slots`. `host` must be pinned when the others live on a GPU (Triton's launcher refuses
     an unmapped host pointer); in the Triton interpreter every tensor is a CPU tensor. `block` rows per
     program: by default ~16 KB, which keeps the link full (any 4..64 did on the H200). `programs` caps the
-    grid; each program loops over the missed heads and, in each, over its share of the head's tiles."""
+    grid (None: one program per tile of a head); each program loops over the missed heads and, in each, over
+    its share of the head's tiles. A few dozen programs keep the link full and leave the SMs to work that
+    overlaps the transfer (CLO's `uva_programs`)."""
     b, h, k = idx.shape
     d = host.shape[-1]
     assert host.shape[3] == 2 and slots.shape == (b, h, k, 2, d) and heads.shape == (h,) and miss.shape == (b, h)
@@ -86,7 +82,7 @@ def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss:
     miss = miss.contiguous().view(torch.uint8)
     block = block or min(64, max(4, triton.next_power_of_2(16384 // (2 * d * host.element_size()))))
     tiles_per_head = triton.cdiv(k, block)
-    grid = (min(tiles_per_head, programs),)
+    grid = (min(tiles_per_head, programs or tiles_per_head),)
     _uva_gather_kernel[grid](host, heads.contiguous(), idx, miss, slots, k, b * h, tiles_per_head,
                              host.stride(0), host.stride(1), host.stride(2), idx.stride(0), idx.stride(1),
                              slots.stride(0), slots.stride(1), slots.stride(2),
