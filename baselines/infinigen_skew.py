@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from clo.errors import ConfigError
 from clo.paths import ROOT
-from clo.profile import record_queries
+from experiments.profile import record_queries
 
 
 def skew_bases(queries: dict[int, list[torch.Tensor]], num_layers: int, num_kv_heads: int) -> torch.Tensor:

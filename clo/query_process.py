@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 
 from clo.errors import ConfigError
-from clo.paths import repo_path
+from clo.paths import repo_path, write_json_atomic
 from clo.policy.persistent import load_profile
-from experiments.records import write_json_atomic
 
 
 class ProfileQueryProcess:

@@ -24,10 +24,10 @@ from clo.kernels.radix_topk import topk_indices, topk_ref
 from clo.kernels.uva_gather import uva_gather
 from clo.model.config import ModelConfig
 from clo.model.decoder import Layer
-from clo.paths import ROOT
+from clo.paths import ROOT, write_json_atomic
 from clo.transfer import TransferEngine, gather_rows_ref
 from experiments.bench_decode_attention import time_ms
-from experiments.records import environment, write_json_atomic
+from experiments.records import environment
 
 DEV = torch.device("cuda")
 # the shapes of conf/model/llama3.yaml, read from it rather than copied

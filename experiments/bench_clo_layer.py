@@ -29,11 +29,11 @@ from clo.kernels.head_cache import lookup_and_update
 from clo.kv.interface import KVSpec
 from clo.kv.timer import PhaseTimer
 from clo.model.decoder import Layer
-from clo.paths import ROOT
+from clo.paths import ROOT, write_json_atomic
 from clo.retrieval import select_topk
 from clo.system import CLO
 from experiments.bench_clo import DEV, LLAMA3
-from experiments.records import environment, write_json_atomic
+from experiments.records import environment
 
 
 def build(seqlen: int, layer: int) -> tuple[CLO, Layer]:

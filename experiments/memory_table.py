@@ -16,9 +16,9 @@ from hydra.utils import instantiate
 
 from clo.kv.interface import GB, KVSpec
 from clo.model.config import ModelConfig
-from clo.paths import ROOT
+from clo.paths import ROOT, write_json_atomic
 from experiments.preflight import parse_tokens
-from experiments.records import environment, write_json_atomic
+from experiments.records import environment
 
 CONF = ROOT / "conf"
 

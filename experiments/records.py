@@ -7,7 +7,6 @@ import json
 import os
 import platform
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,18 +40,6 @@ def finished(path: Path) -> bool:
         return False  # a damaged record counts as not done: the run is repeated
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def git_commit(repo: Path) -> dict[str, Any]:

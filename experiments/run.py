@@ -14,7 +14,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from clo.errors import ConfigError
-from experiments.records import finished, record_path, write_json_atomic
+from clo.paths import write_json_atomic
+from experiments.records import finished, record_path
 
 
 def summary(rec: dict) -> str:

@@ -49,3 +49,16 @@ def test_the_process_advances_when_replayed_from_a_cuda_graph():
         sims.append(torch.nn.functional.cosine_similarity(out, prev, dim=-1).mean().item())
         prev = out.clone()
     assert abs(sum(sims) / len(sims) - 0.5) < 0.05
+
+
+def test_profile_command_measures_adjacent_similarity():
+    """The profile command's s_hat: the group-mean cosine of each query head's query to its previous one."""
+    from baselines.infinigen_skew import skew_bases  # noqa: F401  (the skew command records queries the same way)
+    from experiments.profile import adjacent_similarity
+
+    q = torch.randn(1, 4, 8)  # [B, H, D], H = 2 KV heads x group 2
+    flip = q.clone()
+    flip[:, :2] *= -1  # KV head 0's queries point the other way each step, KV head 1's stay
+    sims = adjacent_similarity([q, flip, q], group=2)
+    assert sims.shape == (2, 1, 2)
+    torch.testing.assert_close(sims[:, 0], torch.tensor([[-1.0, 1.0], [-1.0, 1.0]]))

@@ -2,7 +2,7 @@
 head's query to its query one step earlier (s_hat_i), averaged over the head's query group and the steps.
 Also the per-head distribution the paper plots (Fig. 4-6). Writes data/profiles/<model>.json.
 
-    python -m clo.profile model=smollm2 seqlen=3k workload.gen_tokens=64 workload.stop_at_eos=false
+    python -m experiments.profile model=smollm2 seqlen=3k workload.gen_tokens=64 workload.stop_at_eos=false
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from clo.generate import generate
 from clo.kv.interface import KVSpec
 from clo.model.config import ModelConfig
 from clo.model.weights import build_decoder
-from clo.paths import ROOT
+from clo.paths import ROOT, write_json_atomic
 from experiments import preflight
 from experiments.execute import load_tokenizer, weights_source
-from experiments.records import environment, write_json_atomic
+from experiments.records import environment
 from experiments.workloads import build_prompt
 
 
