@@ -71,7 +71,9 @@ class InfiniGen(OffloadedBaseline):
         self.partial: list[torch.Tensor | None] = [None] * L  # [B, Hkv, n_mid, r]: the partial key cache
         self.exact = ExactRetriever(L, spec.num_kv_heads, spec.head_dim, spec.device)  # oracle_query only
         self.buffers: list[torch.Tensor] = []  # two device buffers, alternating by layer (fetch l+1, attend l)
-        self.pending: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        # layer -> (buffer, copy done, the indices the copy stream reads: held until the copy is waited for, so the
+        # compute stream cannot reuse their memory while a uva gather still reads them)
+        self.pending: dict[int, tuple[torch.Tensor, torch.cuda.Event | None, torch.Tensor]] = {}
         cuda = spec.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(spec.device) if cuda else None
         self.fill_heads = self.heads.cpu() if self.transfer_kind == "cpu_gather" else self.heads
@@ -146,12 +148,12 @@ class InfiniGen(OffloadedBaseline):
                 self.transfer.fill(self.host[layer], self.fill_heads, idx_fill, self.fill_miss, buf)
             self.transfer.host_syncs = 0  # counted above, where the indices came to the host
         self.step.bytes_h2d += b * hkv * k_sel * self.row_bytes(spec)
-        self.pending[layer] = (buf, event)
+        self.pending[layer] = (buf, event, idx_fill)
 
     def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> torch.Tensor:
         if self.oracle_query or layer not in self.pending:  # no speculation for this layer: fetch now
             self.fetch(layer, q)
-        buf, event = self.pending.pop(layer)
+        buf, event, _ = self.pending.pop(layer)
         with self.phase("launch_sync"):
             if event is not None:
                 event.synchronize()

@@ -45,8 +45,8 @@ class TransferEngine:
             from clo.kernels import uva_gather  # noqa: F401  (Triton; fails loudly where it is missing)
         self.kind, self.threads, self.device = kind, threads, device
         if uva_programs is not None and uva_programs < 1:
-            raise ConfigError(f"uva_programs={uva_programs} must be at least 1, or null (one per tile)")
-        self.uva_programs = uva_programs  # cap on the gather's grid (None: one program per tile)
+            raise ConfigError(f"uva_programs={uva_programs} must be at least 1, or null (one per tile of a head)")
+        self.uva_programs = uva_programs  # cap on the gather's grid (None: as many as a head has tiles)
         self.host_syncs = 0
 
     def fill(self, host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,

@@ -32,7 +32,7 @@ from clo.model.decoder import Layer
 from clo.paths import ROOT, write_json_atomic
 from clo.retrieval import select_topk
 from clo.system import CLO
-from experiments.bench_clo import DEV, LLAMA3
+from experiments.bench_clo import DEV, LLAMA3, UVA_PROGRAMS
 from experiments.records import environment
 
 
@@ -158,8 +158,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seqlen", type=int, default=131072)
     ap.add_argument("--layer", type=int, default=5, help="a layer with the median number of persistent heads")
-    ap.add_argument("--uva-programs", type=int, nargs="*", default=[16, 32, 64, 132, 264, 100000],
-                    help="caps on the UVA gather's grid to compare (100000: one program per tile)")
+    ap.add_argument("--uva-programs", type=int, nargs="*", default=list(UVA_PROGRAMS),
+                    help="caps on the UVA gather's grid to compare (100000: one program per tile of a head)")
     args = ap.parse_args()
     clo, dense = build(args.seqlen, args.layer)
     us, fl = measure(clo, dense, args.layer, args.uva_programs), floors(clo, dense, args.layer)

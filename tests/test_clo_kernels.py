@@ -220,7 +220,7 @@ def test_lookup_interpreted(aggregation, g_, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("programs", [1 << 20, 32, 7])
+@pytest.mark.parametrize("programs", [1 << 20, 7])  # 7 < 16 tiles per head: programs loop
 def test_uva_gather_triton_matches_ref(d, dtype, programs):
     pytest.importorskip("triton")
     check_uva_gather("cuda", 2, 8, 5000, d, 6, 500, dtype, programs=programs)

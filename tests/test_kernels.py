@@ -116,3 +116,21 @@ def test_hybrid_attention_interpreted():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_hybrid_attention_triton_matches_ref(caps, dtype):
     check_hybrid_attention("cuda", 2, 8, 4, 128, caps, dtype)
+
+
+def test_hybrid_attention_with_an_empty_buffer():
+    """A buffer with no valid rows for a sequence, or no rows at all, adds nothing (no NaN from softmax over
+    nothing)."""
+    from clo.kernels.decode_attention import hybrid_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 16, generator=gen)
+    k, v = torch.randn(2, 30, 2, 16, generator=gen), torch.randn(2, 30, 2, 16, generator=gen)
+    full = (k, v, torch.tensor([30, 12]))
+    want = decode_attention_ref(q, *full)
+    none_for_one = (k[:, :5], v[:, :5], torch.tensor([0, 5]))  # sequence 0 has no rows here
+    got = hybrid_attention(q, full, none_for_one)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got[0], want[0])
+    no_rows = (k[:, :0], v[:, :0], torch.tensor([0, 0]))
+    torch.testing.assert_close(hybrid_attention(q, no_rows, full), want)

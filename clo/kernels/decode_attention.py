@@ -45,7 +45,8 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
     """Exact attention over the union of disjoint key sets from per-set (out [B, H, D], lse [B, H])."""
     lse = torch.stack([p[1] for p in parts])  # [P, B, H]
     w = torch.softmax(lse, dim=0)[..., None]
-    return (torch.stack([p[0].float() for p in parts]) * w).sum(0).to(parts[0][0].dtype)
+    # a part with no keys for a sequence has weight 0 and output NaN (softmax over nothing): it adds nothing
+    return (torch.stack([p[0].float() for p in parts]).nan_to_num(0.0) * w).sum(0).to(parts[0][0].dtype)
 
 
 if triton is not None:
@@ -149,6 +150,9 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     assert k2.shape[0] == b and k2.shape[2] == hkv and k2.dtype == k.dtype
     # the kernel reads lengths[b] at offset b: no broadcast (stride 0) views
     lengths, lengths2 = lengths.contiguous(), lengths2.contiguous()
+    for x in (k, v, k2, v2):  # the kernel's offsets are int32
+        assert sum((n - 1) * s for n, s in zip(x.shape, x.stride())) < 2**31, \
+            "a KV buffer spans 2^31 elements or more: the attention kernel's int32 offsets would overflow"
     splits1, split_len = _splits(b * hkv, k.shape[1], block_n)
     splits2, split_len2 = _splits(b * hkv, k2.shape[1], block_n) if second is not None else (0, 1)
     splits = splits1 + splits2
@@ -180,6 +184,9 @@ def hybrid_attention(q: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor, t
     """Exact attention over the union of two KV buffers, each (k, v, lengths) as decode_attention takes them,
     read where they lie (spec 2.7). On CUDA one split kernel covers both and one merge combines them; the
     specification is per-buffer attention merged by log-sum-exp (`merge_attention`)."""
+    for empty, other in ((first, second), (second, first)):
+        if empty[0].shape[1] == 0:  # no rows at all: the kernel needs a split of each buffer
+            return decode_attention(q, *other)
     if q.is_cuda and triton is not None:
         return decode_attention_triton(q, *first, second=second)
     return merge_attention([decode_attention_ref(q, *first, return_lse=True),

@@ -8,7 +8,9 @@ hash scores it selects from (35 us). Radix select needs no sort. Each score beco
 key; four histogram passes over the key's bytes, high to low, each counting only the keys that match the bytes
 fixed so far, find the k-th largest key exactly; one last pass writes every index whose key is above it and
 as many equal to it as k still needs. Five kernels, a fixed grid and no host sync: CUDA-graph capturable.
-Which of several equal scores at the boundary are taken is unspecified, as in torch.topk.
+Which of several equal scores at the boundary are taken is unspecified, as in torch.topk (so a CPU and a GPU
+run may select different tied tokens). NaN scores are not supported (torch.topk ranks every NaN highest; here
+a NaN with its sign bit set ranks lowest); retrieval scores are finite.
 
 `topk_ref` (torch.topk) is the specification; `topk_indices` picks the kernel on CUDA and torch elsewhere.
 """
@@ -22,7 +24,7 @@ try:
 except ImportError:  # CPU machines: the reference is used
     triton = None
 
-PASSES, BINS = 4, 256  # one pass per byte of the key
+PASSES, BINS = 4, 256  # one pass per byte of the key (the kernels are written for these)
 
 
 def topk_ref(scores: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:

@@ -9,8 +9,7 @@
 The kernel reads the host rows through their pointer (UVA: a pinned allocation is mapped into the device's
 address space), so there is no CPU gather, no staging buffer and no host sync; the grid depends only on
 shapes, so it can be captured in a CUDA graph. Hit heads are skipped before touching the link.
-The same kernel gathers from device memory (a layer's persistent heads, clo/layout.py), there with one program
-per tile. `uva_gather_ref` (= `TransferEngine.fill` on the CPU) is the specification.
+The same kernel gathers from device memory (a layer's persistent heads, clo/layout.py), there uncapped. `uva_gather_ref` (= `TransferEngine.fill` on the CPU) is the specification.
 """
 from __future__ import annotations
 
@@ -67,8 +66,8 @@ def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss:
     """In place on `slots`. `host` must be pinned when the others live on a GPU (Triton's launcher refuses
     an unmapped host pointer); in the Triton interpreter every tensor is a CPU tensor. `block` rows per
     program: by default ~16 KB, which keeps the link full (any 4..64 did on the H200). `programs` caps the
-    grid (None: one program per tile of a head); each program loops over the missed heads and, in each, over
-    its share of the head's tiles. A few dozen programs keep the link full and leave the SMs to work that
+    grid (None: as many programs as a head has tiles, so one per tile when one head is moved); each program
+    loops over the missed heads and, in each, over its share of the head's tiles. A few dozen programs keep the link full and leave the SMs to work that
     overlaps the transfer (CLO's `uva_programs`)."""
     b, h, k = idx.shape
     d = host.shape[-1]
