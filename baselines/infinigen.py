@@ -41,8 +41,8 @@ class InfiniGen(OffloadedBaseline):
 
     def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
                  channel_fraction: float = 0.3, oracle_query: bool = False, transfer: str = "cpu_gather",
-                 cpu_threads: int | str = "auto", skew: str = "prefill") -> None:
-        super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads)
+                 cpu_threads: int | str = "auto", skew: str = "prefill", topk: str = "radix") -> None:
+        super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, topk=topk)
         if not 0.0 < channel_fraction <= 1.0:
             raise ConfigError(f"channel_fraction={channel_fraction} must lie in (0, 1]")
         self.channel_fraction, self.oracle_query, self.skew = channel_fraction, oracle_query, skew
@@ -129,7 +129,7 @@ class InfiniGen(OffloadedBaseline):
                 qsum = q.view(b, hkv, -1, d).float().sum(2)
                 pq = torch.einsum("bkd,bkdr->bkr", qsum, self.basis[layer])
                 scores = torch.einsum("bkr,bktr->bkt", pq, self.partial[layer].float())
-            idx = select_topk(scores, k_sel, 0)  # [B, Hkv, k] positions among the middle tokens
+            idx = select_topk(scores, k_sel, 0, method=self.topk)  # [B, Hkv, k] positions among the middle tokens
         with self.phase("launch_sync"):
             idx_host = idx.cpu()  # a blocking copy: the CPU gather needs the indices
         self.step.host_syncs += 1
@@ -173,5 +173,6 @@ class InfiniGen(OffloadedBaseline):
                 f"offline: {self.skew} (right singular vectors of real query activations per KV head)")
         return {"skew": skew, "channels": f"{self.channels(d)} of {d} ({self.channel_fraction:.0%})",
                 "oracle_query": self.oracle_query, "transfer": self.transfer_kind, "cpu_threads": self.cpu_threads,
+                "topk": self.topk,
                 "link_gb_s": self.link_gb_s,
                 "memory_parts": self.memory_parts()}

@@ -8,6 +8,7 @@ from clo.bench.bandwidth import link_gb_s
 from clo.errors import ConfigError
 from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
 from clo.layout import check_budget, select_budget, split_prompt
+from clo.retrieval import TOPK_METHODS
 from clo.transfer import TransferEngine, cpu_threads as resolve_threads
 
 
@@ -19,13 +20,16 @@ class OffloadedBaseline(KVOffloadSystem):
     memory_parts() / estimate_parts(spec, prompt_len): the same named parts from its buffers and from shapes."""
 
     def __init__(self, topk_ratio: float, sink: int, recent: int, dense_layers: int, transfer: str,
-                 cpu_threads: int | str, uva_programs: int | None = None) -> None:
+                 cpu_threads: int | str, uva_programs: int | None = None, topk: str = "radix") -> None:
         super().__init__()
         check_budget(topk_ratio, sink, recent, dense_layers)
         cpu_threads = resolve_threads(cpu_threads)  # validated now, before any long work
         TransferEngine(transfer, cpu_threads, torch.device("cpu"), uva_programs)  # validates the transfer now
         self.topk_ratio, self.sink, self.recent, self.dense_layers = topk_ratio, sink, recent, dense_layers
+        if topk not in TOPK_METHODS:
+            raise ConfigError(f"topk={topk!r}; valid: {', '.join(TOPK_METHODS)}")
         self.transfer_kind, self.cpu_threads, self.uva_programs = transfer, cpu_threads, uva_programs
+        self.topk = topk  # select_topk's method
 
     def k_select(self, prompt_len: int) -> int:
         return select_budget(prompt_len, self.topk_ratio, self.sink, self.recent)

@@ -50,10 +50,10 @@ class RetroInfer(OffloadedBaseline):
     def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
                  retriever: str = "hash", rbit: int = 256, seed: int = 0, block_size: int = 8,
                  cache_multiple: float = 3.0, transfer: str = "uva", cpu_threads: int | str = "auto",
-                 uva_programs: int | None = None,
+                 uva_programs: int | None = None, topk: str = "radix",
                  selection: str = "block", wave_cluster_size: int = 16, wave_segment: int = 8192,
                  wave_iters: int = 4) -> None:
-        super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, uva_programs)
+        super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, uva_programs, topk)
         if selection not in SELECTIONS:
             raise ConfigError(f"selection={selection!r}; valid: {', '.join(SELECTIONS)}")
         self.selection = selection
@@ -148,10 +148,11 @@ class RetroInfer(OffloadedBaseline):
             scores = self.retriever.scores(layer, q, self.heads)
             if self.selection == "block":  # the best token of each full block scores the block
                 full = scores.shape[-1] // bs
-                blocks = select_topk(scores[..., : full * bs].unflatten(-1, (full, bs)).amax(-1), k_sel // bs, 0)
+                blocks = select_topk(scores[..., : full * bs].unflatten(-1, (full, bs)).amax(-1), k_sel // bs, 0,
+                                     method=self.topk)
                 idx = (blocks[..., None] * bs + torch.arange(bs, device=dev)).view(rows, k_sel)
             else:
-                idx = select_topk(scores, k_sel, 0).view(rows, k_sel)
+                idx = select_topk(scores, k_sel, 0, method=self.topk).view(rows, k_sel)
             ublock, uid = distinct_sorted(idx // bs, lru.n_blocks)
         with self.phase("launch_sync"):
             ublock_host = ublock.to(torch.int32).cpu()  # a blocking copy: the launch thread waits for the device
@@ -196,7 +197,7 @@ class RetroInfer(OffloadedBaseline):
         return {"retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
                 "block_size": self.block_size, "blocks_per_head": n_blocks, "retrieved_blocks_per_step": per_step,
                 "cache_blocks_per_head": cap, "cache_multiple": self.cache_multiple, "evictions": self.evictions,
-                "cpu_threads": self.cpu_threads, "transfer": self.transfer_kind, "uva_programs": self.uva_programs,
+                "cpu_threads": self.cpu_threads, "transfer": self.transfer_kind, "uva_programs": self.uva_programs, "topk": self.topk,
                 "link_gb_s": self.link_gb_s, "selection": self.selection,
                 "defaults_source": "RetroInfer cache_hub/retroinfer_cache.py (microsoft/RetrievalAttention): "
                                    "page_size 8, cache = 3 x the retrieved clusters' pages",

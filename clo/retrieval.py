@@ -12,6 +12,7 @@ import torch
 from clo.errors import ConfigError
 
 RETRIEVERS = ("hash", "exact")
+TOPK_METHODS = ("radix", "torch")  # select_topk's: the radix select on CUDA | torch.topk everywhere
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
 
 
@@ -105,13 +106,15 @@ def make_retriever(kind: str, num_layers: int, num_kv_heads: int, head_dim: int,
     raise ConfigError(f"retriever={kind!r}; valid: {', '.join(RETRIEVERS)}")
 
 
-def select_topk(scores: torch.Tensor, k: int, offset: int, ascending: bool = True) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, k: int, offset: int, ascending: bool = True,
+                method: str = "radix") -> torch.Tensor:
     """scores [B, Hkv, T] over candidates starting at token `offset` -> absolute indices [B, Hkv, k], ascending
     unless `ascending=False`: attention and the gathers do not need the order, and at 128K sorting the
     indices costs more than the top-k itself (96 us per layer on the H200; torch.topk 63 us, the radix select
-    of clo/kernels/radix_topk.py that CUDA uses 40 us; bench_clo_layer). torch.topk elsewhere."""
+    of clo/kernels/radix_topk.py that CUDA uses 40 us; bench_clo_layer). torch.topk elsewhere, or everywhere
+    with method="torch" (one launch instead of six: possibly cheaper where the step is launched eagerly)."""
     # imported at call time: bench_clo_layer swaps topk_indices for torch.topk to compare the two
-    from clo.kernels.radix_topk import topk_indices
+    from clo.kernels.radix_topk import topk_indices, topk_ref
 
-    idx = topk_indices(scores, k, offset)
+    idx = topk_indices(scores, k, offset) if method == "radix" else topk_ref(scores, k, offset)
     return idx.sort(dim=-1).values if ascending else idx

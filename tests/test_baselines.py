@@ -303,6 +303,8 @@ def test_budget_rule_is_clos():
     (lambda: RetroInfer(retriever="ivf"), "retriever"),
     (lambda: RetroInfer(retriever="wave", wave_cluster_size=0), "cluster_size"),
     (lambda: RetroInfer(transfer="dma"), "transfer"),
+    (lambda: RetroInfer(uva_programs=0), "uva_programs"),
+    (lambda: InfiniGen(topk="heap"), "topk"),
     (lambda: InfiniGen(channel_fraction=0.0), "channel_fraction"),
     (lambda: RetroInfer(sink=SINK, recent=RECENT, block_size=T0).allocate(spec()), "larger than"),
     (lambda: InfiniGen(dense_layers=L + 1).allocate(spec()), "dense_layers"),
