@@ -99,7 +99,7 @@ class LayerStore:
         if idx.is_cuda:  # one kernel writes the rows where they go (torch: index, then copy, plus aranges)
             from clo.kernels.uva_gather import uva_gather
 
-            uva_gather(self.persist, heads, idx, every, self.sel[:, self.nc:])  # one program per tile: HBM
+            uva_gather(self.persist, heads, idx, every, self.sel[:, self.nc:])  # uncapped: rows from HBM
         else:
             uva_gather_ref(self.persist, heads, idx, every, self.sel[:, self.nc:])
 
