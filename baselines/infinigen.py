@@ -173,6 +173,4 @@ class InfiniGen(OffloadedBaseline):
                 f"offline: {self.skew} (right singular vectors of real query activations per KV head)")
         return {"skew": skew, "channels": f"{self.channels(d)} of {d} ({self.channel_fraction:.0%})",
                 "oracle_query": self.oracle_query, "transfer": self.transfer_kind, "cpu_threads": self.cpu_threads,
-                "topk": self.topk,
-                "link_gb_s": self.link_gb_s,
-                "memory_parts": self.memory_parts()}
+                "topk": self.topk, "link_gb_s": self.link_gb_s, "memory_parts": self.memory_parts()}

@@ -8,7 +8,7 @@ from clo.bench.bandwidth import link_gb_s
 from clo.errors import ConfigError
 from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
 from clo.layout import check_budget, select_budget, split_prompt
-from clo.retrieval import TOPK_METHODS
+from clo.retrieval import check_topk_method
 from clo.transfer import TransferEngine, cpu_threads as resolve_threads
 
 
@@ -26,8 +26,7 @@ class OffloadedBaseline(KVOffloadSystem):
         cpu_threads = resolve_threads(cpu_threads)  # validated now, before any long work
         TransferEngine(transfer, cpu_threads, torch.device("cpu"), uva_programs)  # validates the transfer now
         self.topk_ratio, self.sink, self.recent, self.dense_layers = topk_ratio, sink, recent, dense_layers
-        if topk not in TOPK_METHODS:
-            raise ConfigError(f"topk={topk!r}; valid: {', '.join(TOPK_METHODS)}")
+        check_topk_method(topk)
         self.transfer_kind, self.cpu_threads, self.uva_programs = transfer, cpu_threads, uva_programs
         self.topk = topk  # select_topk's method
 
@@ -101,14 +100,15 @@ class OffloadedBaseline(KVOffloadSystem):
         sized = lambda bufs: sum(t.nbytes for t in bufs if t is not None)  # noqa: E731
         return {"window": sized(self.window), "dense_layers": sized(self.dense_kv), "host": sized(self.host)}
 
-    def common_estimate(self, spec: KVSpec, t0: int, pad: int = 0) -> dict[str, int]:
-        """The same parts from the shapes alone, for a prompt of t0 tokens."""
+    def common_estimate(self, spec: KVSpec, t0: int) -> dict[str, int]:
+        """The same parts from the shapes alone, for a prompt of t0 tokens (the host store padded as prefill pads
+        it)."""
         sink, recent, n_mid = split_prompt(t0, self.sink, self.recent)
         per_head = spec.batch * spec.num_kv_heads * self.row_bytes(spec)
         sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
         return {"window": sparse * per_head * (sink + recent + spec.max_len - t0),
                 "dense_layers": (spec.num_layers - sparse) * per_head * spec.max_len,
-                "host": sparse * per_head * (n_mid + pad)}
+                "host": sparse * per_head * (n_mid + self.host_padding(n_mid))}
 
     def step_device_bytes(self) -> int:
         """Per step, as CLO's: the attended rows (window, selected rows, dense layers) and the retrieval metadata

@@ -104,7 +104,7 @@ class RetroInfer(OffloadedBaseline):
         else:
             per_token = (self.rbit // 8 + 4) if self.retriever_kind == "hash" else spec.head_dim * spec.dtype_bytes
             meta = heads * n_mid * per_token
-        return {**self.common_estimate(spec, t0, -n_mid % self.block_size),
+        return {**self.common_estimate(spec, t0),
                 "cache": sparse * heads * cap * self.block_size * self.row_bytes(spec),
                 "metadata": sparse * meta,
                 "host_metadata": sparse * heads * 8 * (n_blocks + 1 + 2 * (cap + 1))}
@@ -197,8 +197,8 @@ class RetroInfer(OffloadedBaseline):
         return {"retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
                 "block_size": self.block_size, "blocks_per_head": n_blocks, "retrieved_blocks_per_step": per_step,
                 "cache_blocks_per_head": cap, "cache_multiple": self.cache_multiple, "evictions": self.evictions,
-                "cpu_threads": self.cpu_threads, "transfer": self.transfer_kind, "uva_programs": self.uva_programs, "topk": self.topk,
-                "link_gb_s": self.link_gb_s, "selection": self.selection,
+                "cpu_threads": self.cpu_threads, "transfer": self.transfer_kind, "uva_programs": self.uva_programs,
+                "topk": self.topk, "link_gb_s": self.link_gb_s, "selection": self.selection,
                 "defaults_source": "RetroInfer cache_hub/retroinfer_cache.py (microsoft/RetrievalAttention): "
                                    "page_size 8, cache = 3 x the retrieved clusters' pages",
                 "memory_parts": self.memory_parts()}

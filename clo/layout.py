@@ -40,10 +40,11 @@ def select_budget(prompt_len: int, topk_ratio: float, sink: int, recent: int) ->
 
 class LayerStore:
     def __init__(self, kv: torch.Tensor, spec: KVSpec, sink: int, recent: int, k: int, persistent: list[int],
-                 prefetch: list[int], group: int):
+                 prefetch: list[int], group: int, topk: str = "radix"):
         b, hkv, t0, _, d = kv.shape
         dev, dtype = spec.device, spec.dtype
         self.t0, self.k, self.group = t0, k, group
+        self.topk = topk  # select_topk's method
         self.sink, self.recent, self.n_mid = split_prompt(t0, sink, recent)
         cached = sorted(set(range(hkv)) - set(persistent))
         self.nc = len(cached)
@@ -87,14 +88,20 @@ class LayerStore:
         """new [B, Hkv, 2, D] (model head order); generated: [1] device index of this token among the new ones."""
         self.window.index_copy_(2, generated + self.sink + self.recent, new[:, self.order, None])
 
+    def retrieve(self, retriever, layer: int, qp: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """Absolute token indices [B, h, k] of the top-k middle tokens of `heads` (permuted order) for qp, in no
+        order (attention and the gathers do not need one)."""
+        from clo.retrieval import select_topk
+
+        return select_topk(retriever.scores(layer, qp, heads), self.k, self.sink, ascending=False, method=self.topk)
+
     def select_persistent(self, qp: torch.Tensor, retriever, layer: int) -> None:
         """Top-k of the persistent heads' middle tokens for the real query, gathered on the device into sel."""
         if self.persist is None or not self.k:
             return
         from clo.kernels.uva_gather import uva_gather_ref
-        from clo.retrieval import select_topk
 
-        idx = select_topk(retriever.scores(layer, qp, self.persistent), self.k, self.sink, ascending=False)
+        idx = self.retrieve(retriever, layer, qp, self.persistent)
         heads, every = self.persist_gather
         if idx.is_cuda:  # one kernel writes the rows where they go (torch: index, then copy, plus aranges)
             from clo.kernels.uva_gather import uva_gather

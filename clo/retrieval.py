@@ -106,6 +106,11 @@ def make_retriever(kind: str, num_layers: int, num_kv_heads: int, head_dim: int,
     raise ConfigError(f"retriever={kind!r}; valid: {', '.join(RETRIEVERS)}")
 
 
+def check_topk_method(method: str) -> None:
+    if method not in TOPK_METHODS:
+        raise ConfigError(f"topk={method!r}; valid: {', '.join(TOPK_METHODS)}")
+
+
 def select_topk(scores: torch.Tensor, k: int, offset: int, ascending: bool = True,
                 method: str = "radix") -> torch.Tensor:
     """scores [B, Hkv, T] over candidates starting at token `offset` -> absolute indices [B, Hkv, k], ascending
@@ -113,7 +118,6 @@ def select_topk(scores: torch.Tensor, k: int, offset: int, ascending: bool = Tru
     indices costs more than the top-k itself (96 us per layer on the H200; torch.topk 63 us, the radix select
     of clo/kernels/radix_topk.py that CUDA uses 40 us; bench_clo_layer). torch.topk elsewhere, or everywhere
     with method="torch" (one launch instead of six: possibly cheaper where the step is launched eagerly)."""
-    # imported at call time: bench_clo_layer swaps topk_indices for torch.topk to compare the two
     from clo.kernels.radix_topk import topk_indices, topk_ref
 
     idx = topk_indices(scores, k, offset) if method == "radix" else topk_ref(scores, k, offset)

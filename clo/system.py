@@ -22,7 +22,7 @@ from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
 from clo.layout import LayerStore, check_budget, select_budget
 from clo.policy.persistent import HeadPlan, heads_per_layer_time, load_profile, plan_persistent_heads
 from clo.policy.thresholds import AGGREGATIONS, load_importance, thresholds
-from clo.retrieval import RETRIEVERS, make_retriever, select_topk
+from clo.retrieval import RETRIEVERS, check_topk_method, make_retriever
 from clo.transfer import TransferEngine
 
 
@@ -35,7 +35,7 @@ class CLO(KVOffloadSystem):
                  threshold_override: float | None = None, importance: str = "uniform", profile: str = "none",
                  epsilon: float = 0.1, persistent: bool = True, speculative: bool = True,
                  layer_time_ms: float | None = None, link_gb_s: float | None = None, transfer: str = "uva",
-                 cpu_threads: int = 4, uva_programs: int | None = 32) -> None:
+                 cpu_threads: int = 4, uva_programs: int | None = 32, topk: str = "radix") -> None:
         super().__init__()
         check_budget(topk_ratio, sink, recent, dense_layers)
         if not -1.0 < eta <= 1.0:
@@ -44,13 +44,14 @@ class CLO(KVOffloadSystem):
             raise ConfigError(f"gqa_aggregation={gqa_aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
         if retriever not in RETRIEVERS:
             raise ConfigError(f"retriever={retriever!r}; valid: {', '.join(RETRIEVERS)}")
+        check_topk_method(topk)
         self.cfg = dict(topk_ratio=topk_ratio, sink=sink, recent=recent, dense_layers=dense_layers,
                         retriever=retriever, rbit=rbit, seed=seed, eta=eta, n=n,
                         adaptive_threshold=adaptive_threshold, gqa_aggregation=gqa_aggregation,
                         threshold_override=threshold_override, importance=importance, profile=profile,
                         epsilon=epsilon, persistent=persistent, speculative=speculative,
                         layer_time_ms=layer_time_ms, link_gb_s=link_gb_s, transfer=transfer,
-                        cpu_threads=cpu_threads, uva_programs=uva_programs)
+                        cpu_threads=cpu_threads, uva_programs=uva_programs, topk=topk)
         self.wants_speculative_query = speculative
         self.supports_cuda_graph = transfer == "uva"  # the CPU-gather path syncs with the host by design
         self.transfer_kind, self.cpu_threads, self.uva_programs = transfer, cpu_threads, uva_programs
@@ -134,7 +135,7 @@ class CLO(KVOffloadSystem):
             return
         g = spec.group_size
         store = LayerStore(kv, spec, self.cfg["sink"], self.cfg["recent"], self._k_select(t0),
-                           self.plan.persistent[layer], self.plan.prefetch[layer], g)
+                           self.plan.persistent[layer], self.plan.prefetch[layer], g, self.cfg["topk"])
         cached_ids = store.order[: store.nc].cpu()
         store.tau = self.tau[layer, cached_ids].to(spec.device)
         store.weights = self.importance[layer, cached_ids].repeat_interleave(g).view(-1, g).to(spec.device)
@@ -171,7 +172,7 @@ class CLO(KVOffloadSystem):
             miss = lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
                                      self.cfg["gqa_aggregation"])
         with self.phase("retrieval"):
-            idx = select_topk(self.retriever.scores(layer, qp, st.cached), st.k, st.sink, ascending=False)
+            idx = st.retrieve(self.retriever, layer, qp, st.cached)
         with self.phase("transfer_exposed"):
             self.transfer.fill(st.host, st.cached, idx, miss, st.slots)
             st.slot_idx.copy_(torch.where(miss[..., None], idx, st.slot_idx))

@@ -1,8 +1,8 @@
 """CLO's mechanisms on the GPU, each next to its physical limit, all variants in one run (issue 3):
 
   transfer  scattered 256 B / 512 B rows (10% of a 512 MiB pinned pool) moved by the GPU-initiated UVA gather
-            (zero CPU threads; several caps on its grid) and by CPU gather + copy with 1/4/16 threads, against a pinned bulk copy of
-            the same bytes measured in the same run
+            (zero CPU threads; several caps on its grid) and by CPU gather + copy with 1/4/16 threads, against
+            a pinned bulk copy of the same bytes measured in the same run
   lookup    the fused lookup + label update at Llama-3-8B shape, against one layer's dense compute time
   retrieval hash scoring (256-bit codes) and top-k (torch.topk and the radix select) at 128K, against their
             memory floor

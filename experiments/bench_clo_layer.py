@@ -18,7 +18,6 @@ hit' only the prefetch heads' (they are refreshed every step by design). The par
 from __future__ import annotations
 
 import argparse
-import contextlib
 from pathlib import Path
 
 import torch
@@ -30,7 +29,6 @@ from clo.kv.interface import KVSpec
 from clo.kv.timer import PhaseTimer
 from clo.model.decoder import Layer
 from clo.paths import ROOT, write_json_atomic
-from clo.retrieval import select_topk
 from clo.system import CLO
 from experiments.bench_clo import DEV, LLAMA3, UVA_PROGRAMS
 from experiments.records import environment
@@ -52,24 +50,13 @@ def build(seqlen: int, layer: int) -> tuple[CLO, Layer]:
     return clo, dense
 
 
-@contextlib.contextmanager
-def torch_topk():
-    """Every top-k of the layer by torch.topk instead of the radix select, for the comparison."""
-    saved = radix_topk.topk_indices
-    radix_topk.topk_indices = radix_topk.topk_ref
-    try:
-        yield
-    finally:
-        radix_topk.topk_indices = saved
-
-
 def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int]) -> dict:
     st = clo.stores[layer]
     d, hkv, g = LLAMA3.head_dim, LLAMA3.num_kv_heads, LLAMA3.group_size
     q = torch.randn(1, hkv * g, d, dtype=torch.bfloat16, device=DEV)
     qp = st.permute_q(q)
     qc = qp.view(1, -1, g, d)[:, : st.nc]
-    idx = select_topk(clo.retriever.scores(layer, qp, st.cached), st.k, st.sink, ascending=False)
+    idx = st.retrieve(clo.retriever, layer, qp, st.cached)
     all_miss = torch.ones(1, st.nc, dtype=torch.bool, device=DEV)
     gen = clo.position - st.t0
     dense_step = dense_work(dense, 1)
@@ -92,8 +79,7 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int]) -> dict
         return round(replay_ms(fn, reps=10) * 1e3, 1)
 
     def layer_parts() -> dict:  # the parts that depend on the top-k and the gather's grid
-        out = {"retrieval": timed(lambda: select_topk(clo.retriever.scores(layer, qp, st.cached), st.k, st.sink,
-                                                      ascending=False)),
+        out = {"retrieval": timed(lambda: st.retrieve(clo.retriever, layer, qp, st.cached)),
                "transfer": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, all_miss, st.slots)),
                "persistent": timed(lambda: st.select_persistent(qp, clo.retriever, layer))}
         tau = st.tau.clone()
@@ -121,8 +107,9 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int]) -> dict
     }
     # the variants the defaults were chosen from: torch.topk, and caps on the UVA gather's grid
     variants = {}
-    with torch_topk():
-        variants["torch_topk"] = layer_parts()
+    st.topk = "torch"
+    variants["torch_topk"] = layer_parts()
+    st.topk = clo.cfg["topk"]
     default = clo.transfer.uva_programs
     for cap in uva_programs:
         clo.transfer.uva_programs = cap

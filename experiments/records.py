@@ -40,8 +40,6 @@ def finished(path: Path) -> bool:
         return False  # a damaged record counts as not done: the run is repeated
 
 
-
-
 def git_commit(repo: Path) -> dict[str, Any]:
     def git(*args: str) -> str:
         p = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)

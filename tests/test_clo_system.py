@@ -133,7 +133,8 @@ def test_speculative_prepare_drives_the_lookup():
 @pytest.mark.parametrize("kw,match", [
     (dict(topk_ratio=1.5), "top-k"), (dict(topk_ratio=0.0), "top-k"), (dict(eta=1.2), "eta"),
     (dict(eta=-1.0), "eta"), (dict(gqa_aggregation="max"), "gqa_aggregation"), (dict(retriever="lsh"), "retriever"),
-    (dict(transfer="dma"), "transfer"), (dict(cpu_threads=0), "cpu_threads"),
+    (dict(transfer="dma"), "transfer"), (dict(cpu_threads=0), "cpu_threads"), (dict(topk="heap"), "topk"),
+    (dict(uva_programs=0), "uva_programs"),
 ])
 def test_bad_configuration(kw, match):
     with pytest.raises(ConfigError, match=match):

@@ -96,7 +96,8 @@ def test_hybrid_attention_reference():
     check_hybrid_attention("cpu", 2, 2, 3, 16, (40, 300), torch.float32)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
 def test_hybrid_attention_interpreted():
     pytest.importorskip("triton")
     from clo.kernels import decode_attention as da

@@ -8,10 +8,11 @@
   -> scores [B, h, T] fp32 = (G - 2 * sum_g popcount(qcode_g XOR code) / rbit) * norm
 
 `hash_scores_ref` is the specification (the arithmetic of `HashRetriever.scores`); `hash_scores` picks the
-Triton kernel on CUDA and the reference elsewhere. `encode_query_triton` makes the query codes in one kernel
-(projection, signs, packing): in torch that is eight small kernels, ~20 us of a layer's critical path on the
-H200, for a few KB of work; `HashRetriever.encode` is its specification. The kernel reads codes as int32 words (rbit % 32 == 0),
-so each key costs rbit/8 + 4 bytes read and 4 written: it is memory bound when popcount is one instruction.
+Triton kernel on CUDA and the reference elsewhere. The kernel reads codes as int32 words (rbit % 32 == 0), so
+each key costs rbit/8 + 4 bytes read and 4 written: it is memory bound when popcount is one instruction.
+`encode_query_triton` makes the query codes in one kernel (projection, signs, packing): in torch that is eight
+small kernels, ~20 us of a layer's critical path on the H200, for a few KB of work; `HashRetriever.encode` is
+its specification.
 """
 from __future__ import annotations
 
@@ -74,9 +75,6 @@ if triton is not None:
         norm = tl.load(Norms + b * stride_nb + head * stride_nh + t, mask=tmask, other=0.0)
         score = (G - 2.0 * ham.to(tl.float32) * inv_rbit) * norm
         tl.store(Out + b * stride_ob + j * stride_oh + t, score, mask=tmask)
-
-
-if triton is not None:
 
     @triton.jit
     def _encode_query_kernel(Q, W, Heads, Out, stride_qb, stride_qh, stride_wh, stride_wd, stride_ob, stride_oh,

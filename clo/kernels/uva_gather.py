@@ -8,8 +8,9 @@
 
 The kernel reads the host rows through their pointer (UVA: a pinned allocation is mapped into the device's
 address space), so there is no CPU gather, no staging buffer and no host sync; the grid depends only on
-shapes, so it can be captured in a CUDA graph. Hit heads are skipped before touching the link.
-The same kernel gathers from device memory (a layer's persistent heads, clo/layout.py), there uncapped. `uva_gather_ref` (= `TransferEngine.fill` on the CPU) is the specification.
+shapes, so it can be captured in a CUDA graph. Hit heads are skipped before touching the link. The same
+kernel gathers from device memory (a layer's persistent heads, clo/layout.py), there uncapped.
+`uva_gather_ref` (= `TransferEngine.fill` on the CPU) is the specification.
 """
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss:
     an unmapped host pointer); in the Triton interpreter every tensor is a CPU tensor. `block` rows per
     program: by default ~16 KB, which keeps the link full (any 4..64 did on the H200). `programs` caps the
     grid (None: as many programs as a head has tiles, so one per tile when one head is moved); each program
-    loops over the missed heads and, in each, over its share of the head's tiles. A few dozen programs keep the link full and leave the SMs to work that
-    overlaps the transfer (CLO's `uva_programs`)."""
+    loops over the missed heads and, in each, over its share of the head's tiles. A few dozen programs keep
+    the link full and leave the SMs to work that overlaps the transfer (CLO's `uva_programs`)."""
     b, h, k = idx.shape
     d = host.shape[-1]
     assert host.shape[3] == 2 and slots.shape == (b, h, k, 2, d) and heads.shape == (h,) and miss.shape == (b, h)
