@@ -94,6 +94,7 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int]) -> dict
     scores = clo.retriever.scores(layer, qp, st.cached)
     out = {
         "dense": timed(dense_step),
+        "dense.gemvs": timed(gemvs(dense)),  # its projections alone: the rest is norms, RoPE, SiLU and additions
         "lookup": timed(lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
                                                   "mean")),
         "attention": timed(lambda: st.attend(qp, gen)),
@@ -117,6 +118,15 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int]) -> dict
     clo.transfer.uva_programs = default
     out["variants"] = variants
     return out
+
+
+def gemvs(layer: Layer):
+    """A closure running only a decode step's four projections of `layer` (q/k/v, o, gate/up, down)."""
+    p = layer.input_layernorm.weight
+    a, m = layer.self_attn, layer.mlp
+    x = torch.randn(1, 1, p.shape[0], device=p.device, dtype=p.dtype)
+    inter = torch.randn(1, 1, m.down_proj.in_features, device=p.device, dtype=p.dtype)
+    return lambda: (a.qkv_proj(x), a.o_proj(x), m.gate_up_proj(x), m.down_proj(inter))
 
 
 def floors(clo: CLO, dense: Layer, layer: int) -> dict:

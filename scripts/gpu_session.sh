@@ -2,7 +2,7 @@
 # The GPU checks and measurements, in stages, for a session with little device time:
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
 # Stages: pytest_gpu (~1.5 min) bench_clo bench_clo_layer (~1.5 min together) clo_graph (SEQLENS=32k,128k)
-# fig2 (~3.5 min) ablation (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
+# fig2 (~3.5 min) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
 # It installs the carried wheels (hardware.md), runs the GPU tests, the kernel benchmarks and the system runs,
 # and packs every record and log into $OUT/gpu_session.tgz (one file: the device returns at most 8).
@@ -34,6 +34,8 @@ run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants
 stage clo_graph 120 $run +experiment=clo_synthetic system=clo,fullattn seqlen=${SEQLENS:-32k,128k} workload.gen_tokens=32
 stage fig2 200 $run +experiment=fig2_breakdown workload.gen_tokens=16
 stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg,tgp seqlen=128k workload.gen_tokens=16
+# the baselines' top-k, radix select vs torch.topk; the sweep's first run is slower in every phase (cold process)
+stage topk_ab 300 $run +experiment=fig2_breakdown system=retroinfer,infinigen system.topk=torch,radix workload.gen_tokens=16
 stage clo_512k 450 $run +experiment=clo_synthetic system=clo seqlen=512k workload.gen_tokens=16  # prefill ~3.5 min
 stage fullattn_512k 450 $run +experiment=clo_synthetic system=fullattn seqlen=512k workload.gen_tokens=16
 tar -czf "${OUT:-/tmp}/gpu_session.tgz" -C "$out" .

@@ -68,17 +68,19 @@ def replay_ms(fn, reps: int = 20, iters: int = 10) -> float:
 
 
 def dense_work(layer, batch: int):
-    """A closure running one decoder layer's dense work (norms, projections, MLP; no attention) on a decode
-    step's hidden state of `batch` sequences."""
+    """A closure running one decoder layer's dense work for a decode step of `batch` sequences, as
+    Decoder.dense_segment does it (o_proj, MLP, norms, q/k/v with RoPE; no attention, no speculative query)."""
     p = layer.input_layernorm.weight
-    x = torch.randn(batch, 1, p.shape[0], device=p.device, dtype=p.dtype)
     a = layer.self_attn
+    x = torch.randn(batch, 1, p.shape[0], device=p.device, dtype=p.dtype)
+    o = torch.randn(batch, a.h, a.d, device=p.device, dtype=p.dtype)
+    position = torch.tensor([1000], device=p.device)
+    inv_freq = torch.rand(a.d // 2, device=p.device)  # the values do not change the work
 
     def work():
-        h = layer.input_layernorm(x)
-        a.k_proj(h), a.v_proj(h)
-        y = x + a.o_proj(a.q_proj(h))
-        return y + layer.mlp(layer.post_attention_layernorm(y))
+        y, mlp_out = layer.decode_mlp(x, o)
+        h, _ = layer.input_layernorm.add_and_norm(y, mlp_out)
+        return a.decode_qkv(h, position, inv_freq)
 
     return work
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clo.kernels.dense_ops import rms_norm, rope, silu_mul
 from clo.kv.interface import KVOffloadSystem
 from clo.model.config import ModelConfig
 from clo.model.rope import Rotary, apply_rotary
@@ -25,45 +26,81 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)[0]
+
+    def add_and_norm(self, x: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + add), x + add): the residual addition and the next norm in one kernel."""
+        return rms_norm(x, self.weight, self.eps, add)
 
 
 class Attention(nn.Module):
+    """q, k and v come from one fused projection (HF's three are concatenated at load, see fuse_hf_state): one
+    GEMV per decode step instead of three."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, bias = cfg.head_dim, cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
+
+    def _q_linear(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.h * self.d
+        bias = self.qkv_proj.bias
+        return F.linear(x, self.qkv_proj.weight[:n], None if bias is None else bias[:n])
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden] -> post-RoPE q: [B, H, T, D]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
+        q = self._q_linear(x).view(b, t, self.h, self.d).transpose(1, 2)
         return apply_rotary(q, cos, sin)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [B, T, hidden] -> post-RoPE q [B, H, T, D], post-RoPE k and v [B, Hkv, T, D]."""
         b, t, _ = x.shape
-        q = self.query(x, cos, sin)
-        k = self.k_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)
-        return q, apply_rotary(k, cos, sin), v
+        y = self.qkv_proj(x).view(b, t, -1, self.d).transpose(1, 2)
+        q, k, v = y.split([self.h, self.hkv, self.hkv], dim=1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def decode_qkv(self, x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor):
+        """One decode step: x [B, 1, hidden] (normed) -> q [B, H, D], k and v [B, Hkv, D], RoPE'd at position[0]
+        in place (one kernel for q and k)."""
+        y = rope(self.qkv_proj(x).view(x.shape[0], -1, self.d), self.h + self.hkv, position, inv_freq)
+        return tuple(t.contiguous() for t in y.split([self.h, self.hkv, self.hkv], dim=1))  # views when B = 1
+
+    def decode_query(self, x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """x [B, 1, hidden] (normed) -> q [B, H, D] at position[0]: the speculative query of spec 2.3."""
+        return rope(self._q_linear(x).view(x.shape[0], self.h, self.d), self.h, position, inv_freq)
 
 
 class MLP(nn.Module):
+    """gate and up in one fused projection (concatenated at load): one GEMV and one SiLU-multiply kernel."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+
+# HF's separate projections and the fused one each group is loaded into (gpt-fast's wqkv, vLLM's qkv_proj)
+FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A HF Llama/Qwen2 state dict -> ours, in place: each group of projections concatenated into its fused one.
+    Keys already fused, or groups with a part missing, are left as they are (load_state_dict then reports them)."""
+    layers = {k.rsplit(".", 3)[0] for k in state if k.endswith((".self_attn.q_proj.weight", ".mlp.gate_proj.weight"))}
+    for layer in layers:  # "model.layers.3"
+        for fused, parts in FUSED_PROJECTIONS.items():
+            for kind in ("weight", "bias"):
+                names = [f"{layer}.{p}.{kind}" for p in parts]
+                if all(n in state for n in names):
+                    state[f"{layer}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+    return state
 
 
 class Layer(nn.Module):
@@ -79,6 +116,12 @@ class Layer(nn.Module):
             chunk = x[:, s : s + PREFILL_CHUNK]
             x[:, s : s + PREFILL_CHUNK] = chunk + self.mlp(self.post_attention_layernorm(chunk))
         return x
+
+    def decode_mlp(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step after attention: x [B, 1, hidden] the layer's input, o [B, H, D] its attention output
+        -> (x + o_proj(o), the MLP's output). The MLP's residual addition is left to the next norm's kernel."""
+        h, x = self.post_attention_layernorm.add_and_norm(x, self.self_attn.o_proj(o.reshape(o.shape[0], 1, -1)))
+        return x, self.mlp(h)
 
 
 class Body(nn.Module):
@@ -100,6 +143,8 @@ class Decoder(nn.Module):
         self._rotary: Rotary | None = None
         # Optional synthetic query process (clo.query_process) replacing the queries the KV system sees.
         self.query_process = None
+        # a HF checkpoint's state dict loads as it is: its q/k/v and gate/up projections are fused on the way in
+        self.register_load_state_dict_pre_hook(lambda module, state, *_: fuse_hf_state(state))
 
     def rotary(self) -> Rotary:
         dev = self.lm_head.weight.device
@@ -169,24 +214,25 @@ class Decoder(nn.Module):
                       position: torch.Tensor, speculative: bool) -> tuple:
         """The model's own work between attention i-1 and attention i, which touches no KV system: layer i-1's
         o_proj and MLP (or the embedding, for i = 0), then layer i's q, k, v and, with `speculative`, layer i+1's
-        query from layer i's input (spec 2.3). Returns (x, q, k, v, q_spec); for i = num_layers, (logits [B, V],).
-        x [B, 1, hidden] is layer i-1's input, o [B, H, D] its attention output."""
+        query from layer i's input (spec 2.3). Returns (x, q [B, H, D], k, v [B, Hkv, D], q_spec [B, H, D] or
+        None); for i = num_layers, (logits [B, V],). x [B, 1, hidden] is layer i-1's input, o [B, H, D] its
+        attention output."""
         layers = self.model.layers
+        norm = self.model.norm if i == len(layers) else layers[i].input_layernorm
         if i == 0:
             x = self.model.embed_tokens(token)[:, None, :]  # [B, 1, hidden]
+            h = norm(x)
         else:
-            prev = layers[i - 1]
-            x = x + prev.self_attn.o_proj(o.reshape(o.shape[0], 1, -1))
-            x = x + prev.mlp(prev.post_attention_layernorm(x))
+            x, mlp_out = layers[i - 1].decode_mlp(x, o)
+            h, x = norm.add_and_norm(x, mlp_out)
         if i == len(layers):
-            return (self.lm_head(self.model.norm(x))[:, 0].float(),)
-        cos, sin = self.rotary().cos_sin(position, x.dtype)
-        layer = layers[i]
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            return (self.lm_head(h)[:, 0].float(),)
+        inv_freq = self.rotary().inv_freq
+        q, k, v = layers[i].self_attn.decode_qkv(h, position, inv_freq)
         q_spec = None
         if speculative and i + 1 < len(layers):
             nxt = layers[i + 1]
-            q_spec = nxt.self_attn.query(nxt.input_layernorm(x), cos, sin)[:, :, 0]
+            q_spec = nxt.self_attn.decode_query(nxt.input_layernorm(x), position, inv_freq)
         return x, q, k, v, q_spec
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_spec: torch.Tensor | None,
@@ -196,7 +242,7 @@ class Decoder(nn.Module):
         if q_spec is not None:
             kv.prepare(i + 1, self._query(i + 1, q_spec, advance=True))
         advance = not (kv.wants_speculative_query and i > 0)  # layers 1.. advanced at their prepare
-        return kv.decode(i, self._query(i, q[:, :, 0], advance), k[:, :, 0], v[:, :, 0])
+        return kv.decode(i, self._query(i, q, advance), k, v)
 
     def _query(self, layer: int, q: torch.Tensor, advance: bool) -> torch.Tensor:
         return q if self.query_process is None else self.query_process.query(layer, q, advance)

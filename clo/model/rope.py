@@ -30,10 +30,14 @@ class Rotary:
         self.inv_freq = inverse_frequencies(cfg).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int -> cos, sin: [T, head_dim] in `dtype` (computed in fp32, as HF does)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return cos_sin(positions, self.inv_freq, dtype)
+
+
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T] int -> cos, sin: [T, head_dim] in `dtype` (computed in fp32, as HF does)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

