@@ -34,7 +34,6 @@ from clo.kv.interface import KVSpec
 from clo.layout import split_prompt
 from clo.paths import repo_path
 from clo.retrieval import ExactRetriever, select_topk
-from clo.transfer import prefetch_stream
 
 
 class InfiniGen(OffloadedBaseline):
@@ -76,7 +75,7 @@ class InfiniGen(OffloadedBaseline):
         # compute stream cannot reuse their memory while a uva gather still reads them)
         self.pending: dict[int, tuple[torch.Tensor, torch.cuda.Event | None, torch.Tensor]] = {}
         cuda = spec.device.type == "cuda"
-        self.copy_stream = prefetch_stream(spec.device) if cuda else None
+        self.copy_stream = torch.cuda.Stream(spec.device) if cuda else None
         self.fill_heads = self.heads.cpu() if self.transfer_kind == "cpu_gather" else self.heads
         self.fill_miss = torch.ones(spec.batch, spec.num_kv_heads, dtype=torch.bool, device=self.fill_heads.device)
         self.offline = self._load_skew(spec)

@@ -23,7 +23,7 @@ from clo.layout import LayerStore, check_budget, select_budget
 from clo.policy.persistent import HeadPlan, heads_per_layer_time, load_profile, plan_persistent_heads
 from clo.policy.thresholds import AGGREGATIONS, load_importance, thresholds
 from clo.retrieval import RETRIEVERS, check_topk_method, make_retriever
-from clo.transfer import TransferEngine, prefetch_stream
+from clo.transfer import TransferEngine
 
 
 class CLO(KVOffloadSystem):
@@ -117,7 +117,7 @@ class CLO(KVOffloadSystem):
         self._refreshes = torch.zeros((), dtype=torch.long, device=spec.device)
         self.trace: list[tuple[int, torch.Tensor]] | None = None  # (layer, miss mask) when tracing
         cuda = spec.device.type == "cuda"
-        self.side = prefetch_stream(spec.device) if cuda and self.wants_speculative_query else None
+        self.side = torch.cuda.Stream(spec.device) if cuda and self.wants_speculative_query else None
         self.ready = [torch.cuda.Event() if self.side is not None else None for _ in range(spec.num_layers)]
         self.pending = [False] * spec.num_layers
         self.side_inputs: list[torch.Tensor | None] = [None] * spec.num_layers

@@ -36,14 +36,6 @@ def cpu_threads(threads: int | str) -> int:
     return int(threads)
 
 
-def prefetch_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a system's one-layer-ahead work (lookups, retrieval, transfers) runs on: the highest priority,
-    so that its small kernels take SMs ahead of the compute stream's queued GEMV blocks instead of waiting behind
-    them. They gate the transfer, the long pole of a step (the layer benchmark's side_stream_default_priority
-    variant measures the difference, results/bench/README.md)."""
-    return torch.cuda.Stream(device, priority=-100)  # clamped to the device's highest
-
-
 class TransferEngine:
     def __init__(self, kind: str, threads: int | str, device: torch.device, uva_programs: int | None = None):
         if kind not in TRANSFERS:

@@ -66,10 +66,9 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int]) -> dict
         st.select_persistent(qp, clo.retriever, layer)
         st.attend(qp, gen)
 
-    streams = {"side": clo.side}  # the system's own high-priority stream (a variant swaps in a default one)
+    side = torch.cuda.Stream(DEV)
 
     def layer_work():
-        side = streams["side"]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             clo._refresh(layer, qp)
@@ -117,9 +116,6 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int]) -> dict
         clo.transfer.uva_programs = cap
         variants[f"uva_programs_{cap}"] = layer_parts()
     clo.transfer.uva_programs = default
-    streams["side"] = torch.cuda.Stream(DEV)
-    variants["side_stream_default_priority"] = layer_parts()
-    streams["side"] = clo.side
     out["variants"] = variants
     return out
 
