@@ -18,11 +18,12 @@ hit' only the prefetch heads' (they are refreshed every step by design). The par
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
 
-from clo.bench.bandwidth import copy_bandwidth_gb_s, dense_work, layer_time_s, pinned_h2d_gb_s, replay_ms
+from clo.bench.bandwidth import capture, copy_bandwidth_gb_s, dense_work, layer_time_s, pinned_h2d_gb_s, replay_ms
 from clo.kernels import radix_topk
 from clo.kernels.head_cache import lookup_and_update
 from clo.kv.interface import KVSpec
@@ -50,7 +51,31 @@ def build(seqlen: int, layer: int) -> tuple[CLO, Layer]:
     return clo, dense
 
 
-def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int]) -> dict:
+CASES = {"all_miss": 2.0, "all_hit": -2.0}  # the threshold that forces every cached head to miss / to hit
+
+
+def kernel_timeline(fn, path: Path) -> list[dict]:
+    """Replays `fn` (captured in a graph, 3 times) under the torch profiler: writes its Chrome trace to `path`
+    (open in Perfetto) and returns the GPU kernels of the last replay, [{name, stream, start_us, dur_us}], start
+    relative to the replay's first kernel: which part waits for which when the two streams overlap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = capture(fn, 3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    kernels.sort(key=lambda e: e["ts"])
+    if not kernels:  # a profiler that does not see inside graphs
+        return []
+    last = kernels[-len(kernels) // 3:]
+    t0 = last[0]["ts"]
+    return [{"name": e["name"][:60], "stream": e["args"].get("stream"), "start_us": round(e["ts"] - t0, 1),
+             "dur_us": round(e["dur"], 1)} for e in last]
+
+
+def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: Path | None = None) -> dict:
     st = clo.stores[layer]
     d, hkv, g = LLAMA3.head_dim, LLAMA3.num_kv_heads, LLAMA3.group_size
     q = torch.randn(1, hkv * g, d, dtype=torch.bfloat16, device=DEV)
@@ -83,7 +108,7 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int]) -> dict
                "transfer": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, all_miss, st.slots)),
                "persistent": timed(lambda: st.select_persistent(qp, clo.retriever, layer))}
         tau = st.tau.clone()
-        for case, t in (("all_miss", 2.0), ("all_hit", -2.0)):
+        for case, t in CASES.items():
             st.tau.fill_(t)
             st.valid.fill_(True)
             out[f"side_{case}"] = timed(lambda: clo._refresh(layer, qp))
@@ -117,6 +142,14 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int]) -> dict
         variants[f"uva_programs_{cap}"] = layer_parts()
     clo.transfer.uva_programs = default
     out["variants"] = variants
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
+        tau = st.tau.clone()
+        for case, t in CASES.items():
+            st.tau.fill_(t)
+            st.valid.fill_(True)
+            out[f"timeline_{case}"] = kernel_timeline(layer_work, trace / f"layer_{case}.trace.json")
+        st.tau.copy_(tau)
     return out
 
 
@@ -155,18 +188,19 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seqlen", type=int, default=131072)
     ap.add_argument("--layer", type=int, default=5, help="a layer with the median number of persistent heads")
+    ap.add_argument("--trace", type=Path, help="also write Chrome traces of the layer (all miss, all hit) here")
     ap.add_argument("--uva-programs", type=int, nargs="*", default=list(UVA_PROGRAMS),
                     help="caps on the UVA gather's grid to compare (100000: one program per tile of a head)")
     args = ap.parse_args()
     clo, dense = build(args.seqlen, args.layer)
-    us, fl = measure(clo, dense, args.layer, args.uva_programs), floors(clo, dense, args.layer)
+    us, fl = measure(clo, dense, args.layer, args.uva_programs, args.trace), floors(clo, dense, args.layer)
     # the step's own floor for this layer: HBM (weights + metadata + attended rows) vs the link (moved rows)
     hbm_floor = fl["dense_floor_us"] + fl["retrieval_floor_us"] + fl["attention_floor_us"]
     for parts in (us, *us["variants"].values()):
         for case in ("all_miss", "all_hit"):
             own = max(hbm_floor, fl["transfer_floor_us"] if case == "all_miss" else fl["transfer_floor_all_hit_us"])
             parts[f"layer_{case}_over_floor"] = round(parts[f"layer_{case}"] / own, 2)
-    print("\n".join(f"{k:>24} {v}" for k, v in {**us, **fl}.items() if k != "variants"))
+    print("\n".join(f"{k:>24} {v}" for k, v in {**us, **fl}.items() if k != "variants" and not k.startswith("timeline")))
     for name, parts in us["variants"].items():
         print(f"{name:>24} " + " ".join(f"{k}={v}" for k, v in parts.items()))
     write_json_atomic(args.out, {"bench": "clo_layer", "seqlen": args.seqlen, "layer": args.layer,

@@ -58,13 +58,18 @@ def link_gb_s(device: torch.device) -> float:
 def replay_ms(fn, reps: int = 20, iters: int = 10) -> float:
     """Per-call milliseconds of `fn` replayed `reps` times from one CUDA graph: the GPU's own time, without the
     host launch overhead that an eager call (or a per-call event pair) would add."""
+    return median_ms(capture(fn, reps).replay, torch.device("cuda"), iters, warmup=0) / reps
+
+
+def capture(fn, reps: int = 1) -> torch.cuda.CUDAGraph:
+    """`fn` called `reps` times, captured in one CUDA graph (after one eager call, which creates lazy state)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
-    return median_ms(graph.replay, torch.device("cuda"), iters, warmup=0) / reps
+    return graph
 
 
 def dense_work(layer, batch: int):
