@@ -29,7 +29,7 @@ stage() {  # stage <name> <seconds> <command...>
 ) > "$out/env.txt" 2>&1
 stage pytest_gpu 120 python3 -m pytest -m gpu -q tests/
 stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
-stage bench_clo_layer 150 python3 -m experiments.bench_clo_layer --out "$out/clo_layer.json"
+stage bench_clo_layer 150 python3 -m experiments.bench_clo_layer --out "$out/clo_layer.json" --trace "$out/traces"
 run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants its flags first
 stage clo_graph 120 $run +experiment=clo_synthetic system=clo,fullattn seqlen=${SEQLENS:-32k,128k} workload.gen_tokens=32
 stage fig2 200 $run +experiment=fig2_breakdown workload.gen_tokens=16
