@@ -70,6 +70,7 @@ class LayerStore:
         self.slot_idx = torch.zeros(b, self.nc, k, dtype=torch.long, device=dev)
         self.labels = torch.zeros(b, self.nc, group, d, dtype=torch.float32, device=dev)
         self.valid = torch.zeros(b, self.nc, dtype=torch.bool, device=dev)
+        self.misses = torch.zeros(b, self.nc, dtype=torch.int32, device=dev)  # per cached head, this step's
         self.persist = kv[:, self.nc:].contiguous() if persistent else None
         # select_persistent gathers every persistent head's rows from `persist` (its heads 0.., all "missed")
         self.persist_gather = (torch.arange(len(persistent), device=dev),

@@ -112,9 +112,6 @@ class CLO(KVOffloadSystem):
                                         spec.device, self.cfg["rbit"], self.cfg["seed"])
         self.stores: list[LayerStore | None] = [None] * spec.num_layers
         self.dense_kv: list[torch.Tensor | None] = [None] * spec.num_layers
-        self._hits = torch.zeros((), dtype=torch.long, device=spec.device)
-        self._misses = torch.zeros((), dtype=torch.long, device=spec.device)
-        self._refreshes = torch.zeros((), dtype=torch.long, device=spec.device)
         self.trace: list[tuple[int, torch.Tensor]] | None = None  # (layer, miss mask) when tracing
         cuda = spec.device.type == "cuda"
         self.side = torch.cuda.Stream(spec.device) if cuda and self.wants_speculative_query else None
@@ -175,11 +172,9 @@ class CLO(KVOffloadSystem):
             idx = st.retrieve(self.retriever, layer, qp, st.cached)
         with self.phase("transfer_exposed"):
             self.transfer.fill(st.host, st.cached, idx, miss, st.slots)
-            st.slot_idx.copy_(torch.where(miss[..., None], idx, st.slot_idx))
-        managed = ~st.prefetch_mask
-        self._hits += (~miss & managed).sum()
-        self._misses += (miss & managed).sum()
-        self._refreshes += miss.sum()
+        # two kernels of bookkeeping: on the side stream they come after the gather, so the layer waits for them
+        torch.where(miss[..., None], idx, st.slot_idx, out=st.slot_idx)
+        st.misses += miss  # end_step makes hits and moved bytes of it
         if self.trace is not None:
             self.trace.append((layer, miss.clone()))  # per cached head, in the store's order
 
@@ -209,12 +204,18 @@ class CLO(KVOffloadSystem):
 
     def end_step(self):
         stats = super().end_step()
-        hits, misses, refreshes = (int(x) for x in torch.stack([self._hits, self._misses, self._refreshes]).tolist())
-        stats.hits, stats.lookups = hits, hits + misses
+        # every store with cached heads is looked up once per step (at prepare, or at decode without prefetch);
+        # the prefetch heads are refreshed every step by design and count as transfers, not as lookups
+        active = [st for st in self.stores if st is not None and st.nc and st.k]
+        managed_misses, refreshes = (torch.stack([torch.stack([(st.misses * ~st.prefetch_mask).sum(), st.misses.sum()])
+                                                  for st in active]).sum(0).tolist() if active else (0, 0))
+        stats.lookups = sum(st.misses.shape[0] * int((~st.prefetch_mask).sum()) for st in active)
+        stats.hits = stats.lookups - managed_misses
         row = self._row_bytes(self.spec)
         stats.bytes_h2d = refreshes * row * max((s.k for s in self.stores if s is not None), default=0)
-        for t in (self._hits, self._misses, self._refreshes):
-            t.zero_()
+        with torch.inference_mode():  # the buffers were made in (inference-mode) prefill
+            for st in active:
+                st.misses.zero_()
         stats.host_syncs = self.transfer.host_syncs
         self.transfer.host_syncs = 0
         return stats

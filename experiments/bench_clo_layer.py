@@ -86,10 +86,10 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     gen = clo.position - st.t0
     dense_step = dense_work(dense, 1)
 
-    def main_work():  # what the compute stream does for this layer, besides waiting
-        dense_step()
-        st.select_persistent(qp, clo.retriever, layer)
+    def main_work():  # what the compute stream does while the side stream prepares the next layer, in a decode
+        st.select_persistent(qp, clo.retriever, layer)  # step's order: this layer's attention, then the dense work
         st.attend(qp, gen)
+        dense_step()
 
     side = torch.cuda.Stream(DEV)
 

@@ -23,6 +23,7 @@ stage() {  # stage <name> <seconds> <command...>
   timeout "$secs" "$@" > "$out/$name.log" 2>&1
   echo "   exit $?" | tee -a "$out/summary.log"
   grep -v '%|' "$out/$name.log" | tail -5 | tee -a "$out/summary.log"
+  tar -czf "${OUT:-/tmp}/gpu_session.tgz" -C "$out" .  # after every stage: a call cut short keeps what finished
 }
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
  python3 -c "import torch, triton, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__)"
@@ -38,5 +39,4 @@ stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg
 stage topk_ab 300 $run +experiment=fig2_breakdown system=retroinfer,infinigen system.topk=torch,radix workload.gen_tokens=16
 stage clo_512k 450 $run +experiment=clo_synthetic system=clo seqlen=512k workload.gen_tokens=16  # prefill ~3.5 min
 stage fullattn_512k 450 $run +experiment=clo_synthetic system=fullattn seqlen=512k workload.gen_tokens=16
-tar -czf "${OUT:-/tmp}/gpu_session.tgz" -C "$out" .
 cp "$out/summary.log" "${OUT:-/tmp}/summary.log"
