@@ -41,7 +41,7 @@ class InfiniGen(OffloadedBaseline):
 
     def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
                  channel_fraction: float = 0.3, oracle_query: bool = False, transfer: str = "cpu_gather",
-                 cpu_threads: int | str = "auto", skew: str = "prefill", topk: str = "radix") -> None:
+                 cpu_threads: int | str = "auto", skew: str = "prefill", topk: str = "torch") -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, topk=topk)
         if not 0.0 < channel_fraction <= 1.0:
             raise ConfigError(f"channel_fraction={channel_fraction} must lie in (0, 1]")

@@ -20,7 +20,7 @@ class OffloadedBaseline(KVOffloadSystem):
     memory_parts() / estimate_parts(spec, prompt_len): the same named parts from its buffers and from shapes."""
 
     def __init__(self, topk_ratio: float, sink: int, recent: int, dense_layers: int, transfer: str,
-                 cpu_threads: int | str, uva_programs: int | None = None, topk: str = "radix") -> None:
+                 cpu_threads: int | str, uva_programs: int | None = None, topk: str = "torch") -> None:
         super().__init__()
         check_budget(topk_ratio, sink, recent, dense_layers)
         cpu_threads = resolve_threads(cpu_threads)  # validated now, before any long work

@@ -50,7 +50,7 @@ class RetroInfer(OffloadedBaseline):
     def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
                  retriever: str = "hash", rbit: int = 256, seed: int = 0, block_size: int = 8,
                  cache_multiple: float = 3.0, transfer: str = "uva", cpu_threads: int | str = "auto",
-                 uva_programs: int | None = None, topk: str = "radix",
+                 uva_programs: int | None = None, topk: str = "torch",
                  selection: str = "block", wave_cluster_size: int = 16, wave_segment: int = 8192,
                  wave_iters: int = 4) -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, uva_programs, topk)
