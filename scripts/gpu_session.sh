@@ -37,6 +37,6 @@ stage fig2 200 $run +experiment=fig2_breakdown workload.gen_tokens=16
 stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg,tgp seqlen=128k workload.gen_tokens=16
 # the baselines' top-k, radix select vs torch.topk; the sweep's first run is slower in every phase (cold process)
 stage topk_ab 300 $run +experiment=fig2_breakdown system=retroinfer,infinigen system.topk=torch,radix workload.gen_tokens=16
-stage clo_512k 450 $run +experiment=clo_synthetic system=clo seqlen=512k workload.gen_tokens=16  # prefill ~3.5 min
 stage fullattn_512k 450 $run +experiment=clo_synthetic system=fullattn seqlen=512k workload.gen_tokens=16
+stage clo_512k 450 $run +experiment=clo_synthetic system=clo seqlen=512k workload.gen_tokens=16  # prefill ~3.5 min
 cp "$out/summary.log" "${OUT:-/tmp}/summary.log"
