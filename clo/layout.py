@@ -64,13 +64,15 @@ class LayerStore:
         self.window[:, :, : self.sink] = kv[:, :, : self.sink]
         self.window[:, :, self.sink: self.sink + self.recent] = kv[:, :, t0 - self.recent: t0]
         self.prefetch_mask = torch.tensor([h in prefetch for h in cached], dtype=torch.bool, device=dev)
+        self.n_managed = sum(h not in prefetch for h in cached)  # cached heads the lookups decide (not prefetch)
         self.sel = torch.zeros(b, hkv, k, 2, d, dtype=dtype, device=dev)
         self.sel_len = torch.full((b,), k, device=dev)
         self.slots = self.sel[:, : self.nc]  # a view: the transfer engine writes straight into it
         self.slot_idx = torch.zeros(b, self.nc, k, dtype=torch.long, device=dev)
         self.labels = torch.zeros(b, self.nc, group, d, dtype=torch.float32, device=dev)
         self.valid = torch.zeros(b, self.nc, dtype=torch.bool, device=dev)
-        self.misses = torch.zeros(b, self.nc, dtype=torch.int32, device=dev)  # per cached head, this step's
+        # per cached head, its misses this step (CLO.end_step reads and zeroes them)
+        self.misses = torch.zeros(b, self.nc, dtype=torch.int32, device=dev)
         self.persist = kv[:, self.nc:].contiguous() if persistent else None
         # select_persistent gathers every persistent head's rows from `persist` (its heads 0.., all "missed")
         self.persist_gather = (torch.arange(len(persistent), device=dev),

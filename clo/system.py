@@ -207,9 +207,11 @@ class CLO(KVOffloadSystem):
         # every store with cached heads is looked up once per step (at prepare, or at decode without prefetch);
         # the prefetch heads are refreshed every step by design and count as transfers, not as lookups
         active = [st for st in self.stores if st is not None and st.nc and st.k]
-        managed_misses, refreshes = (torch.stack([torch.stack([(st.misses * ~st.prefetch_mask).sum(), st.misses.sum()])
-                                                  for st in active]).sum(0).tolist() if active else (0, 0))
-        stats.lookups = sum(st.misses.shape[0] * int((~st.prefetch_mask).sum()) for st in active)
+        managed_misses = refreshes = 0
+        if active:  # one host sync for all layers
+            counts = torch.stack([torch.stack([(st.misses * ~st.prefetch_mask).sum(), st.misses.sum()]) for st in active])
+            managed_misses, refreshes = counts.sum(0).tolist()
+        stats.lookups = sum(st.misses.shape[0] * st.n_managed for st in active)
         stats.hits = stats.lookups - managed_misses
         row = self._row_bytes(self.spec)
         stats.bytes_h2d = refreshes * row * max((s.k for s in self.stores if s is not None), default=0)

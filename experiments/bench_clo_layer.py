@@ -54,6 +54,17 @@ def build(seqlen: int, layer: int) -> tuple[CLO, Layer]:
 CASES = {"all_miss": 2.0, "all_hit": -2.0}  # the threshold that forces every cached head to miss / to hit
 
 
+def forced(st, case: str, fn):
+    """fn() with every cached head of the layer forced to miss or to hit (filled slots, threshold of CASES)."""
+    tau = st.tau.clone()
+    st.tau.fill_(CASES[case])
+    st.valid.fill_(True)
+    try:
+        return fn()
+    finally:
+        st.tau.copy_(tau)
+
+
 def kernel_timeline(fn, path: Path) -> list[dict]:
     """Replays `fn` (captured in a graph, 3 times) under the torch profiler: writes its Chrome trace to `path`
     (open in Perfetto) and returns the GPU kernels of the last replay, [{name, stream, start_us, dur_us}], start
@@ -69,7 +80,7 @@ def kernel_timeline(fn, path: Path) -> list[dict]:
     kernels.sort(key=lambda e: e["ts"])
     if not kernels:  # a profiler that does not see inside graphs
         return []
-    last = kernels[-len(kernels) // 3:]
+    last = kernels[len(kernels) - len(kernels) // 3:]
     t0 = last[0]["ts"]
     return [{"name": e["name"][:60], "stream": e["args"].get("stream"), "start_us": round(e["ts"] - t0, 1),
              "dur_us": round(e["dur"], 1)} for e in last]
@@ -107,13 +118,9 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         out = {"retrieval": timed(lambda: st.retrieve(clo.retriever, layer, qp, st.cached)),
                "transfer": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, all_miss, st.slots)),
                "persistent": timed(lambda: st.select_persistent(qp, clo.retriever, layer))}
-        tau = st.tau.clone()
-        for case, t in CASES.items():
-            st.tau.fill_(t)
-            st.valid.fill_(True)
-            out[f"side_{case}"] = timed(lambda: clo._refresh(layer, qp))
-            out[f"layer_{case}"] = timed(layer_work)
-        st.tau.copy_(tau)
+        for case in CASES:
+            out[f"side_{case}"] = forced(st, case, lambda: timed(lambda: clo._refresh(layer, qp)))
+            out[f"layer_{case}"] = forced(st, case, lambda: timed(layer_work))
         return out
 
     scores = clo.retriever.scores(layer, qp, st.cached)
@@ -144,12 +151,9 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     out["variants"] = variants
     if trace is not None:
         trace.mkdir(parents=True, exist_ok=True)
-        tau = st.tau.clone()
-        for case, t in CASES.items():
-            st.tau.fill_(t)
-            st.valid.fill_(True)
-            out[f"timeline_{case}"] = kernel_timeline(layer_work, trace / f"layer_{case}.trace.json")
-        st.tau.copy_(tau)
+        for case in CASES:
+            out[f"timeline_{case}"] = forced(st, case, lambda: kernel_timeline(layer_work,
+                                                                                trace / f"layer_{case}.trace.json"))
     return out
 
 
