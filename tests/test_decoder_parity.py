@@ -115,3 +115,18 @@ def test_real_smollm2_greedy_matches_generate(smollm2_folder):
     want = ref.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, min_new_tokens=n)[0, ids.shape[1]:]
     got = generate(ours, fullattn(ours.cfg, 1, ids.shape[1] + n), ids, n).tokens[0]
     assert got.tolist() == want.tolist(), (tok.decode(got), tok.decode(want))
+
+
+def test_hf_projections_fuse_in_order_and_incomplete_groups_stay():
+    from clo.model.decoder import fuse_hf_state
+
+    p = "model.layers.2."
+    state = {p + "self_attn.q_proj.weight": torch.full((4, 3), 1.0), p + "self_attn.k_proj.weight": torch.full((2, 3), 2.0),
+             p + "self_attn.v_proj.weight": torch.full((2, 3), 3.0), p + "self_attn.q_proj.bias": torch.ones(4),
+             p + "self_attn.k_proj.bias": torch.ones(2), p + "self_attn.v_proj.bias": torch.ones(2),
+             p + "mlp.gate_proj.weight": torch.zeros(5, 3)}  # no up_proj: left for load_state_dict to report
+    fused = fuse_hf_state(dict(state))
+    assert fused[p + "self_attn.qkv_proj.weight"][:, 0].tolist() == [1.0] * 4 + [2.0] * 2 + [3.0] * 2
+    assert fused[p + "self_attn.qkv_proj.bias"].shape == (8,)
+    assert p + "mlp.gate_proj.weight" in fused and p + "mlp.gate_up_proj.weight" not in fused
+    assert not any(".q_proj." in k or ".k_proj." in k or ".v_proj." in k for k in fused)
