@@ -44,17 +44,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
 
-    def _q_linear(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.h * self.d
-        bias = self.qkv_proj.bias
-        return F.linear(x, self.qkv_proj.weight[:n], None if bias is None else bias[:n])
-
-    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, hidden] -> post-RoPE q: [B, H, T, D]."""
-        b, t, _ = x.shape
-        q = self._q_linear(x).view(b, t, self.h, self.d).transpose(1, 2)
-        return apply_rotary(q, cos, sin)
-
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [B, T, hidden] -> post-RoPE q [B, H, T, D], post-RoPE k and v [B, Hkv, T, D]."""
         b, t, _ = x.shape
@@ -70,7 +59,9 @@ class Attention(nn.Module):
 
     def decode_query(self, x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """x [B, 1, hidden] (normed) -> q [B, H, D] at position[0]: the speculative query of spec 2.3."""
-        return rope(self._q_linear(x).view(x.shape[0], self.h, self.d), self.h, position, inv_freq)
+        n, bias = self.h * self.d, self.qkv_proj.bias
+        q = F.linear(x, self.qkv_proj.weight[:n], None if bias is None else bias[:n])  # q's rows of the fused weight
+        return rope(q.view(x.shape[0], self.h, self.d), self.h, position, inv_freq)
 
 
 class MLP(nn.Module):
