@@ -12,7 +12,7 @@ import math
 import torch
 
 from clo.errors import ConfigError
-from clo.kernels.decode_attention import decode_attention, hybrid_attention
+from clo.kernels.decode_attention import hybrid_attention
 from clo.kv.interface import KVSpec
 
 
@@ -119,10 +119,8 @@ class LayerStore:
         b = qp.shape[0]
         win_len = (generated + 1 + self.sink + self.recent).expand(b)
         window = (self.window[:, :, :, 0].transpose(1, 2), self.window[:, :, :, 1].transpose(1, 2), win_len)
-        if not self.k:
-            return decode_attention(qp, *window)
         sel = (self.sel[:, :, :, 0].transpose(1, 2), self.sel[:, :, :, 1].transpose(1, 2), self.sel_len)
-        return hybrid_attention(qp, window, sel)
+        return hybrid_attention(qp, window, sel)  # with k = 0, the window alone (hybrid_attention's empty guard)
 
     def memory(self) -> dict[str, int]:
         persist = self.persist.nbytes if self.persist is not None else 0
