@@ -25,7 +25,6 @@ does the whole fetch itself.
 """
 from __future__ import annotations
 
-
 import torch
 
 from baselines.offloaded import OffloadedBaseline

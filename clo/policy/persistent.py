@@ -19,7 +19,6 @@ from clo.errors import ConfigError
 from clo.paths import repo_path
 
 
-
 @dataclass
 class HeadPlan:
     persistent: list[list[int]]  # per layer: kv heads whose full KV lives on the GPU
