@@ -98,14 +98,17 @@ def test_hybrid_attention_reference():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
-def test_hybrid_attention_interpreted():
+@pytest.mark.parametrize("caps, lens", [((40, 300), ([40, 7], [300, 123])),
+                                        # 3 + 47 splits: the merge takes them in two chunks; one empty buffer
+                                        ((150, 3000), ([0, 150], [3000, 1]))])
+def test_hybrid_attention_interpreted(caps, lens):
     pytest.importorskip("triton")
     from clo.kernels import decode_attention as da
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 16, generator=gen)
-    bufs = [torch.randn(2, 2, cap, 2, 16, generator=gen) for cap in (40, 300)]
-    lens = [torch.tensor([40, 7]), torch.tensor([300, 123])]
+    bufs = [torch.randn(2, 2, cap, 2, 16, generator=gen) for cap in caps]
+    lens = [torch.tensor(n) for n in lens]
     views = [(x[:, :, :, 0].transpose(1, 2), x[:, :, :, 1].transpose(1, 2), n) for x, n in zip(bufs, lens)]
     got = da.decode_attention_triton(q, *views[0], second=views[1])
     want = da.merge_attention([da.decode_attention_ref(q, *v, return_lse=True) for v in views])
