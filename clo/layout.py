@@ -87,9 +87,13 @@ class LayerStore:
         b, h, d = o.shape
         return o.view(b, -1, self.group, d)[:, self.inverse].reshape(b, h, d)
 
-    def append(self, new: torch.Tensor, generated: torch.Tensor) -> None:
-        """new [B, Hkv, 2, D] (model head order); generated: [1] device index of this token among the new ones."""
-        self.window.index_copy_(2, generated + self.sink + self.recent, new[:, self.order, None])
+    def window_slot(self, length: int) -> int:
+        """Where in the window the token at position `length` goes (sink and recent rows come first)."""
+        return length - self.t0 + self.sink + self.recent
+
+    def append(self, new: torch.Tensor, at: torch.Tensor) -> None:
+        """new [B, Hkv, 2, D] (model head order); at: [1] device index of its window row (window_slot)."""
+        self.window.index_copy_(2, at, new[:, self.order, None])
 
     def retrieve(self, retriever, layer: int, qp: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Absolute token indices [B, h, k] of the top-k middle tokens of `heads` (permuted order) for qp, in no
@@ -113,11 +117,9 @@ class LayerStore:
         else:
             uva_gather_ref(self.persist, heads, idx, every, self.sel[:, self.nc:])
 
-    def attend(self, qp: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
-        """Hybrid attention (spec 2.7) over the window (sink, recent, generated: length from the device) and sel,
-        each where it lies. qp and the result are in the permuted head order."""
-        b = qp.shape[0]
-        win_len = (generated + 1 + self.sink + self.recent).expand(b)
+    def attend(self, qp: torch.Tensor, win_len: torch.Tensor) -> torch.Tensor:
+        """Hybrid attention (spec 2.7) over the window (sink, recent, generated: win_len [B] rows, on the device)
+        and sel, each where it lies. qp and the result are in the permuted head order."""
         window = (self.window[:, :, :, 0].transpose(1, 2), self.window[:, :, :, 1].transpose(1, 2), win_len)
         sel = (self.sel[:, :, :, 0].transpose(1, 2), self.sel[:, :, :, 1].transpose(1, 2), self.sel_len)
         return hybrid_attention(qp, window, sel)  # with k = 0, the window alone (hybrid_attention's empty guard)

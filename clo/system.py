@@ -118,6 +118,11 @@ class CLO(KVOffloadSystem):
         self.ready = [torch.cuda.Event() if self.side is not None else None for _ in range(spec.num_layers)]
         self.pending = [False] * spec.num_layers
         self.side_inputs: list[torch.Tensor | None] = [None] * spec.num_layers
+        # a step's window row and attended lengths, set once per step by begin_step (outside any graph) rather
+        # than computed from the position in every layer: tiny kernels on the critical path otherwise
+        self.win_at = torch.zeros(1, dtype=torch.long, device=spec.device)
+        self.win_len = torch.zeros(spec.batch, dtype=torch.long, device=spec.device)
+        self.dense_len = torch.zeros(spec.batch, dtype=torch.long, device=spec.device)
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -140,6 +145,14 @@ class CLO(KVOffloadSystem):
         self.stores[layer] = store
 
     # ---- decode --------------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        super().begin_step()
+        self.dense_len.fill_(self.length + 1)
+        st = next((s for s in self.stores if s is not None), None)  # every store has the same prompt split
+        if st is not None:
+            self.win_at.fill_(st.window_slot(self.length))
+            self.win_len.fill_(st.window_slot(self.length) + 1)
+
     def prepare(self, layer: int, q_spec: torch.Tensor) -> None:
         """One layer ahead: lookup, retrieval and transfers for `layer` start on the side stream, behind
         the speculative query, and overlap the current layer's attention and MLP."""
@@ -185,10 +198,9 @@ class CLO(KVOffloadSystem):
             buf.index_copy_(2, self.position, new[:, :, None])
             with self.phase("attention"):
                 return decode_attention(q, buf[:, :, :, 0].transpose(1, 2), buf[:, :, :, 1].transpose(1, 2),
-                                        (self.position + 1).expand(q.shape[0]))
+                                        self.dense_len)
         st = self.stores[layer]
-        generated = self.position - st.t0
-        st.append(new, generated)
+        st.append(new, self.win_at)
         qp = st.permute_q(q)
         if self.pending[layer]:
             with self.phase("transfer_exposed"):  # the stall behind the side stream is all that is exposed
@@ -200,7 +212,7 @@ class CLO(KVOffloadSystem):
         with self.phase("retrieval"):
             st.select_persistent(qp, self.retriever, layer)
         with self.phase("attention"):
-            return st.unpermute_out(st.attend(qp, generated))
+            return st.unpermute_out(st.attend(qp, self.win_len))
 
     def end_step(self):
         stats = super().end_step()

@@ -47,7 +47,7 @@ def build(seqlen: int, layer: int) -> tuple[CLO, Layer]:
     k, v = (torch.randn(1, cfg.num_kv_heads, seqlen, cfg.head_dim, dtype=torch.bfloat16, device=DEV) for _ in "kv")
     clo.prefill(layer, k, v)
     clo.end_prefill(seqlen)
-    clo.position.fill_(seqlen)
+    clo.begin_step()  # the step's position and window lengths
     return clo, dense
 
 
@@ -94,12 +94,11 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     qc = qp.view(1, -1, g, d)[:, : st.nc]
     idx = st.retrieve(clo.retriever, layer, qp, st.cached)
     all_miss = torch.ones(1, st.nc, dtype=torch.bool, device=DEV)
-    gen = clo.position - st.t0
     dense_step = dense_work(dense, 1)
 
     def main_work():  # what the compute stream does while the side stream prepares the next layer, in a decode
         st.select_persistent(qp, clo.retriever, layer)  # step's order: this layer's attention, then the dense work
-        st.attend(qp, gen)
+        st.attend(qp, clo.win_len)
         dense_step()
 
     side = torch.cuda.Stream(DEV)
@@ -129,7 +128,7 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         "dense.gemvs": timed(gemvs(dense)),  # its projections alone: the rest is norms, RoPE, SiLU and additions
         "lookup": timed(lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
                                                   "mean")),
-        "attention": timed(lambda: st.attend(qp, gen)),
+        "attention": timed(lambda: st.attend(qp, clo.win_len)),
         "transfer_no_miss": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots)),
         # the retrieval's own parts, to see which one the layer waits for
         "retrieval.encode_query": timed(lambda: clo.retriever.encode_query(layer, qp, st.cached)),
