@@ -144,7 +144,10 @@ def check_radix_topk(device, r, t, k, kind, block):
     gen = torch.Generator().manual_seed(r * t + k)
     scores = {"randn": lambda: torch.randn(r, t, generator=gen),
               "ties": lambda: torch.randint(0, 7, (r, t), generator=gen).float(),  # the k-th value is shared
-              "negative": lambda: -torch.rand(r, t, generator=gen) * 1e-3}[kind]()
+              "negative": lambda: -torch.rand(r, t, generator=gen) * 1e-3,
+              # consecutive floats above 1: the keys differ in their low bits only, so the last pass decides
+              "ulps": lambda: 1.0 + torch.stack([torch.randperm(t, generator=gen) for _ in range(r)]).float() * 2**-23,
+              }[kind]()
     got = radix_topk(scores.to(device), k, offset=5, block=block).cpu() - 5
     assert got.shape == (r, k)
     for row, idx in enumerate(got):
@@ -155,7 +158,7 @@ def check_radix_topk(device, r, t, k, kind, block):
 
 @interpreter
 @pytest.mark.parametrize("r,t,k,kind", [(3, 1000, 100, "randn"), (2, 777, 777, "randn"), (2, 500, 1, "randn"),
-                                        (4, 1000, 300, "ties"), (2, 600, 50, "negative")])
+                                        (4, 1000, 300, "ties"), (2, 600, 50, "negative"), (2, 900, 333, "ulps")])
 def test_radix_topk_interpreted(r, t, k, kind):
     pytest.importorskip("triton")
     check_radix_topk("cpu", r, t, k, kind, block=128)
@@ -163,7 +166,8 @@ def test_radix_topk_interpreted(r, t, k, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("r,t,k,kind", [(8, 131072, 13028, "randn"), (6, 131072, 13028, "ties"),
-                                        (2, 5000, 5000, "negative"), (3, 70000, 1, "randn")])
+                                        (2, 5000, 5000, "negative"), (3, 70000, 1, "randn"),
+                                        (2, 131072, 13028, "ulps")])
 def test_radix_topk_triton_matches_ref(r, t, k, kind):
     pytest.importorskip("triton")
     check_radix_topk("cuda", r, t, k, kind, block=4096)
