@@ -100,7 +100,8 @@ if triton is not None:
                  mask=g < G)
 
 
-def encode_query_triton(q: torch.Tensor, proj: torch.Tensor, heads: torch.Tensor, group: int) -> torch.Tensor:
+def encode_query_triton(q: torch.Tensor, proj: torch.Tensor, heads: torch.Tensor, group: int,
+                        chunk: int = 16) -> torch.Tensor:
     """q [B, H, D] (H = Hkv * group), proj [Hkv, D, rbit] fp32 (one layer's), heads [h] -> the codes of the
     group's queries of each KV head in `heads`, [B, h, group, rbit / 8] uint8 (bytes as `pack_signs` makes)."""
     b, _, d = q.shape
@@ -112,7 +113,7 @@ def encode_query_triton(q: torch.Tensor, proj: torch.Tensor, heads: torch.Tensor
         _encode_query_kernel[(b * h, rbit // 32)](
             q, proj, heads.contiguous(), out, q.stride(0), q.stride(1), proj.stride(0), proj.stride(1),
             out.stride(0), out.stride(1), out.stride(2), H=h, G=group, G_PAD=triton.next_power_of_2(group), D=d,
-            CHUNK=min(d, 16))
+            CHUNK=min(d, chunk))
     return out.view(torch.uint8)  # little-endian: byte j of word w holds projections 32w + 8j .. 32w + 8j + 7
 
 

@@ -1,0 +1,66 @@
+"""Launch parameters of the retrieval kernels on the critical path of a CLO layer, timed at Llama-3-8B shape,
+128K (BSZ 1): the query encoding (CHUNK of head_dim per step), the hash scores (tokens per program, warps) and
+the radix top-k (keys per program, warps), each for the 6 cached and 2 persistent KV heads of a median layer.
+The defaults in clo/kernels/ are chosen from this table; the kernels' correctness is tests/test_clo_kernels.py's.
+
+    python -m experiments.tune_retrieval_kernels --out results/bench/retrieval_tuning.json
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from clo.bench.bandwidth import copy_bandwidth_gb_s, replay_ms
+from clo.kernels.hash_score import encode_query_triton, hash_scores_triton
+from clo.kernels.radix_topk import radix_topk
+from clo.paths import write_json_atomic
+from experiments.bench_clo import DEV, LLAMA3
+from experiments.records import environment
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seqlen", type=int, default=131072)
+    args = ap.parse_args()
+    t, hkv, g, d, rbit = args.seqlen, LLAMA3.num_kv_heads, LLAMA3.group_size, LLAMA3.head_dim, 256
+    k = (t + 9) // 10
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(1, hkv * g, d, device=DEV, dtype=torch.bfloat16, generator=gen)
+    proj = torch.randn(hkv, d, rbit, device=DEV, generator=gen)
+    codes = torch.randint(0, 256, (1, hkv, t, rbit // 8), device=DEV, dtype=torch.uint8, generator=gen)
+    norms = torch.rand(1, hkv, t, device=DEV, generator=gen)
+    hbm = copy_bandwidth_gb_s(DEV) * 1e3  # bytes per microsecond
+    rows = []
+
+    def timed(kernel: str, heads: int, floor_bytes: int, fn, **params) -> None:
+        us = replay_ms(fn, reps=20) * 1e3
+        rows.append({"kernel": kernel, "heads": heads, **params, "us": round(us, 2),
+                     "floor_us": round(floor_bytes / hbm, 2)})
+        print(rows[-1], flush=True)
+
+    for h in (6, 2):
+        heads = torch.arange(h, device=DEV)
+        for chunk in (16, 32, 64, 128):
+            timed("encode_query", h, proj[:h].nbytes, lambda: encode_query_triton(q, proj, heads, g, chunk),
+                  chunk=chunk)
+        qcodes = encode_query_triton(q, proj, heads, g)
+        for block_t in (256, 512, 1024, 2048):
+            for warps in (4, 8):
+                timed("hash_scores", h, h * t * (rbit // 8 + 4 + 4),
+                      lambda: hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t, warps),
+                      block_t=block_t, num_warps=warps)
+        scores = hash_scores_triton(codes, norms, qcodes, rbit, heads)
+        for block in (2048, 4096, 8192, 16384):
+            for warps in (4, 8, 16):
+                timed("radix_topk", h, h * t * 4 * 4 + h * k * 8,
+                      lambda: radix_topk(scores, k, block=block, num_warps=warps), block=block, num_warps=warps)
+    write_json_atomic(args.out, {"bench": "tune_retrieval_kernels", "seqlen": t, "k": k, "rbit": rbit,
+                                 "weights": "random codes, norms, projections and queries (timing only)",
+                                 "hbm_gb_s": round(hbm / 1e3, 1), "rows": rows, "environment": environment(DEV)})
+
+
+if __name__ == "__main__":
+    main()
