@@ -52,7 +52,7 @@ def main() -> None:
                 timed("hash_scores", h, h * t * (rbit // 8 + 4 + 4),
                       lambda: hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t, warps),
                       block_t=block_t, num_warps=warps)
-        scores = hash_scores_triton(codes, norms, qcodes, rbit, heads)
+        scores = hash_scores_triton(codes, norms, qcodes, rbit, heads)[0]  # [h, T]: one row per head
         for block in (2048, 4096, 8192, 16384):
             for warps in (4, 8, 16):
                 timed("radix_topk", h, h * t * 4 * 4 + h * k * 8,

@@ -5,10 +5,9 @@
 torch.topk at k = 13K of 131K candidates takes ~63 us per call on the H200 (bench_clo_layer), and a CLO layer
 makes two (the cached heads on the side stream, the persistent heads on the compute stream): more than the
 hash scores it selects from (35 us). Radix select needs no sort. Each score becomes an order-preserving 32-bit
-key; three histogram passes over the key's digits (11, 11, 10 bits), high to low, each counting only the keys
-that match the digits fixed so far, find the k-th largest key exactly; one last pass writes every index whose key
-is above it and as many equal to it as k still needs. Four kernels and a memset, a fixed grid and no host sync:
-CUDA-graph capturable.
+key; four histogram passes over the key's bytes, high to low, each counting only the keys that match the bytes
+fixed so far, find the k-th largest key exactly; one last pass writes every index whose key is above it and
+as many equal to it as k still needs. Five kernels, a fixed grid and no host sync: CUDA-graph capturable.
 Which of several equal scores at the boundary are taken is unspecified, as in torch.topk (so a CPU and a GPU
 run may select different tied tokens). NaN scores are not supported (torch.topk ranks every NaN highest; here
 a NaN with its sign bit set ranks lowest); retrieval scores are finite.
@@ -25,10 +24,7 @@ try:
 except ImportError:  # CPU machines: the reference is used
     triton = None
 
-# one pass per digit of the key, high to low: three passes of 11, 11 and 10 bits (each pass is a launch, and a
-# 2048-bin histogram costs a block little more than a 256-bin one; four 8-bit passes took ~6 us more per select)
-SHIFTS, WIDTHS = (21, 10, 0), (11, 11, 10)
-PASSES, BINS = len(SHIFTS), 2048
+PASSES, BINS = 4, 256  # one pass per byte of the key (the kernels are written for these)
 
 
 def topk_ref(scores: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
@@ -45,44 +41,32 @@ if triton is not None:
         return tl.where((u >> 31) != 0, ~u, u | 0x80000000)
 
     @triton.jit
-    def _bin_of(Hist, p, row, R, need):
-        """In pass p's histogram: the bin holding the need-th largest of the keys it counted, and how many of that
-        bin's keys still belong to the top k."""
-        bins = tl.arange(0, 2048)
-        h = tl.load(Hist + (p * R + row) * 2048 + bins)
-        above = tl.cumsum(h, 0, reverse=True) - h  # keys in higher bins
-        b = tl.min(tl.where(above < need, bins, 2048))
-        return b.to(tl.uint32), need - tl.sum(tl.where(bins == b, above, 0))
-
-    @triton.jit
     def _descend(Hist, row, R, K, DONE: tl.constexpr):
-        """From the first DONE passes' histograms: the key bits fixed so far (prefix) and how many of the keys
-        that share them still belong to the top k (need). The widths are WIDTHS'."""
+        """From the first DONE passes' histograms: the key bytes fixed so far (prefix) and how many of the keys
+        that share them still belong to the top k (need)."""
+        bins = tl.arange(0, 256)
         prefix = tl.zeros([], tl.uint32)
         need = K
-        if DONE > 0:
-            prefix, need = _bin_of(Hist, 0, row, R, need)
-        if DONE > 1:
-            b, need = _bin_of(Hist, 1, row, R, need)
-            prefix = (prefix << 11) | b
-        if DONE > 2:
-            b, need = _bin_of(Hist, 2, row, R, need)
-            prefix = (prefix << 10) | b
+        for p in tl.static_range(DONE):
+            h = tl.load(Hist + (p * R + row) * 256 + bins)
+            above = tl.cumsum(h, 0, reverse=True) - h  # keys in higher bins
+            b = tl.min(tl.where(above < need, bins, 256))  # the bin holding the need-th largest key
+            need -= tl.sum(tl.where(bins == b, above, 0))
+            prefix = (prefix << 8) | b.to(tl.uint32)
         return prefix, need
 
     @triton.jit
-    def _histogram_kernel(Scores, Hist, T, K, R, stride_r, P: tl.constexpr, SHIFT: tl.constexpr,
-                          WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    def _histogram_kernel(Scores, Hist, T, K, R, stride_r, P: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < T
         key = _keys(Scores, row, t, mask, stride_r)
         if P > 0:
             prefix, need = _descend(Hist, row, R, K, P)
-            mask = mask & ((key >> (SHIFT + WIDTH)) == prefix)
-        digit = ((key >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32)
-        counts = tl.histogram(digit, 2048, mask=mask)
-        tl.atomic_add(Hist + (P * R + row) * 2048 + tl.arange(0, 2048), counts, mask=counts > 0, sem="relaxed")
+            mask = mask & ((key >> (32 - 8 * P)) == prefix)
+        digit = ((key >> (24 - 8 * P)) & 255).to(tl.int32)
+        counts = tl.histogram(digit, 256, mask=mask)
+        tl.atomic_add(Hist + (P * R + row) * 256 + tl.arange(0, 256), counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
     def _compact_kernel(Scores, Hist, Count, Out, T, K, R, offset, stride_r, stride_o, BLOCK: tl.constexpr):
@@ -90,7 +74,7 @@ if triton is not None:
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < T
         key = _keys(Scores, row, t, mask, stride_r)
-        kth, need = _descend(Hist, row, R, K, 3)  # kth: the k-th largest key itself
+        kth, need = _descend(Hist, row, R, K, 4)  # kth: the k-th largest key itself
         above = (mask & (key > kth)).to(tl.int32)
         equal = (mask & (key == kth)).to(tl.int32)
         # a block claims a run of output places per kind with one atomic, then fills it in order
@@ -112,9 +96,8 @@ def radix_topk(scores: torch.Tensor, k: int, offset: int = 0, block: int = 4096,
     work = torch.zeros(PASSES * r * BINS + 2 * r, dtype=torch.int32, device=scores.device)
     hist, count = work[: PASSES * r * BINS], work[PASSES * r * BINS:]
     grid = (r, triton.cdiv(t, block))
-    for p, (shift, width) in enumerate(zip(SHIFTS, WIDTHS)):
-        _histogram_kernel[grid](scores, hist, t, k, r, scores.stride(0), P=p, SHIFT=shift, WIDTH=width, BLOCK=block,
-                                num_warps=num_warps)
+    for p in range(PASSES):
+        _histogram_kernel[grid](scores, hist, t, k, r, scores.stride(0), P=p, BLOCK=block, num_warps=num_warps)
     _compact_kernel[grid](scores, hist, count, out, t, k, r, offset, scores.stride(0), out.stride(0), BLOCK=block,
                           num_warps=num_warps)
     return out
