@@ -1,8 +1,8 @@
 """Where one sparse layer's K/V lives under CLO, and the tensors that describe it (see clo/system.py).
 
 Inside a store the KV heads are permuted so that the cached heads come first and the persistent heads last:
-the slots of the cached heads and the selected rows of the persistent heads are then one buffer `sel`
-[B, Hkv, k, 2, D], and attention reads two buffers, window and sel, with no gather into one. Every index that
+attention then reads the window of every head, the slots of the cached heads and the persistent heads' full KV
+at their top-k indices, each where it lies, with no gather into one buffer. Every index that
 changes from step to step comes from the device (the token position), so a step can be replayed from a CUDA
 graph."""
 from __future__ import annotations
@@ -65,18 +65,14 @@ class LayerStore:
         self.window[:, :, self.sink: self.sink + self.recent] = kv[:, :, t0 - self.recent: t0]
         self.prefetch_mask = torch.tensor([h in prefetch for h in cached], dtype=torch.bool, device=dev)
         self.n_managed = sum(h not in prefetch for h in cached)  # cached heads the lookups decide (not prefetch)
-        self.sel = torch.zeros(b, hkv, k, 2, d, dtype=dtype, device=dev)
-        self.sel_len = torch.full((b,), k, device=dev)
-        self.slots = self.sel[:, : self.nc]  # a view: the transfer engine writes straight into it
+        self.slots = torch.zeros(b, self.nc, k, 2, d, dtype=dtype, device=dev)  # the transfer engine writes here
+        self.slots_len = torch.full((b,), k, device=dev)
         self.slot_idx = torch.zeros(b, self.nc, k, dtype=torch.long, device=dev)
         self.labels = torch.zeros(b, self.nc, group, d, dtype=torch.float32, device=dev)
         self.valid = torch.zeros(b, self.nc, dtype=torch.bool, device=dev)
         # per cached head, its misses this step (CLO.end_step reads and zeroes them)
         self.misses = torch.zeros(b, self.nc, dtype=torch.int32, device=dev)
         self.persist = kv[:, self.nc:].contiguous() if persistent else None
-        # select_persistent gathers every persistent head's rows from `persist` (its heads 0.., all "missed")
-        self.persist_gather = (torch.arange(len(persistent), device=dev),
-                               torch.ones(b, len(persistent), dtype=torch.bool, device=dev))
         self.tau = self.weights = None  # set by the system, in cached order
 
     def permute_q(self, q: torch.Tensor) -> torch.Tensor:
@@ -102,31 +98,26 @@ class LayerStore:
 
         return select_topk(retriever.scores(layer, qp, heads), self.k, self.sink, ascending=False, method=self.topk)
 
-    def select_persistent(self, qp: torch.Tensor, retriever, layer: int) -> None:
-        """Top-k of the persistent heads' middle tokens for the real query, gathered on the device into sel."""
+    def select_persistent(self, qp: torch.Tensor, retriever, layer: int) -> torch.Tensor | None:
+        """Token indices [B, Hp, k] of the persistent heads' top-k middle tokens for the real query (None without
+        persistent heads): attention reads their rows in `persist` through them."""
         if self.persist is None or not self.k:
-            return
-        from clo.kernels.uva_gather import uva_gather_ref
+            return None
+        return self.retrieve(retriever, layer, qp, self.persistent)
 
-        idx = self.retrieve(retriever, layer, qp, self.persistent)
-        heads, every = self.persist_gather
-        if idx.is_cuda:  # one kernel writes the rows where they go (torch: index, then copy, plus aranges)
-            from clo.kernels.uva_gather import uva_gather
-
-            uva_gather(self.persist, heads, idx, every, self.sel[:, self.nc:])  # uncapped: rows from HBM
-        else:
-            uva_gather_ref(self.persist, heads, idx, every, self.sel[:, self.nc:])
-
-    def attend(self, qp: torch.Tensor, win_len: torch.Tensor) -> torch.Tensor:
-        """Hybrid attention (spec 2.7) over the window (sink, recent, generated: win_len [B] rows, on the device)
-        and sel, each where it lies. qp and the result are in the permuted head order."""
+    def attend(self, qp: torch.Tensor, win_len: torch.Tensor, persist_idx: torch.Tensor | None) -> torch.Tensor:
+        """Hybrid attention (spec 2.7) over the window (sink, recent, generated: win_len [B] rows, on the device),
+        the slots and the persistent heads' KV at persist_idx (select_persistent's), each where it lies. qp and
+        the result are in the permuted head order."""
         window = (self.window[:, :, :, 0].transpose(1, 2), self.window[:, :, :, 1].transpose(1, 2), win_len)
-        sel = (self.sel[:, :, :, 0].transpose(1, 2), self.sel[:, :, :, 1].transpose(1, 2), self.sel_len)
-        return hybrid_attention(qp, window, sel)  # with k = 0, the window alone (hybrid_attention's empty guard)
+        slots = (self.slots[:, :, :, 0].transpose(1, 2), self.slots[:, :, :, 1].transpose(1, 2), self.slots_len)
+        persist = None
+        if persist_idx is not None:
+            persist = (self.persist[:, :, :, 0].transpose(1, 2), self.persist[:, :, :, 1].transpose(1, 2), persist_idx)
+        return hybrid_attention(qp, window, slots, persist)  # k = 0: the window alone (its empty guard)
 
     def memory(self) -> dict[str, int]:
         persist = self.persist.nbytes if self.persist is not None else 0
-        slot_rows = self.slots.numel() * self.slots.element_size()
-        return {"slots": slot_rows + self.slot_idx.nbytes, "labels": self.labels.nbytes + self.valid.nbytes,
-                "persistent": persist + self.sel.nbytes - slot_rows, "window": self.window.nbytes,
+        return {"slots": self.slots.nbytes + self.slot_idx.nbytes, "labels": self.labels.nbytes + self.valid.nbytes,
+                "persistent": persist, "window": self.window.nbytes,
                 "host": self.host.nbytes}

@@ -210,9 +210,9 @@ class CLO(KVOffloadSystem):
         elif not self.wants_speculative_query or layer == 0:
             self._refresh(layer, qp)
         with self.phase("retrieval"):
-            st.select_persistent(qp, self.retriever, layer)
+            persist_idx = st.select_persistent(qp, self.retriever, layer)
         with self.phase("attention"):
-            return st.unpermute_out(st.attend(qp, self.win_len))
+            return st.unpermute_out(st.attend(qp, self.win_len, persist_idx))
 
     def end_step(self):
         stats = super().end_step()

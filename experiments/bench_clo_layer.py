@@ -8,7 +8,7 @@ hit' only the prefetch heads' (they are refreshed every step by design). The par
 
   dense        norms, projections, MLP (the model's work; T_comp)
   lookup       fused lookup + label update          retrieval  hash scores + top-k of the cached heads
-  transfer     UVA gather of the missed rows        persistent top-k of the persistent heads + device gather
+  transfer     UVA gather of the missed rows        persistent top-k of the persistent heads (read in place)
   attention    hybrid attention over window + selected rows
   side         lookup + retrieval + transfer, as one-layer-ahead prefetch runs it on its own stream
   layer        side stream overlapped with dense + persistent + attention, as a decode step runs them
@@ -94,11 +94,12 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     qc = qp.view(1, -1, g, d)[:, : st.nc]
     idx = st.retrieve(clo.retriever, layer, qp, st.cached)
     all_miss = torch.ones(1, st.nc, dtype=torch.bool, device=DEV)
+    persist_idx = st.select_persistent(qp, clo.retriever, layer)
     dense_step = dense_work(dense, 1)
 
     def main_work():  # what the compute stream does while the side stream prepares the next layer, in a decode
-        st.select_persistent(qp, clo.retriever, layer)  # step's order: this layer's attention, then the dense work
-        st.attend(qp, clo.win_len)
+        persist_idx = st.select_persistent(qp, clo.retriever, layer)  # a step's order: this layer's attention,
+        st.attend(qp, clo.win_len, persist_idx)  # then the dense work
         dense_step()
 
     side = torch.cuda.Stream(DEV)
@@ -128,7 +129,7 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         "dense.gemvs": timed(gemvs(dense)),  # its projections alone: the rest is norms, RoPE, SiLU and additions
         "lookup": timed(lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
                                                   "mean")),
-        "attention": timed(lambda: st.attend(qp, clo.win_len)),
+        "attention": timed(lambda: st.attend(qp, clo.win_len, persist_idx)),
         "transfer_no_miss": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots)),
         # the retrieval's own parts, to see which one the layer waits for
         "retrieval.encode_query": timed(lambda: clo.retriever.encode_query(layer, qp, st.cached)),

@@ -97,7 +97,8 @@ def test_statistics_and_memory_match_an_independent_count():
         total_hits += stats.hits
     assert 0 < total_hits < STEPS * L * B * HKV  # the trace really mixes hits and misses
     held = clo.memory_held()
-    tensors = [t for st in clo.stores for t in (st.sel, st.slot_idx, st.labels, st.valid, st.window)]
+    tensors = [t for st in clo.stores for t in (st.slots, st.slot_idx, st.labels, st.valid, st.window, st.persist)
+               if t is not None]
     assert held.device_bytes == sum(t.nbytes for t in tensors) + sum(k.nbytes for k in clo.retriever.keys)
     assert held.host_bytes == sum(st.host.nbytes for st in clo.stores) == L * B * HKV * T0 * 2 * D * 4
     assert clo.estimate_memory(spec()).host_bytes >= held.host_bytes

@@ -74,26 +74,36 @@ def test_decode_attention_triton_broadcast_lengths_and_fp32():
     assert (got - want).norm() / want.norm() < 1e-2  # tl.dot may use tf32 for fp32 inputs
 
 
-def check_hybrid_attention(device, b, hkv, g_, d, caps, dtype):
-    """hybrid_attention over two buffers laid out as CLO keeps them ([B, Hkv, T, 2, D], read through transposed
-    views) equals attention over their concatenation."""
+def check_hybrid_attention(device, b, hkv, g_, d, caps, dtype, n_indexed=0, persist_len=0, attention=None):
+    """hybrid_attention (or `attention`, called as it is) over two buffers laid out as CLO keeps them
+    ([B, Hkv, T, 2, D], read through transposed views) equals attention over their concatenation. With
+    n_indexed, the last heads' second-buffer rows are those of a third buffer (persist_len tokens) at random
+    distinct indices, as CLO's persistent heads."""
     from clo.kernels.decode_attention import hybrid_attention
 
-    gen = torch.Generator().manual_seed(sum(caps))
+    attention = attention or hybrid_attention
+    gen = torch.Generator().manual_seed(sum(caps) + n_indexed)
+    nc = hkv - n_indexed
     q = torch.randn(b, hkv * g_, d, generator=gen).to(dtype).to(device)
-    bufs = [torch.randn(b, hkv, cap, 2, d, generator=gen).to(dtype).to(device) for cap in caps]
+    bufs = [torch.randn(b, h, cap, 2, d, generator=gen).to(dtype).to(device) for h, cap in zip((hkv, nc), caps)]
     lens = [torch.randint(1, cap + 1, (b,), generator=gen).to(device) for cap in caps]
     views = [(x[:, :, :, 0].transpose(1, 2), x[:, :, :, 1].transpose(1, 2), n) for x, n in zip(bufs, lens)]
-    got = hybrid_attention(q, *views).float().cpu()
+    persist = torch.randn(b, n_indexed, persist_len, 2, d, generator=gen).to(dtype).to(device)
+    idx = torch.rand(b, n_indexed, persist_len, generator=gen).argsort(-1)[..., : caps[1]].to(device)
+    indexed = (persist[:, :, :, 0].transpose(1, 2), persist[:, :, :, 1].transpose(1, 2), idx) if n_indexed else None
+    got = attention(q, *views, indexed=indexed).float().cpu()
+    picked = persist.gather(2, idx[..., None, None].expand(-1, -1, -1, 2, d))  # [B, n_indexed, caps[1], 2, D]
+    rows = torch.cat([bufs[1], picked], 1).cpu()
     for i in range(b):  # the reference: one buffer holding the valid rows of both
-        k = torch.cat([x[i:i + 1, :, : n[i]] for x, n in zip(bufs, lens)], dim=2).cpu()
+        k = torch.cat([bufs[0][i:i + 1, :, : lens[0][i]].cpu(), rows[i:i + 1, :, : lens[1][i]]], dim=2)
         want = decode_attention_ref(q[i:i + 1].cpu(), k[:, :, :, 0].transpose(1, 2), k[:, :, :, 1].transpose(1, 2),
                                     torch.tensor([k.shape[2]]))
         assert (got[i] - want[0].float()).norm() / want.norm() < 1e-2
 
 
-def test_hybrid_attention_reference():
-    check_hybrid_attention("cpu", 2, 2, 3, 16, (40, 300), torch.float32)
+@pytest.mark.parametrize("n_indexed", [0, 1])
+def test_hybrid_attention_reference(n_indexed):
+    check_hybrid_attention("cpu", 2, 2, 3, 16, (40, 300), torch.float32, n_indexed, persist_len=500)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -115,11 +125,26 @@ def test_hybrid_attention_interpreted(caps, lens):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
+@pytest.mark.parametrize("hkv, n_indexed", [(3, 1), (2, 2)])  # 2, 2: every head indexed, the slots hold none
+def test_hybrid_attention_indexed_interpreted(hkv, n_indexed):
+    pytest.importorskip("triton")
+    from clo.kernels.decode_attention import decode_attention_triton
+
+    def kernel(q, first, second, indexed):
+        return decode_attention_triton(q, *first, second=second, indexed=indexed)
+
+    check_hybrid_attention("cpu", 2, hkv, 2, 16, (70, 130), torch.float32, n_indexed, persist_len=400,
+                           attention=kernel)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("caps", [(96 + 32, 13028), (80, 500), (3000, 17)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_hybrid_attention_triton_matches_ref(caps, dtype):
-    check_hybrid_attention("cuda", 2, 8, 4, 128, caps, dtype)
+@pytest.mark.parametrize("n_indexed", [0, 2])
+def test_hybrid_attention_triton_matches_ref(caps, dtype, n_indexed):
+    check_hybrid_attention("cuda", 2, 8, 4, 128, caps, dtype, n_indexed, persist_len=20000)
 
 
 def test_hybrid_attention_with_an_empty_buffer():

@@ -52,13 +52,16 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(Q, K, V, Lens, K2, V2, Lens2, Out, M, L, sm_scale,
+    def _split_kernel(Q, K, V, Lens, K2, V2, Lens2, PK, PV, Idx, NC, Out, M, L, sm_scale,
                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                       stride_k2b, stride_k2t, stride_k2h, stride_v2b, stride_v2t, stride_v2h,
+                      stride_pkb, stride_pkt, stride_pkh, stride_pvb, stride_pvt, stride_pvh, stride_ib, stride_ih,
                       HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS1: tl.constexpr,
-                      SPLIT_LEN2: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Splits 0..SPLITS1-1 cover the first buffer, the rest (TWO) the second: one launch for both."""
+                      SPLIT_LEN2: tl.constexpr, TWO: tl.constexpr, INDIRECT: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Splits 0..SPLITS1-1 cover the first buffer, the rest (TWO) the second: one launch for both. With
+        INDIRECT, KV heads NC.. take the second buffer's rows from PK/PV (their head kvh - NC) at the token indices
+        Idx: a persistent head's selected rows are read where they lie, not gathered first."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // HKV
@@ -69,6 +72,8 @@ if triton is not None:
         length = tl.load(Lens + b)
         start = split * SPLIT_LEN
         span = SPLIT_LEN
+        idx_ptr = Idx
+        indexed_end = length * 0  # rows below it are at Idx[n] (none, unless INDIRECT), the rest at n
         if TWO:
             if split >= SPLITS1:
                 k_ptr = K2 + b * stride_k2b + kvh * stride_k2h
@@ -77,6 +82,14 @@ if triton is not None:
                 length = tl.load(Lens2 + b)
                 start = (split - SPLITS1) * SPLIT_LEN2
                 span = SPLIT_LEN2
+                if INDIRECT:
+                    if kvh >= NC:
+                        hp = kvh - NC
+                        k_ptr = PK + b * stride_pkb + hp * stride_pkh
+                        v_ptr = PV + b * stride_pvb + hp * stride_pvh
+                        stride_t, stride_u = stride_pkt, stride_pvt
+                        idx_ptr = Idx + b * stride_ib + hp * stride_ih
+                        indexed_end = length
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         q = tl.load(Q + b * stride_qb + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
@@ -88,14 +101,16 @@ if triton is not None:
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
-            kb = tl.load(k_ptr + n[:, None] * stride_t + d[None, :], mask=valid[:, None], other=0.0)
+            at_idx = n < tl.minimum(end, indexed_end)
+            rows = tl.where(at_idx, tl.load(idx_ptr + n, mask=at_idx, other=0).to(tl.int32), n)
+            kb = tl.load(k_ptr + rows[:, None] * stride_t + d[None, :], mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kb)) * sm_scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            vb = tl.load(v_ptr + n[:, None] * stride_u + d[None, :], mask=valid[:, None], other=0.0)
+            vb = tl.load(v_ptr + rows[:, None] * stride_u + d[None, :], mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
             m_i = m_new
         # only the G real query rows (the G_PAD - G padding rows tl.dot needs stay in registers)
@@ -144,19 +159,25 @@ def _splits(batch_kv_heads: int, capacity: int, block_n: int) -> tuple[int, int]
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                             block_n: int = 64, num_warps: int = 4, return_lse: bool = False,
-                            second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-    """With `second` = (k2, v2, lengths2): attention over the union of both buffers, in the same two launches."""
+                            second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                            indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """With `second` = (k2, v2, lengths2): attention over the union of both buffers, in the same two launches.
+    With `indexed` = (pk, pv, idx) as well (hybrid_attention's), the last idx.shape[1] KV heads take their
+    second-buffer rows from pk/pv at idx; k2/v2 then hold only the heads before them."""
     b, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
     g_pad = max(16, triton.next_power_of_2(g))  # tl.dot needs at least 16 rows
     k2, v2, lengths2 = second if second is not None else (k, v, lengths)
-    assert q.stride(2) == k.stride(3) == v.stride(3) == k2.stride(3) == v2.stride(3) == 1, \
-        "head_dim must be the contiguous dimension"
-    assert k2.shape[0] == b and k2.shape[2] == hkv and k2.dtype == k.dtype
+    pk, pv, idx = indexed if indexed is not None else (k, v, lengths.view(b, 1, -1))
+    nc = hkv - idx.shape[1] if indexed is not None else hkv
+    assert q.stride(2) == k.stride(3) == v.stride(3) == k2.stride(3) == v2.stride(3) == pk.stride(3) \
+        == pv.stride(3) == 1, "head_dim must be the contiguous dimension"
+    assert k2.shape[0] == b and k2.shape[2] == nc and k2.dtype == k.dtype == pk.dtype
+    assert indexed is None or (idx.shape[2] == k2.shape[1] and idx.stride(2) == 1), "one index per second-buffer row"
     # the kernel reads lengths[b] at offset b: no broadcast (stride 0) views
     lengths, lengths2 = lengths.contiguous(), lengths2.contiguous()
-    for x in (k, v, k2, v2):  # the kernel's offsets are int32
+    for x in (k, v, k2, v2, pk, pv):  # the kernel's offsets are int32
         assert sum((n - 1) * s for n, s in zip(x.shape, x.stride())) < 2**31, \
             "a KV buffer spans 2^31 elements or more: the attention kernel's int32 offsets would overflow"
     splits1, split_len = _splits(b * hkv, k.shape[1], block_n)
@@ -168,11 +189,13 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     out = torch.empty_like(q)
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
     _split_kernel[(b * hkv, splits)](
-        q, k, v, lengths, k2, v2, lengths2, part, m, l_, 1.0 / math.sqrt(d),
+        q, k, v, lengths, k2, v2, lengths2, pk, pv, idx, nc, part, m, l_, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k2.stride(0), k2.stride(1), k2.stride(2), v2.stride(0), v2.stride(1), v2.stride(2),
-        HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits, SPLIT_LEN=split_len, SPLITS1=splits1,
-        SPLIT_LEN2=split_len2, TWO=second is not None, BLOCK_N=block_n, num_warps=num_warps)
+        pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2), idx.stride(0),
+        idx.stride(1), HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits, SPLIT_LEN=split_len, SPLITS1=splits1,
+        SPLIT_LEN2=split_len2, TWO=second is not None, INDIRECT=indexed is not None, BLOCK_N=block_n,
+        num_warps=num_warps)
     splits_pad = triton.next_power_of_2(splits)
     _merge_kernel[(b * h,)](part, m, l_, out, lse, out.stride(0), out.stride(1), HKV=hkv, G=g, D=d,
                             SPLITS=splits, SPLITS_PAD=splits_pad, CHUNK=min(32, splits_pad))
@@ -186,15 +209,31 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     return decode_attention_ref(q, k, v, lengths, return_lse)
 
 
+def gather_indexed(second: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+    """The second buffer with the indexed heads' rows appended as heads (what the kernel reads in place):
+    pk, pv [B, T, Hp, D], idx [B, Hp, k] -> row i of head nc + j is pk[b, idx[b, j, i], j]."""
+    k2, v2, lengths2 = second
+    pk, pv, idx = indexed
+    at = idx.transpose(1, 2)[..., None].expand(-1, -1, -1, pk.shape[-1])  # [B, k, Hp, D]
+    return torch.cat([k2, pk.gather(1, at)], 2), torch.cat([v2, pv.gather(1, at)], 2), lengths2
+
+
 def hybrid_attention(q: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                     second: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                     second: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Exact attention over the union of two KV buffers, each (k, v, lengths) as decode_attention takes them,
-    read where they lie (spec 2.7). On CUDA one split kernel covers both and one merge combines them; the
-    specification is per-buffer attention merged by log-sum-exp (`merge_attention`)."""
-    for empty, other in ((first, second), (second, first)):
-        if empty[0].shape[1] == 0:  # no rows at all: the kernel needs a split of each buffer
-            return decode_attention(q, *other)
-    if q.is_cuda and triton is not None:
-        return decode_attention_triton(q, *first, second=second)
+    read where they lie (spec 2.7). `indexed` = (pk, pv, idx): the last Hp KV heads' second-buffer rows are
+    pk/pv [B, T, Hp, D] at the token indices idx [B, Hp, k] (CLO's persistent heads: their full KV on the
+    device, read at their top-k); `second` then holds the other heads. On CUDA one split kernel covers both
+    and one merge combines them; the specification is the indexed rows gathered (`gather_indexed`), then
+    per-buffer attention merged by log-sum-exp (`merge_attention`)."""
+    empty = first[0].shape[1] == 0 or second[0].shape[1] == 0  # no rows at all: the kernel needs both buffers
+    if q.is_cuda and triton is not None and not empty:
+        return decode_attention_triton(q, *first, second=second, indexed=indexed)
+    if indexed is not None:
+        second = gather_indexed(second, indexed)
+    if empty:
+        return decode_attention(q, *(second if first[0].shape[1] == 0 else first))
     return merge_attention([decode_attention_ref(q, *first, return_lse=True),
                             decode_attention_ref(q, *second, return_lse=True)])
