@@ -47,6 +47,7 @@ class TransferEngine:
         if uva_programs is not None and uva_programs < 1:
             raise ConfigError(f"uva_programs={uva_programs} must be at least 1, or null (one per tile of a head)")
         self.uva_programs = uva_programs  # cap on the gather's grid (None: as many as a head has tiles)
+        self.uva_warps = 4  # per gather program (bench_clo_layer compares others)
         self.host_syncs = 0
 
     def fill(self, host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
@@ -58,7 +59,7 @@ class TransferEngine:
         if self.kind == "uva":
             from clo.kernels.uva_gather import uva_gather
 
-            uva_gather(host, heads, idx, miss, slots, programs=self.uva_programs)
+            uva_gather(host, heads, idx, miss, slots, programs=self.uva_programs, num_warps=self.uva_warps)
             return
         self._cpu_gather(host, heads, idx, miss, slots)
 

@@ -148,6 +148,10 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         clo.transfer.uva_programs = cap
         variants[f"uva_programs_{cap}"] = layer_parts()
     clo.transfer.uva_programs = default
+    for warps in (1, 2):  # a lighter gather leaves more of each SM it shares to the dense GEMVs
+        clo.transfer.uva_warps = warps
+        variants[f"uva_warps_{warps}"] = layer_parts()
+    clo.transfer.uva_warps = 4
     out["variants"] = variants
     if trace is not None:
         trace.mkdir(parents=True, exist_ok=True)

@@ -101,7 +101,7 @@ if triton is not None:
 
 
 def encode_query_triton(q: torch.Tensor, proj: torch.Tensor, heads: torch.Tensor, group: int,
-                        chunk: int = 16) -> torch.Tensor:
+                        chunk: int | None = None) -> torch.Tensor:
     """q [B, H, D] (H = Hkv * group), proj [Hkv, D, rbit] fp32 (one layer's), heads [h] -> the codes of the
     group's queries of each KV head in `heads`, [B, h, group, rbit / 8] uint8 (bytes as `pack_signs` makes)."""
     b, _, d = q.shape
@@ -109,11 +109,14 @@ def encode_query_triton(q: torch.Tensor, proj: torch.Tensor, heads: torch.Tensor
     h = heads.shape[0]
     assert rbit % 32 == 0 and d & (d - 1) == 0 and proj.stride(2) == 1 and q.stride(2) == 1
     out = torch.empty(b, h, group, rbit // 32, dtype=torch.int32, device=q.device)
+    g_pad = triton.next_power_of_2(group)
+    # head_dim per step: the whole of it in one step when the group is small (2.6 us at Llama-3 shape on the
+    # H200, 6.4 in steps of 16: results/bench/retrieval_tuning.json), capped so the products fit in registers
+    chunk = chunk or min(d, max(16, 512 // g_pad))
     if b and h:
         _encode_query_kernel[(b * h, rbit // 32)](
             q, proj, heads.contiguous(), out, q.stride(0), q.stride(1), proj.stride(0), proj.stride(1),
-            out.stride(0), out.stride(1), out.stride(2), H=h, G=group, G_PAD=triton.next_power_of_2(group), D=d,
-            CHUNK=min(d, chunk))
+            out.stride(0), out.stride(1), out.stride(2), H=h, G=group, G_PAD=g_pad, D=d, CHUNK=min(d, chunk))
     return out.view(torch.uint8)  # little-endian: byte j of word w holds projections 32w + 8j .. 32w + 8j + 7
 
 
