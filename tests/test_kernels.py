@@ -128,12 +128,21 @@ def test_hybrid_attention_interpreted(caps, lens):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
 @pytest.mark.parametrize("hkv, n_indexed", [(3, 1), (2, 2)])  # 2, 2: every head indexed, the slots hold none
-def test_hybrid_attention_indexed_interpreted(hkv, n_indexed):
+@pytest.mark.parametrize("in_parts", [False, True])
+def test_hybrid_attention_indexed_interpreted(hkv, n_indexed, in_parts):
+    """One split launch for every head, or (in_parts, as CLO overlaps them) one for the heads read in place and
+    one for the indexed heads, then the merge."""
     pytest.importorskip("triton")
-    from clo.kernels.decode_attention import decode_attention_triton
+    from clo.kernels.decode_attention import SplitAttention, decode_attention_triton
 
     def kernel(q, first, second, indexed):
-        return decode_attention_triton(q, *first, second=second, indexed=indexed)
+        if not in_parts:
+            return decode_attention_triton(q, *first, second=second, indexed=indexed)
+        parts = SplitAttention(q, *first, second, n_indexed)
+        if parts.nc:
+            parts.split(0, parts.nc)
+        parts.split(parts.nc, hkv, indexed)
+        return parts.merge()[0]
 
     check_hybrid_attention("cpu", 2, hkv, 2, 16, (70, 130), torch.float32, n_indexed, persist_len=400,
                            attention=kernel)

@@ -52,7 +52,7 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(Q, K, V, Lens, K2, V2, Lens2, PK, PV, Idx, NC, Out, M, L, sm_scale,
+    def _split_kernel(Q, K, V, Lens, K2, V2, Lens2, PK, PV, Idx, NC, H0, NH, Out, M, L, sm_scale,
                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                       stride_k2b, stride_k2t, stride_k2h, stride_v2b, stride_v2t, stride_v2h,
                       stride_pkb, stride_pkt, stride_pkh, stride_pvb, stride_pvt, stride_pvh, stride_ib, stride_ih,
@@ -61,11 +61,12 @@ if triton is not None:
                       SPLIT_LEN2: tl.constexpr, TWO: tl.constexpr, INDIRECT: tl.constexpr, BLOCK_N: tl.constexpr):
         """Splits 0..SPLITS1-1 cover the first buffer, the rest (TWO) the second: one launch for both. With
         INDIRECT, KV heads NC.. take the second buffer's rows from PK/PV (their head kvh - NC) at the token indices
-        Idx: a persistent head's selected rows are read where they lie, not gathered first."""
-        bh = tl.program_id(0)
+        Idx: a persistent head's selected rows are read where they lie, not gathered first. A launch covers KV
+        heads H0..H0+NH-1 (SplitAttention.split)."""
         split = tl.program_id(1)
-        b = bh // HKV
-        kvh = bh % HKV
+        b = tl.program_id(0) // NH
+        kvh = H0 + tl.program_id(0) % NH
+        bh = b * HKV + kvh
         k_ptr = K + b * stride_kb + kvh * stride_kh
         v_ptr = V + b * stride_vb + kvh * stride_vh
         stride_t, stride_u = stride_kt, stride_vt
@@ -157,48 +158,85 @@ def _splits(batch_kv_heads: int, capacity: int, block_n: int) -> tuple[int, int]
     return triton.cdiv(capacity, split_len), split_len
 
 
+class SplitAttention:
+    """decode_attention_triton in parts: split(h0, h1) launches the split kernel for KV heads h0..h1-1, merge()
+    combines every head's splits. Parts may run on different streams (CLO: the cached heads' part while the
+    persistent heads' top-k is still being selected), ordered before merge() by the caller.
+
+    `second` = (k2, v2, lengths2): attention over the union of both buffers. indexed_heads > 0: the last
+    indexed_heads KV heads take their second-buffer rows from pk/pv at idx (split's `indexed`, hybrid_attention's
+    form); k2/v2 then hold only the heads before them."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                 second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, indexed_heads: int = 0,
+                 block_n: int = 64, num_warps: int = 4):
+        b, h, d = q.shape
+        self.hkv = hkv = k.shape[2]
+        self.g = h // hkv
+        self.nc = hkv - indexed_heads
+        k2, v2, lengths2 = second if second is not None else (k, v, lengths)
+        assert q.stride(2) == k.stride(3) == v.stride(3) == k2.stride(3) == v2.stride(3) == 1, \
+            "head_dim must be the contiguous dimension"
+        assert k2.shape[0] == b and k2.shape[2] == self.nc and k2.dtype == k.dtype
+        check_offsets(k, v, k2, v2)
+        # the kernel reads lengths[b] at offset b: no broadcast (stride 0) views
+        self.first, self.second = (q, k, v, lengths.contiguous()), (k2, v2, lengths2.contiguous())
+        splits1, self.split_len = _splits(b * hkv, k.shape[1], block_n)
+        splits2, self.split_len2 = _splits(b * hkv, k2.shape[1], block_n) if second is not None else (0, 1)
+        self.splits1, self.splits, self.two = splits1, splits1 + splits2, second is not None
+        self.part = torch.empty(b * hkv * self.splits * self.g, d, dtype=torch.float32, device=q.device)
+        self.m = torch.empty(b * hkv * self.splits * self.g, dtype=torch.float32, device=q.device)
+        self.l_ = torch.empty_like(self.m)
+        self.out = torch.empty_like(q)
+        self.lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
+        self.block_n, self.num_warps = block_n, num_warps
+
+    def split(self, h0: int, h1: int, indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        q, k, v, lengths = self.first
+        k2, v2, lengths2 = self.second
+        b, _, d = q.shape
+        assert 0 <= h0 < h1 <= self.hkv and (indexed is not None) == (h1 > self.nc), \
+            "the indexed heads' rows need their indices"
+        pk, pv, idx = indexed if indexed is not None else (k, v, lengths.view(b, 1, -1))
+        if indexed is not None:
+            assert idx.shape == (b, self.hkv - self.nc, k2.shape[1]) and idx.stride(2) == 1, \
+                "one index per second-buffer row"
+            assert pk.stride(3) == pv.stride(3) == 1 and pk.dtype == k.dtype
+            check_offsets(pk, pv)
+        _split_kernel[(b * (h1 - h0), self.splits)](
+            q, k, v, lengths, k2, v2, lengths2, pk, pv, idx, self.nc, h0, h1 - h0, self.part, self.m, self.l_,
+            1.0 / math.sqrt(d), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+            v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2), v2.stride(0), v2.stride(1),
+            v2.stride(2), pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
+            idx.stride(0), idx.stride(1), HKV=self.hkv, G=self.g, G_PAD=max(16, triton.next_power_of_2(self.g)),
+            D=d, SPLITS=self.splits, SPLIT_LEN=self.split_len, SPLITS1=self.splits1, SPLIT_LEN2=self.split_len2,
+            TWO=self.two, INDIRECT=indexed is not None, BLOCK_N=self.block_n, num_warps=self.num_warps)
+        # tl.dot needs at least 16 rows (G_PAD); only the G real ones are stored
+
+    def merge(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b, h, d = self.out.shape
+        splits_pad = triton.next_power_of_2(self.splits)
+        _merge_kernel[(b * h,)](self.part, self.m, self.l_, self.out, self.lse, self.out.stride(0),
+                                self.out.stride(1), HKV=self.hkv, G=self.g, D=d, SPLITS=self.splits,
+                                SPLITS_PAD=splits_pad, CHUNK=min(32, splits_pad))
+        return self.out, self.lse
+
+
+def check_offsets(*buffers: torch.Tensor) -> None:
+    for x in buffers:  # the kernel's offsets are int32
+        assert sum((n - 1) * s for n, s in zip(x.shape, x.stride())) < 2**31, \
+            "a KV buffer spans 2^31 elements or more: the attention kernel's int32 offsets would overflow"
+
+
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                             block_n: int = 64, num_warps: int = 4, return_lse: bool = False,
                             second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                             indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-    """With `second` = (k2, v2, lengths2): attention over the union of both buffers, in the same two launches.
-    With `indexed` = (pk, pv, idx) as well (hybrid_attention's), the last idx.shape[1] KV heads take their
-    second-buffer rows from pk/pv at idx; k2/v2 then hold only the heads before them."""
-    b, h, d = q.shape
-    hkv = k.shape[2]
-    g = h // hkv
-    g_pad = max(16, triton.next_power_of_2(g))  # tl.dot needs at least 16 rows
-    k2, v2, lengths2 = second if second is not None else (k, v, lengths)
-    pk, pv, idx = indexed if indexed is not None else (k, v, lengths.view(b, 1, -1))
-    nc = hkv - idx.shape[1] if indexed is not None else hkv
-    assert q.stride(2) == k.stride(3) == v.stride(3) == k2.stride(3) == v2.stride(3) == pk.stride(3) \
-        == pv.stride(3) == 1, "head_dim must be the contiguous dimension"
-    assert k2.shape[0] == b and k2.shape[2] == nc and k2.dtype == k.dtype == pk.dtype
-    assert indexed is None or (idx.shape[2] == k2.shape[1] and idx.stride(2) == 1), "one index per second-buffer row"
-    # the kernel reads lengths[b] at offset b: no broadcast (stride 0) views
-    lengths, lengths2 = lengths.contiguous(), lengths2.contiguous()
-    for x in (k, v, k2, v2, pk, pv):  # the kernel's offsets are int32
-        assert sum((n - 1) * s for n, s in zip(x.shape, x.stride())) < 2**31, \
-            "a KV buffer spans 2^31 elements or more: the attention kernel's int32 offsets would overflow"
-    splits1, split_len = _splits(b * hkv, k.shape[1], block_n)
-    splits2, split_len2 = _splits(b * hkv, k2.shape[1], block_n) if second is not None else (0, 1)
-    splits = splits1 + splits2
-    part = torch.empty(b * hkv * splits * g, d, dtype=torch.float32, device=q.device)
-    m = torch.empty(b * hkv * splits * g, dtype=torch.float32, device=q.device)
-    l_ = torch.empty_like(m)
-    out = torch.empty_like(q)
-    lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
-    _split_kernel[(b * hkv, splits)](
-        q, k, v, lengths, k2, v2, lengths2, pk, pv, idx, nc, part, m, l_, 1.0 / math.sqrt(d),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k2.stride(0), k2.stride(1), k2.stride(2), v2.stride(0), v2.stride(1), v2.stride(2),
-        pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2), idx.stride(0),
-        idx.stride(1), HKV=hkv, G=g, G_PAD=g_pad, D=d, SPLITS=splits, SPLIT_LEN=split_len, SPLITS1=splits1,
-        SPLIT_LEN2=split_len2, TWO=second is not None, INDIRECT=indexed is not None, BLOCK_N=block_n,
-        num_warps=num_warps)
-    splits_pad = triton.next_power_of_2(splits)
-    _merge_kernel[(b * h,)](part, m, l_, out, lse, out.stride(0), out.stride(1), HKV=hkv, G=g, D=d,
-                            SPLITS=splits, SPLITS_PAD=splits_pad, CHUNK=min(32, splits_pad))
+    """Every head in one split launch and one merge (SplitAttention's arguments)."""
+    parts = SplitAttention(q, k, v, lengths, second, indexed[2].shape[1] if indexed is not None else 0,
+                           block_n, num_warps)
+    parts.split(0, parts.hkv, indexed)
+    out, lse = parts.merge()
     return (out, lse) if return_lse else out
 
 
