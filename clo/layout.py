@@ -109,12 +109,19 @@ class LayerStore:
         """Hybrid attention (spec 2.7) over the window (sink, recent, generated: win_len [B] rows, on the device),
         the slots and the persistent heads' KV at persist_idx (select_persistent's), each where it lies. qp and
         the result are in the permuted head order."""
+        return hybrid_attention(qp, *self.buffers(win_len), self.persist_rows(persist_idx))  # k = 0: the window
+
+    def buffers(self, win_len: torch.Tensor):
+        """(window, slots) as decode attention reads them: (k, v, lengths), k and v [B, T, heads, D] views."""
         window = (self.window[:, :, :, 0].transpose(1, 2), self.window[:, :, :, 1].transpose(1, 2), win_len)
         slots = (self.slots[:, :, :, 0].transpose(1, 2), self.slots[:, :, :, 1].transpose(1, 2), self.slots_len)
-        persist = None
-        if persist_idx is not None:
-            persist = (self.persist[:, :, :, 0].transpose(1, 2), self.persist[:, :, :, 1].transpose(1, 2), persist_idx)
-        return hybrid_attention(qp, window, slots, persist)  # k = 0: the window alone (its empty guard)
+        return window, slots
+
+    def persist_rows(self, persist_idx: torch.Tensor | None):
+        """The persistent heads' rows at persist_idx, as hybrid attention's `indexed` (None without them)."""
+        if persist_idx is None:
+            return None
+        return self.persist[:, :, :, 0].transpose(1, 2), self.persist[:, :, :, 1].transpose(1, 2), persist_idx
 
     def memory(self) -> dict[str, int]:
         persist = self.persist.nbytes if self.persist is not None else 0

@@ -115,6 +115,8 @@ class CLO(KVOffloadSystem):
         self.trace: list[tuple[int, torch.Tensor]] | None = None  # (layer, miss mask) when tracing
         cuda = spec.device.type == "cuda"
         self.side = torch.cuda.Stream(spec.device) if cuda and self.wants_speculative_query else None
+        # the cached heads' attention runs here while the compute stream selects the persistent heads' rows
+        self.attn_stream = torch.cuda.Stream(spec.device) if cuda else None
         self.ready = [torch.cuda.Event() if self.side is not None else None for _ in range(spec.num_layers)]
         self.pending = [False] * spec.num_layers
         self.side_inputs: list[torch.Tensor | None] = [None] * spec.num_layers
@@ -209,10 +211,32 @@ class CLO(KVOffloadSystem):
             self.side_inputs[layer] = None  # later reuse of its memory is ordered after the side stream
         elif not self.wants_speculative_query or layer == 0:
             self._refresh(layer, qp)
+        return st.unpermute_out(self._attend(layer, qp))
+
+    def _attend(self, layer: int, qp: torch.Tensor) -> torch.Tensor:
+        """The persistent heads' top-k for the real query, and hybrid attention over every head (permuted order).
+        On CUDA with both kinds of heads, the other heads' attention runs on attn_stream meanwhile: the top-k
+        is a chain of small kernels that leaves most of the GPU idle."""
+        st = self.stores[layer]
+        if self.attn_stream is None or st.persist is None or not st.nc or not st.k:
+            with self.phase("retrieval"):
+                persist_idx = st.select_persistent(qp, self.retriever, layer)
+            with self.phase("attention"):
+                return st.attend(qp, self.win_len, persist_idx)
+        from clo.kernels.decode_attention import SplitAttention
+
+        compute = torch.cuda.current_stream()
+        with self.phase("attention"):
+            parts = SplitAttention(qp, *st.buffers(self.win_len), indexed_heads=st.persist.shape[1])
+            self.attn_stream.wait_stream(compute)
+            with torch.cuda.stream(self.attn_stream):
+                parts.split(0, st.nc)
         with self.phase("retrieval"):
             persist_idx = st.select_persistent(qp, self.retriever, layer)
         with self.phase("attention"):
-            return st.unpermute_out(st.attend(qp, self.win_len, persist_idx))
+            parts.split(st.nc, parts.hkv, st.persist_rows(persist_idx))
+            compute.wait_stream(self.attn_stream)  # the buffers and qp are freed on this stream, after the join
+            return parts.merge()[0]
 
     def end_step(self):
         stats = super().end_step()

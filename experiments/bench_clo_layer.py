@@ -98,9 +98,8 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     dense_step = dense_work(dense, 1)
 
     def main_work():  # what the compute stream does while the side stream prepares the next layer, in a decode
-        persist_idx = st.select_persistent(qp, clo.retriever, layer)  # a step's order: this layer's attention,
-        st.attend(qp, clo.win_len, persist_idx)  # then the dense work
-        dense_step()
+        clo._attend(layer, qp)  # a step's order: this layer's top-k of the persistent heads and attention, then
+        dense_step()  # the dense work
 
     side = torch.cuda.Stream(DEV)
 
@@ -129,7 +128,8 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         "dense.gemvs": timed(gemvs(dense)),  # its projections alone: the rest is norms, RoPE, SiLU and additions
         "lookup": timed(lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
                                                   "mean")),
-        "attention": timed(lambda: st.attend(qp, clo.win_len, persist_idx)),
+        "attention": timed(lambda: st.attend(qp, clo.win_len, persist_idx)),  # one launch, every head
+        "persistent_and_attention": timed(lambda: clo._attend(layer, qp)),  # as decode runs them
         "transfer_no_miss": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots)),
         # the retrieval's own parts, to see which one the layer waits for
         "retrieval.encode_query": timed(lambda: clo.retriever.encode_query(layer, qp, st.cached)),
