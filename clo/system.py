@@ -227,7 +227,8 @@ class CLO(KVOffloadSystem):
 
         compute = torch.cuda.current_stream()
         with self.phase("attention"):
-            parts = SplitAttention(qp, *st.buffers(self.win_len), indexed_heads=st.persist.shape[1])
+            window, slots = st.buffers(self.win_len)
+            parts = SplitAttention(qp, *window, slots, indexed_heads=st.persist.shape[1])
             self.attn_stream.wait_stream(compute)
             with torch.cuda.stream(self.attn_stream):
                 parts.split(0, st.nc)
