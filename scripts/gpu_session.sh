@@ -30,6 +30,7 @@ stage() {  # stage <name> <seconds> <command...>
 ) > "$out/env.txt" 2>&1
 stage pytest_gpu 200 python3 -m pytest -m gpu -q tests/
 stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
+stage pytest_clo_gpu 120 python3 -m pytest -m gpu -q tests/test_gpu.py -k clo
 stage tune 120 python3 -m experiments.tune_retrieval_kernels --out "$out/retrieval_tuning.json"
 stage bench_clo_layer 150 python3 -m experiments.bench_clo_layer --out "$out/clo_layer.json" --trace "$out/traces"
 run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants its flags first

@@ -148,3 +148,32 @@ def test_clo_side_stream_reads_its_own_query():
     kv.allocate(KVSpec(4, 1, 30040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA, enabled=False))
     steps = generate(model, kv, prompt, 24, decode_mode="graph").steps
     assert steps[0].hits == 0 and all(s.lookups > 0 and s.hits == s.lookups for s in steps[1:])
+
+
+def test_clo_persistent_heads_overlapped_attention(tmp_path):
+    """With a persistent and a cached KV head per layer (a profile that makes one head hard, a link too slow to
+    prefetch it), decode's overlapped attention (the cached head's part on its own stream while the persistent
+    head's top-k is selected, then one merge) equals one launch over every head, and graph replay gives the
+    eager tokens."""
+    import json
+
+    from clo.generate import generate
+    from clo.model.weights import synthetic_decoder
+    from clo.system import CLO
+
+    profile = tmp_path / "one_hard_head.json"
+    profile.write_text(json.dumps({"s_hat": [[-1.0, 1.0]] * TINY.num_layers}))
+    model = synthetic_decoder(TINY, 0, CUDA, torch.bfloat16)
+    prompt = torch.randint(0, 2000, (2, 3000), device=CUDA)
+    runs = []
+    for graph in (False, True):
+        kv = CLO(dense_layers=1, profile=str(profile), layer_time_ms=0.1, link_gb_s=1e-3)
+        kv.allocate(KVSpec(4, 2, 3040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA, enabled=not graph))
+        runs.append(generate(model, kv, prompt, 24, decode_mode="graph" if graph else "eager").tokens)
+    assert torch.equal(runs[0], runs[1])
+    st = kv.stores[1]
+    assert st.nc == 1 and st.persist is not None and st.persist.shape[1] == 1
+    qp = torch.randn(2, 8, 64, device=CUDA, dtype=torch.bfloat16)
+    got = kv._attend(1, qp).float()
+    want = st.attend(qp, kv.win_len, st.select_persistent(qp, kv.retriever, 1)).float()
+    assert not got.isnan().any() and (got - want).norm() / want.norm() < 1e-3
