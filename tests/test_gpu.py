@@ -150,7 +150,8 @@ def test_clo_side_stream_reads_its_own_query():
     assert steps[0].hits == 0 and all(s.lookups > 0 and s.hits == s.lookups for s in steps[1:])
 
 
-def test_clo_persistent_heads_overlapped_attention(tmp_path):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_clo_persistent_heads_overlapped_attention(tmp_path, overlap):
     """With a persistent and a cached KV head per layer (a profile that makes one head hard, a link too slow to
     prefetch it), decode's overlapped attention (the cached head's part on its own stream while the persistent
     head's top-k is selected, then one merge) equals one launch over every head, and graph replay gives the
@@ -169,8 +170,11 @@ def test_clo_persistent_heads_overlapped_attention(tmp_path):
     for graph in (False, True):
         kv = CLO(dense_layers=1, profile=str(profile), layer_time_ms=0.1, link_gb_s=1e-3)
         kv.allocate(KVSpec(4, 2, 3040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA, enabled=not graph))
+        if not overlap:
+            kv.attn_stream = None  # every head in one launch after the top-k
         runs.append(generate(model, kv, prompt, 24, decode_mode="graph" if graph else "eager").tokens)
-    assert torch.equal(runs[0], runs[1])
+    differ = (runs[0] != runs[1]).any(0).nonzero()
+    assert torch.equal(runs[0], runs[1]), f"first differing step {differ[0].item() if len(differ) else None}"
     st = kv.stores[1]
     assert st.nc == 1 and st.persist is not None and st.persist.shape[1] == 1
     qp = torch.randn(2, 8, 64, device=CUDA, dtype=torch.bfloat16)
