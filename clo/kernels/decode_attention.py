@@ -10,8 +10,9 @@ many programs, then merge the partial softmaxes).
 `decode_attention_ref` is the specification (plain torch, runs anywhere); `decode_attention` picks the Triton
 kernel on CUDA and the reference elsewhere. With return_lse, each also returns the log-sum-exp of the scores
 [B, H] (fp32), so that attention over several buffers can be computed per buffer and merged exactly
-(`merge_attention`). `hybrid_attention` is CLO's: its window and its selected rows, each read where it lies, in
-one split launch and one merge.
+(`merge_attention`). `hybrid_attention` is CLO's: its window, its cache slots and its persistent heads' rows at
+their top-k indices, each read where it lies, in one split launch and one merge. `SplitAttention` launches the
+split per range of KV heads, so that parts can run on different streams before the one merge.
 """
 from __future__ import annotations
 
@@ -195,8 +196,8 @@ class SplitAttention:
         q, k, v, lengths = self.first
         k2, v2, lengths2 = self.second
         b, _, d = q.shape
-        assert 0 <= h0 < h1 <= self.hkv and (indexed is not None) == (h1 > self.nc), \
-            "the indexed heads' rows need their indices"
+        assert 0 <= h0 < h1 <= self.hkv, (h0, h1)
+        assert (indexed is not None) == (h1 > self.nc), "indices exactly when the range holds indexed heads"
         pk, pv, idx = indexed if indexed is not None else (k, v, lengths.view(b, 1, -1))
         if indexed is not None:
             assert idx.shape == (b, self.hkv - self.nc, k2.shape[1]) and idx.stride(2) == 1, \
@@ -208,10 +209,10 @@ class SplitAttention:
             1.0 / math.sqrt(d), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
             v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2), v2.stride(0), v2.stride(1),
             v2.stride(2), pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
-            idx.stride(0), idx.stride(1), HKV=self.hkv, G=self.g, G_PAD=max(16, triton.next_power_of_2(self.g)),
+            idx.stride(0), idx.stride(1), HKV=self.hkv, G=self.g,
+            G_PAD=max(16, triton.next_power_of_2(self.g)),  # tl.dot needs at least 16 rows; G of them are stored
             D=d, SPLITS=self.splits, SPLIT_LEN=self.split_len, SPLITS1=self.splits1, SPLIT_LEN2=self.split_len2,
             TWO=self.two, INDIRECT=indexed is not None, BLOCK_N=self.block_n, num_warps=self.num_warps)
-        # tl.dot needs at least 16 rows (G_PAD); only the G real ones are stored
 
     def merge(self) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, d = self.out.shape

@@ -8,8 +8,7 @@
 
 The kernel reads the host rows through their pointer (UVA: a pinned allocation is mapped into the device's
 address space), so there is no CPU gather, no staging buffer and no host sync; the grid depends only on
-shapes, so it can be captured in a CUDA graph. Hit heads are skipped before touching the link. The same
-kernel gathers from device memory (a layer's persistent heads, clo/layout.py), there uncapped.
+shapes, so it can be captured in a CUDA graph. Hit heads are skipped before touching the link.
 `uva_gather_ref` (= `TransferEngine.fill` on the CPU) is the specification.
 """
 from __future__ import annotations
