@@ -114,12 +114,15 @@ class CLO(KVOffloadSystem):
         self.dense_kv: list[torch.Tensor | None] = [None] * spec.num_layers
         self.trace: list[tuple[int, torch.Tensor]] | None = None  # (layer, miss mask) when tracing
         cuda = spec.device.type == "cuda"
+        # one layer ahead: lookups and retrieval on `side`, the gathers on `copy`, so that the link moves one
+        # layer's rows while the side stream already selects the next layer's
         self.side = torch.cuda.Stream(spec.device) if cuda and self.wants_speculative_query else None
+        self.copy = torch.cuda.Stream(spec.device) if self.side is not None else None
         # the cached heads' attention runs here while the compute stream selects the persistent heads' rows
         self.attn_stream = torch.cuda.Stream(spec.device) if cuda else None
         self.ready = [torch.cuda.Event() if self.side is not None else None for _ in range(spec.num_layers)]
         self.pending = [False] * spec.num_layers
-        self.side_inputs: list[torch.Tensor | None] = [None] * spec.num_layers
+        self.side_inputs: list[tuple | None] = [None] * spec.num_layers
         # a step's window row and attended lengths, set once per step by begin_step (outside any graph) rather
         # than computed from the position in every layer: tiny kernels on the critical path otherwise
         self.win_at = torch.zeros(1, dtype=torch.long, device=spec.device)
@@ -156,8 +159,9 @@ class CLO(KVOffloadSystem):
             self.win_len.fill_(st.window_slot(self.length) + 1)
 
     def prepare(self, layer: int, q_spec: torch.Tensor) -> None:
-        """One layer ahead: lookup, retrieval and transfers for `layer` start on the side stream, behind
-        the speculative query, and overlap the current layer's attention and MLP."""
+        """One layer ahead: lookup and retrieval for `layer` start on the side stream, behind the speculative
+        query, and its transfers on the copy stream behind them; both overlap the current layer's attention and
+        MLP, and the copy stream's transfers overlap the side stream's work for the next layer."""
         if self.stores[layer] is None:
             return
         if self.side is None:
@@ -165,29 +169,45 @@ class CLO(KVOffloadSystem):
             return
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side), self.timer.paused():
-            self._refresh(layer, self.stores[layer].permute_q(q_spec))
-            self.ready[layer].record(self.side)
+            selected = self._select(layer, self.stores[layer].permute_q(q_spec))
+        self.copy.wait_stream(self.side)
+        with torch.cuda.stream(self.copy), self.timer.paused():
+            self._move(layer, selected)
+            self.ready[layer].record(self.copy)
         self.pending[layer] = True
-        # q_spec was allocated on the compute stream and is read on the side stream: freed now, its memory
-        # could be handed to the compute stream's next kernel while the side stream still reads it (the
-        # lookups then see another tensor's bytes). Held until decode has joined the side stream.
-        self.side_inputs[layer] = q_spec
+        # q_spec was allocated on the compute stream and is read on the side stream, the selection on the side
+        # stream and read on the copy stream: freed now, their memory could be handed to their stream's next
+        # kernel while the other stream still reads it (the lookups then see another tensor's bytes). Held
+        # until decode has joined the copy stream.
+        self.side_inputs[layer] = (q_spec, selected)
 
     def _refresh(self, layer: int, qp: torch.Tensor) -> None:
         """Lookup with qp (permuted head order); for missed heads, new top-k with qp and their rows moved
-        into their slots."""
+        into their slots (all on the current stream)."""
+        self._move(layer, self._select(layer, qp))
+
+    def _select(self, layer: int, qp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(miss [B, nc], idx [B, nc, k]): which cached heads missed qp (labels updated), and every cached
+        head's top-k for qp; None for a store with no cached rows."""
         st = self.stores[layer]
         if not st.nc or not st.k:
-            return
+            return None
         qc = qp.view(qp.shape[0], -1, st.group, qp.shape[-1])[:, : st.nc]
         with self.phase("cache_mgmt"):
             miss = lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
                                      self.cfg["gqa_aggregation"])
         with self.phase("retrieval"):
             idx = st.retrieve(self.retriever, layer, qp, st.cached)
+        return miss, idx
+
+    def _move(self, layer: int, selected: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The missed heads' rows into their slots, and the bookkeeping of what moved."""
+        if selected is None:
+            return
+        st, (miss, idx) = self.stores[layer], selected
         with self.phase("transfer_exposed"):
             self.transfer.fill(st.host, st.cached, idx, miss, st.slots)
-        # two kernels of bookkeeping: on the side stream they come after the gather, so the layer waits for them
+        # two kernels of bookkeeping: they come after the gather, so the layer waits for them
         torch.where(miss[..., None], idx, st.slot_idx, out=st.slot_idx)
         st.misses += miss  # end_step makes hits and moved bytes of it
         if self.trace is not None:
@@ -208,7 +228,7 @@ class CLO(KVOffloadSystem):
             with self.phase("transfer_exposed"):  # the stall behind the side stream is all that is exposed
                 torch.cuda.current_stream().wait_event(self.ready[layer])
             self.pending[layer] = False
-            self.side_inputs[layer] = None  # later reuse of its memory is ordered after the side stream
+            self.side_inputs[layer] = None  # later reuse of their memory is ordered after the copy stream
         elif not self.wants_speculative_query or layer == 0:
             self._refresh(layer, qp)
         return st.unpermute_out(self._attend(layer, qp))
