@@ -10,8 +10,9 @@ hit' only the prefetch heads' (they are refreshed every step by design). The par
   lookup       fused lookup + label update          retrieval  hash scores + top-k of the cached heads
   transfer     UVA gather of the missed rows        persistent top-k of the persistent heads (read in place)
   attention    hybrid attention over window + selected rows
-  side         lookup + retrieval + transfer, as one-layer-ahead prefetch runs it on its own stream
-  layer        side stream overlapped with dense + persistent + attention, as a decode step runs them
+  side         lookup + retrieval + transfer, one after the other on one stream (the one-layer-ahead work)
+  layer        that work on CLO's side and copy streams, overlapped with persistent + attention + dense, as a
+               decode step runs them
 
     python -m experiments.bench_clo_layer --out results/bench/clo_layer.json [--seqlen 131072] [--layer 5]
 """
@@ -101,14 +102,16 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         clo._attend(layer, qp)  # a step's order: this layer's top-k of the persistent heads and attention, then
         dense_step()  # the dense work
 
-    side = torch.cuda.Stream(DEV)
-
-    def layer_work():
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            clo._refresh(layer, qp)
+    def layer_work():  # the streams of CLO.prepare: lookups and retrieval on side, the gather on copy behind them
+        compute = torch.cuda.current_stream()
+        clo.side.wait_stream(compute)
+        with torch.cuda.stream(clo.side):
+            selected = clo._select(layer, qp)
+        clo.copy.wait_stream(clo.side)
+        with torch.cuda.stream(clo.copy):
+            clo._move(layer, selected)
         main_work()
-        torch.cuda.current_stream().wait_stream(side)
+        compute.wait_stream(clo.copy)
 
     def timed(fn):
         return round(replay_ms(fn, reps=10) * 1e3, 1)
