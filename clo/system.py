@@ -225,7 +225,7 @@ class CLO(KVOffloadSystem):
         st.append(new, self.win_at)
         qp = st.permute_q(q)
         if self.pending[layer]:
-            with self.phase("transfer_exposed"):  # the stall behind the side stream is all that is exposed
+            with self.phase("transfer_exposed"):  # the stall behind the copy stream is all that is exposed
                 torch.cuda.current_stream().wait_event(self.ready[layer])
             self.pending[layer] = False
             self.side_inputs[layer] = None  # later reuse of their memory is ordered after the copy stream

@@ -103,6 +103,8 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         dense_step()  # the dense work
 
     def layer_work():  # the streams of CLO.prepare: lookups and retrieval on side, the gather on copy behind them
+        # (here the gather refills the slots this same layer's attention reads: a race in the values, harmless to
+        # the timing, which is all this measures; in decode the gather fills the next layer's slots)
         compute = torch.cuda.current_stream()
         clo.side.wait_stream(compute)
         with torch.cuda.stream(clo.side):

@@ -55,7 +55,7 @@ def main() -> None:
         scores = hash_scores_triton(codes, norms, qcodes, rbit, heads)[0]  # [h, T]: one row per head
         for block in (2048, 4096, 8192, 16384):
             for warps in (4, 8, 16):
-                timed("radix_topk", h, h * t * 4 * 4 + h * k * 8,
+                timed("radix_topk", h, h * t * 4 * 5 + h * k * 8,  # five reads of the scores, the indices written
                       lambda: radix_topk(scores, k, block=block, num_warps=warps), block=block, num_warps=warps)
     write_json_atomic(args.out, {"bench": "tune_retrieval_kernels", "seqlen": t, "k": k, "rbit": rbit,
                                  "weights": "random codes, norms, projections and queries (timing only)",

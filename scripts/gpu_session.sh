@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements, in stages, for a session with little device time:
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
-# Stages: pytest_gpu (~2.5 min) bench_clo tune bench_clo_layer (~1.5 min together) clo_graph (SEQLENS=32k,128k)
+# Stages: pytest_gpu (~2.5 min) pytest_clo_gpu (its CLO tests alone, ~1 min) bench_clo tune bench_clo_layer (~1.5 min together) clo_graph (SEQLENS=32k,128k)
 # fig2 (~3.5 min) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
 # It installs the carried wheels (hardware.md), runs the GPU tests, the kernel benchmarks and the system runs,

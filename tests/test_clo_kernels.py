@@ -148,7 +148,7 @@ def check_radix_topk(device, r, t, k, kind, block):
               # consecutive floats above 1: the keys differ in their low bits only, so the last pass decides
               "ulps": lambda: 1.0 + torch.stack([torch.randperm(t, generator=gen) for _ in range(r)]).float() * 2**-23,
               }[kind]()
-    got = radix_topk(scores.to(device), k, offset=5, block=block).cpu() - 5
+    got = radix_topk(scores.to(device), k, offset=5, **({"block": block} if block else {})).cpu() - 5
     assert got.shape == (r, k)
     for row, idx in enumerate(got):
         assert idx.unique().numel() == k and 0 <= idx.min() and idx.max() < t  # k distinct positions
@@ -168,12 +168,13 @@ def test_radix_topk_interpreted(r, t, k, kind):
 @pytest.mark.parametrize("r,t,k,kind", [(8, 131072, 13028, "randn"), (6, 131072, 13028, "ties"),
                                         (2, 5000, 5000, "negative"), (3, 70000, 1, "randn"),
                                         (2, 131072, 13028, "ulps")])
-def test_radix_topk_triton_matches_ref(r, t, k, kind):
+@pytest.mark.parametrize("block", [None, 4096])  # None: radix_topk's default (2048 keys, 4 warps)
+def test_radix_topk_triton_matches_ref(r, t, k, kind, block):
     pytest.importorskip("triton")
-    check_radix_topk("cuda", r, t, k, kind, block=4096)
+    check_radix_topk("cuda", r, t, k, kind, block=block)
 
 
-def check_encode_query(device, b, hkv, g_, d, rbit, dtype):
+def check_encode_query(device, b, hkv, g_, d, rbit, dtype, chunk=None):
     """The kernel's codes are HashRetriever.encode's, except for signs of projections within float rounding
     of zero (the kernel sums in another order)."""
     from clo.kernels.hash_score import encode_query_triton
@@ -182,7 +183,7 @@ def check_encode_query(device, b, hkv, g_, d, rbit, dtype):
     gen = torch.Generator().manual_seed(b * hkv + g_)
     q = torch.randn(b, hkv * g_, d, generator=gen).to(dtype)
     heads = torch.randperm(hkv, generator=gen)[: max(1, hkv - 1)]
-    got = encode_query_triton(q.to(device), hr.proj[1], heads.to(device), g_).cpu()
+    got = encode_query_triton(q.to(device), hr.proj[1], heads.to(device), g_, chunk).cpu()
     want = hr.encode(1, q.to(device).view(b, hkv, g_, d))[:, heads.to(device)].cpu()
     assert got.shape == want.shape == (b, len(heads), g_, rbit // 8)
     proj = torch.einsum("bkgd,kdr->bkgr", q.double().view(b, hkv, g_, d), hr.proj[1].cpu().double())[:, heads]
@@ -192,10 +193,11 @@ def check_encode_query(device, b, hkv, g_, d, rbit, dtype):
 
 
 @interpreter
-@pytest.mark.parametrize("g_,d,rbit", [(4, 16, 64), (3, 32, 96)])
-def test_encode_query_interpreted(g_, d, rbit):
+@pytest.mark.parametrize("g_,d,rbit,chunk", [(4, 16, 64, None), (3, 32, 96, None), (4, 32, 64, 8)])
+def test_encode_query_interpreted(g_, d, rbit, chunk):
+    """chunk 8 < head_dim: the loop over head_dim in steps (the default takes it in one step)."""
     pytest.importorskip("triton")
-    check_encode_query("cpu", 2, 3, g_, d, rbit, torch.bfloat16)
+    check_encode_query("cpu", 2, 3, g_, d, rbit, torch.bfloat16, chunk)
 
 
 @pytest.mark.gpu

@@ -104,6 +104,21 @@ def test_statistics_and_memory_match_an_independent_count():
     assert clo.estimate_memory(spec()).host_bytes >= held.host_bytes
 
 
+def test_memory_counts_a_persistent_head_once(tmp_path):
+    """A persistent head keeps its full KV on the device, counted under 'persistent', and has no slots; the
+    held bytes are still the sum of the store's tensors."""
+    import json
+
+    profile = tmp_path / "first_head_hard.json"
+    profile.write_text(json.dumps({"s_hat": [[-1.0] + [1.0] * (HKV - 1)] * L}))
+    clo = make(persistent=True, profile=str(profile), layer_time_ms=0.1, link_gb_s=1e-3)
+    feed([clo], steps=1)
+    assert all(st.nc == HKV - 1 and st.slots.shape[1] == st.nc and st.persist.shape[1] == 1 for st in clo.stores)
+    assert clo.memory_parts()["persistent"] == sum(st.persist.nbytes for st in clo.stores) == L * B * T0 * 2 * D * 4
+    tensors = [t for st in clo.stores for t in (st.slots, st.slot_idx, st.labels, st.valid, st.window, st.persist)]
+    assert clo.memory_held().device_bytes == sum(t.nbytes for t in tensors) + sum(k.nbytes for k in clo.retriever.keys)
+
+
 def test_a_hit_keeps_slot_and_label():
     clo = make(threshold_override=-2.0)  # every lookup after the first fill hits
     g = torch.Generator().manual_seed(3)

@@ -109,7 +109,8 @@ def test_hybrid_attention_reference(n_indexed):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
 @pytest.mark.parametrize("caps, lens", [((40, 300), ([40, 7], [300, 123])),
-                                        # 3 + 47 splits: the merge takes them in two chunks; one empty buffer
+                                        # 3 + 47 splits: the merge takes them in two chunks; a sequence with no
+                                        # rows in the first buffer
                                         ((150, 3000), ([0, 150], [3000, 1]))])
 def test_hybrid_attention_interpreted(caps, lens):
     pytest.importorskip("triton")
@@ -120,9 +121,11 @@ def test_hybrid_attention_interpreted(caps, lens):
     bufs = [torch.randn(2, 2, cap, 2, 16, generator=gen) for cap in caps]
     lens = [torch.tensor(n) for n in lens]
     views = [(x[:, :, :, 0].transpose(1, 2), x[:, :, :, 1].transpose(1, 2), n) for x, n in zip(bufs, lens)]
-    got = da.decode_attention_triton(q, *views[0], second=views[1])
-    want = da.merge_attention([da.decode_attention_ref(q, *v, return_lse=True) for v in views])
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    got, got_lse = da.decode_attention_triton(q, *views[0], second=views[1], return_lse=True)
+    parts = [da.decode_attention_ref(q, *v, return_lse=True) for v in views]
+    torch.testing.assert_close(got, da.merge_attention(parts), atol=1e-4, rtol=1e-4)
+    lse = torch.stack([p[1] for p in parts]).logsumexp(0)  # log-sum-exp over both buffers' scores
+    torch.testing.assert_close(got_lse, lse, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

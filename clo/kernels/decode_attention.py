@@ -162,7 +162,8 @@ def _splits(batch_kv_heads: int, capacity: int, block_n: int) -> tuple[int, int]
 class SplitAttention:
     """decode_attention_triton in parts: split(h0, h1) launches the split kernel for KV heads h0..h1-1, merge()
     combines every head's splits. Parts may run on different streams (CLO: the cached heads' part while the
-    persistent heads' top-k is still being selected), ordered before merge() by the caller.
+    persistent heads' top-k is still being selected), ordered before merge() by the caller, who also keeps the
+    inputs and this object alive until every part has run.
 
     `second` = (k2, v2, lengths2): attention over the union of both buffers. indexed_heads > 0: the last
     indexed_heads KV heads take their second-buffer rows from pk/pv at idx (split's `indexed`, hybrid_attention's
@@ -179,6 +180,7 @@ class SplitAttention:
         assert q.stride(2) == k.stride(3) == v.stride(3) == k2.stride(3) == v2.stride(3) == 1, \
             "head_dim must be the contiguous dimension"
         assert k2.shape[0] == b and k2.shape[2] == self.nc and k2.dtype == k.dtype
+        assert b and k.shape[1] and k2.shape[1], "no sequence, or a buffer with no rows (hybrid_attention skips it)"
         check_offsets(k, v, k2, v2)
         # the kernel reads lengths[b] at offset b: no broadcast (stride 0) views
         self.first, self.second = (q, k, v, lengths.contiguous()), (k2, v2, lengths2.contiguous())
@@ -202,7 +204,8 @@ class SplitAttention:
         if indexed is not None:
             assert idx.shape == (b, self.hkv - self.nc, k2.shape[1]) and idx.stride(2) == 1, \
                 "one index per second-buffer row"
-            assert pk.stride(3) == pv.stride(3) == 1 and pk.dtype == k.dtype
+            assert pk.shape[0] == b and pk.shape[2:] == pv.shape[2:] == (self.hkv - self.nc, d)
+            assert pk.stride(3) == pv.stride(3) == 1 and pk.dtype == pv.dtype == k.dtype
             check_offsets(pk, pv)
         _split_kernel[(b * (h1 - h0), self.splits)](
             q, k, v, lengths, k2, v2, lengths2, pk, pv, idx, self.nc, h0, h1 - h0, self.part, self.m, self.l_,

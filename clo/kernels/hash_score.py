@@ -113,6 +113,7 @@ def encode_query_triton(q: torch.Tensor, proj: torch.Tensor, heads: torch.Tensor
     # head_dim per step: the whole of it in one step when the group is small (2.6 us at Llama-3 shape on the
     # H200, 6.4 in steps of 16: results/bench/retrieval_tuning.json), capped so the products fit in registers
     chunk = chunk or min(d, max(16, 512 // g_pad))
+    assert chunk & (chunk - 1) == 0, f"chunk={chunk}: a power of two"
     if b and h:
         _encode_query_kernel[(b * h, rbit // 32)](
             q, proj, heads.contiguous(), out, q.stride(0), q.stride(1), proj.stride(0), proj.stride(1),
