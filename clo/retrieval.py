@@ -115,8 +115,8 @@ def select_topk(scores: torch.Tensor, k: int, offset: int, ascending: bool = Tru
                 method: str = "radix") -> torch.Tensor:
     """scores [B, Hkv, T] over candidates starting at token `offset` -> absolute indices [B, Hkv, k], ascending
     unless `ascending=False`: attention and the gathers do not need the order, and at 128K sorting the
-    indices costs more than the top-k itself (96 us per layer on the H200; torch.topk 63 us, the radix select
-    of clo/kernels/radix_topk.py that CUDA uses 40 us; bench_clo_layer). torch.topk elsewhere, or everywhere
+    indices costs more than the top-k itself (96 us per layer on the H200; torch.topk 65 us, the radix select
+    of clo/kernels/radix_topk.py that CUDA uses 31 us; results/bench/clo_layer.json). torch.topk elsewhere, or everywhere
     with method="torch" (one launch instead of six: possibly cheaper where the step is launched eagerly)."""
     from clo.kernels.radix_topk import topk_indices, topk_ref
 

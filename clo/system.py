@@ -155,8 +155,9 @@ class CLO(KVOffloadSystem):
         self.dense_len.fill_(self.length + 1)
         st = next((s for s in self.stores if s is not None), None)  # every store has the same prompt split
         if st is not None:
-            self.win_at.fill_(st.window_slot(self.length))
-            self.win_len.fill_(st.window_slot(self.length) + 1)
+            at = st.window_slot(self.length)
+            self.win_at.fill_(at)
+            self.win_len.fill_(at + 1)
 
     def prepare(self, layer: int, q_spec: torch.Tensor) -> None:
         """One layer ahead: lookup and retrieval for `layer` start on the side stream, behind the speculative

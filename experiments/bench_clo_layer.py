@@ -210,7 +210,7 @@ def main() -> None:
     # the step's own floor for this layer: HBM (weights + metadata + attended rows) vs the link (moved rows)
     hbm_floor = fl["dense_floor_us"] + fl["retrieval_floor_us"] + fl["attention_floor_us"]
     for parts in (us, *us["variants"].values()):
-        for case in ("all_miss", "all_hit"):
+        for case in CASES:
             own = max(hbm_floor, fl["transfer_floor_us"] if case == "all_miss" else fl["transfer_floor_all_hit_us"])
             parts[f"layer_{case}_over_floor"] = round(parts[f"layer_{case}"] / own, 2)
     print("\n".join(f"{k:>24} {v}" for k, v in {**us, **fl}.items() if k != "variants" and not k.startswith("timeline")))

@@ -70,6 +70,13 @@ def test_topk_100_percent_equals_fullattn():
             torch.testing.assert_close(a[s][layer], b[s][layer], atol=1e-5, rtol=1e-4)
 
 
+def device_bytes_held(clo: CLO) -> int:
+    """An independent count: the bytes of every device tensor the stores and the retriever hold."""
+    tensors = [t for st in clo.stores for t in (st.slots, st.slot_idx, st.labels, st.valid, st.window, st.persist)
+               if t is not None]
+    return sum(t.nbytes for t in tensors) + sum(k.nbytes for k in clo.retriever.keys)
+
+
 def test_statistics_and_memory_match_an_independent_count():
     clo = make(threshold_override=None, eta=0.3, adaptive_threshold=False)
     clo.trace = []
@@ -97,9 +104,7 @@ def test_statistics_and_memory_match_an_independent_count():
         total_hits += stats.hits
     assert 0 < total_hits < STEPS * L * B * HKV  # the trace really mixes hits and misses
     held = clo.memory_held()
-    tensors = [t for st in clo.stores for t in (st.slots, st.slot_idx, st.labels, st.valid, st.window, st.persist)
-               if t is not None]
-    assert held.device_bytes == sum(t.nbytes for t in tensors) + sum(k.nbytes for k in clo.retriever.keys)
+    assert held.device_bytes == device_bytes_held(clo)
     assert held.host_bytes == sum(st.host.nbytes for st in clo.stores) == L * B * HKV * T0 * 2 * D * 4
     assert clo.estimate_memory(spec()).host_bytes >= held.host_bytes
 
@@ -115,8 +120,7 @@ def test_memory_counts_a_persistent_head_once(tmp_path):
     feed([clo], steps=1)
     assert all(st.nc == HKV - 1 and st.slots.shape[1] == st.nc and st.persist.shape[1] == 1 for st in clo.stores)
     assert clo.memory_parts()["persistent"] == sum(st.persist.nbytes for st in clo.stores) == L * B * T0 * 2 * D * 4
-    tensors = [t for st in clo.stores for t in (st.slots, st.slot_idx, st.labels, st.valid, st.window, st.persist)]
-    assert clo.memory_held().device_bytes == sum(t.nbytes for t in tensors) + sum(k.nbytes for k in clo.retriever.keys)
+    assert clo.memory_held().device_bytes == device_bytes_held(clo)
 
 
 def test_a_hit_keeps_slot_and_label():

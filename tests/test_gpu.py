@@ -171,7 +171,7 @@ def test_clo_persistent_heads_overlapped_attention(tmp_path, overlap):
         # torch.topk: the radix select returns its indices in an order that varies from run to run (blocks
         # claim output places by atomics), and attention sums the rows in that order; the bf16 rounding of
         # the sums then differs, and greedy tokens of a random model follow (graph and eager differed at
-        # step 4 of 24 with it; bench results/history/.../README)
+        # step 4 of 24 with it: results/history/6b386b6_radix_order/)
         kv = CLO(dense_layers=1, profile=str(profile), layer_time_ms=0.1, link_gb_s=1e-3, topk="torch")
         kv.allocate(KVSpec(4, 2, 3040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA, enabled=not graph))
         if not overlap:
