@@ -52,6 +52,7 @@ class LayerStore:
         self.inverse = self.order.argsort()
         self.cached = torch.arange(self.nc, device=dev)  # head ids in the permuted order
         self.persistent = torch.arange(self.nc, hkv, device=dev)
+        self.every_head = torch.arange(hkv, device=dev)
         kv = kv[:, self.order]
         try:
             self.host = torch.empty(kv.shape, dtype=dtype, pin_memory=dev.type == "cuda")

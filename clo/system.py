@@ -25,6 +25,11 @@ from clo.policy.thresholds import AGGREGATIONS, load_importance, thresholds
 from clo.retrieval import RETRIEVERS, check_topk_method, make_retriever
 from clo.transfer import TransferEngine
 
+# which query selects a persistent head's top-k rows: the layer's real query, on the critical path (spec 2.3:
+# persistent heads "run top-k there"), or the speculative one, one layer ahead with the other heads' selection
+# (as the prefetch heads select theirs); attention always uses the real query
+PERSIST_QUERIES = ("real", "speculative")
+
 
 class CLO(KVOffloadSystem):
     name = "clo"
@@ -35,7 +40,8 @@ class CLO(KVOffloadSystem):
                  threshold_override: float | None = None, importance: str = "uniform", profile: str = "none",
                  epsilon: float = 0.1, persistent: bool = True, speculative: bool = True,
                  layer_time_ms: float | None = None, link_gb_s: float | None = None, transfer: str = "uva",
-                 cpu_threads: int = 4, uva_programs: int | None = 32, topk: str = "radix") -> None:
+                 cpu_threads: int = 4, uva_programs: int | None = 32, topk: str = "radix",
+                 persist_query: str = "real") -> None:
         super().__init__()
         check_budget(topk_ratio, sink, recent, dense_layers)
         if not -1.0 < eta <= 1.0:
@@ -45,13 +51,17 @@ class CLO(KVOffloadSystem):
         if retriever not in RETRIEVERS:
             raise ConfigError(f"retriever={retriever!r}; valid: {', '.join(RETRIEVERS)}")
         check_topk_method(topk)
+        if persist_query not in PERSIST_QUERIES:
+            raise ConfigError(f"persist_query={persist_query!r}; valid: {', '.join(PERSIST_QUERIES)}")
+        if persist_query == "speculative" and persistent and not speculative:
+            raise ConfigError("persist_query=speculative selects one layer ahead: it needs speculative=true")
         self.cfg = dict(topk_ratio=topk_ratio, sink=sink, recent=recent, dense_layers=dense_layers,
                         retriever=retriever, rbit=rbit, seed=seed, eta=eta, n=n,
                         adaptive_threshold=adaptive_threshold, gqa_aggregation=gqa_aggregation,
                         threshold_override=threshold_override, importance=importance, profile=profile,
                         epsilon=epsilon, persistent=persistent, speculative=speculative,
                         layer_time_ms=layer_time_ms, link_gb_s=link_gb_s, transfer=transfer,
-                        cpu_threads=cpu_threads, uva_programs=uva_programs, topk=topk)
+                        cpu_threads=cpu_threads, uva_programs=uva_programs, topk=topk, persist_query=persist_query)
         self.wants_speculative_query = speculative
         self.supports_cuda_graph = transfer == "uva"  # the CPU-gather path syncs with the host by design
         self.transfer_kind, self.cpu_threads, self.uva_programs = transfer, cpu_threads, uva_programs
@@ -123,6 +133,7 @@ class CLO(KVOffloadSystem):
         self.ready = [torch.cuda.Event() if self.side is not None else None for _ in range(spec.num_layers)]
         self.pending = [False] * spec.num_layers
         self.side_inputs: list[tuple | None] = [None] * spec.num_layers
+        self.persist_sel: list[torch.Tensor | None] = [None] * spec.num_layers  # persist_query=speculative's
         # a step's window row and attended lengths, set once per step by begin_step (outside any graph) rather
         # than computed from the position in every layer: tiny kernels on the critical path otherwise
         self.win_at = torch.zeros(1, dtype=torch.long, device=spec.device)
@@ -166,7 +177,7 @@ class CLO(KVOffloadSystem):
         if self.stores[layer] is None:
             return
         if self.side is None:
-            self._refresh(layer, self.stores[layer].permute_q(q_spec))
+            self.persist_sel[layer] = self._refresh(layer, self.stores[layer].permute_q(q_spec))
             return
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side), self.timer.paused():
@@ -176,36 +187,43 @@ class CLO(KVOffloadSystem):
             self._move(layer, selected)
             self.ready[layer].record(self.copy)
         self.pending[layer] = True
+        self.persist_sel[layer] = selected[2] if selected is not None else None
         # q_spec was allocated on the compute stream and is read on the side stream, the selection on the side
         # stream and read on the copy stream: freed now, their memory could be handed to their stream's next
         # kernel while the other stream still reads it (the lookups then see another tensor's bytes). Held
         # until decode has joined the copy stream.
         self.side_inputs[layer] = (q_spec, selected)
 
-    def _refresh(self, layer: int, qp: torch.Tensor) -> None:
+    def _refresh(self, layer: int, qp: torch.Tensor) -> torch.Tensor | None:
         """Lookup with qp (permuted head order); for missed heads, new top-k with qp and their rows moved
-        into their slots (all on the current stream)."""
-        self._move(layer, self._select(layer, qp))
+        into their slots (all on the current stream). Returns _select's persistent selection."""
+        selected = self._select(layer, qp)
+        self._move(layer, selected)
+        return selected[2] if selected is not None else None
 
-    def _select(self, layer: int, qp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(miss [B, nc], idx [B, nc, k]): which cached heads missed qp (labels updated), and every cached
-        head's top-k for qp; None for a store with no cached rows."""
+    def _select(self, layer: int, qp: torch.Tensor) -> tuple | None:
+        """(miss [B, nc], idx [B, nc, k], persist_idx [B, Hp, k] or None): which cached heads missed qp (labels
+        updated) and every cached head's top-k for qp; with persist_query=speculative also the persistent heads'
+        top-k, scored and selected in the same launches. None when there is nothing to select."""
         st = self.stores[layer]
-        if not st.nc or not st.k:
+        with_persist = self.cfg["persist_query"] == "speculative" and st.persist is not None
+        if not st.k or not (st.nc or with_persist):
             return None
-        qc = qp.view(qp.shape[0], -1, st.group, qp.shape[-1])[:, : st.nc]
-        with self.phase("cache_mgmt"):
-            miss = lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
-                                     self.cfg["gqa_aggregation"])
+        miss = None
+        if st.nc:
+            qc = qp.view(qp.shape[0], -1, st.group, qp.shape[-1])[:, : st.nc]
+            with self.phase("cache_mgmt"):
+                miss = lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
+                                         self.cfg["gqa_aggregation"])
         with self.phase("retrieval"):
-            idx = st.retrieve(self.retriever, layer, qp, st.cached)
-        return miss, idx
+            idx = st.retrieve(self.retriever, layer, qp, st.every_head if with_persist else st.cached)
+        return miss, idx[:, : st.nc], idx[:, st.nc:] if with_persist else None
 
-    def _move(self, layer: int, selected: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def _move(self, layer: int, selected: tuple | None) -> None:
         """The missed heads' rows into their slots, and the bookkeeping of what moved."""
-        if selected is None:
+        if selected is None or selected[0] is None:
             return
-        st, (miss, idx) = self.stores[layer], selected
+        st, (miss, idx, _) = self.stores[layer], selected
         with self.phase("transfer_exposed"):
             self.transfer.fill(st.host, st.cached, idx, miss, st.slots)
         # two kernels of bookkeeping: they come after the gather, so the layer waits for them
@@ -231,17 +249,20 @@ class CLO(KVOffloadSystem):
             self.pending[layer] = False
             self.side_inputs[layer] = None  # later reuse of their memory is ordered after the copy stream
         elif not self.wants_speculative_query or layer == 0:
-            self._refresh(layer, qp)
-        return st.unpermute_out(self._attend(layer, qp))
+            self.persist_sel[layer] = self._refresh(layer, qp)
+        persist_idx, self.persist_sel[layer] = self.persist_sel[layer], None
+        return st.unpermute_out(self._attend(layer, qp, persist_idx))
 
-    def _attend(self, layer: int, qp: torch.Tensor) -> torch.Tensor:
-        """The persistent heads' top-k for the real query, and hybrid attention over every head (permuted order).
-        On CUDA with both kinds of heads, the other heads' attention runs on attn_stream meanwhile: the top-k
-        is a chain of small kernels that leaves most of the GPU idle."""
+    def _attend(self, layer: int, qp: torch.Tensor, persist_idx: torch.Tensor | None) -> torch.Tensor:
+        """Hybrid attention over every head (permuted order), the persistent heads at persist_idx, or at their
+        top-k for the real query when it is None. On CUDA with both kinds of heads, the other heads' attention
+        runs on attn_stream while that top-k is selected: a chain of small kernels that leaves most of the GPU
+        idle."""
         st = self.stores[layer]
-        if self.attn_stream is None or st.persist is None or not st.nc or not st.k:
-            with self.phase("retrieval"):
-                persist_idx = st.select_persistent(qp, self.retriever, layer)
+        if persist_idx is not None or self.attn_stream is None or st.persist is None or not st.nc or not st.k:
+            if persist_idx is None:
+                with self.phase("retrieval"):
+                    persist_idx = st.select_persistent(qp, self.retriever, layer)
             with self.phase("attention"):
                 return st.attend(qp, self.win_len, persist_idx)
         from clo.kernels.decode_attention import SplitAttention

@@ -10,10 +10,11 @@ def topk_middle(qs: torch.Tensor, keys: torch.Tensor, sink: int, recent: int, k_
     return mid[(qs @ keys[mid].T).sum(0).topk(k_sel).indices]
 
 
-def exact_topk_attention(k0, v0, data, sink, recent, k_sel, dense_layers=0):
+def exact_topk_attention(k0, v0, data, sink, recent, k_sel, dense_layers=0, select=None):
     """Per step and layer, each KV head attends sink + recent + generated + its top-k middle tokens (layers
     below dense_layers: every token), recomputed from scratch. k0, v0 [L, B, Hkv, T0, D]; data[step][layer] =
-    (q [B, H, D], k_new, v_new [B, Hkv, D]). Returns out[step][layer] [B, H, D]."""
+    (q [B, H, D], k_new, v_new [B, Hkv, D]); select[step][layer] [B, H, D], when given, is the query that picks
+    the top-k (q still attends). Returns out[step][layer] [B, H, D]."""
     _, b_, hkv, t0, d = k0.shape
     out = []
     for step, inputs in enumerate(data):
@@ -26,8 +27,9 @@ def exact_topk_attention(k0, v0, data, sink, recent, k_sel, dense_layers=0):
             for b in range(b_):
                 for h in range(hkv):
                     keys, vals, qs = k0[layer, b, h], v0[layer, b, h], q[b, h * g:(h + 1) * g]
+                    q_sel = qs if select is None else select[step][layer][b, h * g:(h + 1) * g]
                     sel = torch.arange(t0) if layer < dense_layers else torch.cat(
-                        [torch.arange(sink), torch.arange(t0 - recent, t0), topk_middle(qs, keys, sink, recent, k_sel)])
+                        [torch.arange(sink), torch.arange(t0 - recent, t0), topk_middle(q_sel, keys, sink, recent, k_sel)])
                     kk, vv = torch.cat([keys[sel], gen_k[b, h]]), torch.cat([vals[sel], gen_v[b, h]])
                     res[b, h * g:(h + 1) * g] = torch.softmax(qs @ kk.T / math.sqrt(d), -1) @ vv
             row.append(res)

@@ -123,6 +123,51 @@ def test_memory_counts_a_persistent_head_once(tmp_path):
     assert clo.memory_held().device_bytes == device_bytes_held(clo)
 
 
+@pytest.mark.parametrize("persist_query", ["real", "speculative"])
+def test_persistent_heads_select_with_the_configured_query(tmp_path, persist_query):
+    """Head 0 persistent, head 1 cached (forced misses, exact retriever), queries given one layer ahead: the cached
+    head's top-k comes from the speculative query, the persistent head's from the real query or, with
+    persist_query=speculative, from the speculative one too. Layer 0 has no layer before it: the real query."""
+    import json
+
+    profile = tmp_path / "first_head_hard.json"
+    profile.write_text(json.dumps({"s_hat": [[-1.0] + [1.0] * (HKV - 1)] * L}))
+    # tau = 2 everywhere (every lookup misses); epsilon = -2 keeps head 1 easy under it (Eq. 11)
+    clo = make(persistent=True, speculative=True, persist_query=persist_query, threshold_override=2.0,
+               epsilon=-2.0, profile=str(profile), layer_time_ms=0.1, link_gb_s=1e-3)
+    g = torch.Generator().manual_seed(7)
+    k0, v0 = torch.randn(L, B, HKV, T0, D, generator=g), torch.randn(L, B, HKV, T0, D, generator=g)
+    for layer in range(L):
+        clo.prefill(layer, k0[layer], v0[layer])
+    clo.end_prefill(T0)
+    data, select, got = [], [], []
+    for _ in range(STEPS):
+        step = [(torch.randn(B, H, D, generator=g), torch.randn(B, HKV, D, generator=g),
+                 torch.randn(B, HKV, D, generator=g)) for _ in range(L)]
+        q_spec = [torch.randn(B, H, D, generator=g) for _ in range(L)]
+        sel = [step[0][0]]
+        for layer in range(1, L):
+            q_sel = q_spec[layer].clone()
+            if persist_query == "real":
+                q_sel[:, :G] = step[layer][0][:, :G]  # KV head 0's query group
+            sel.append(q_sel)
+        data.append(step)
+        select.append(sel)
+        clo.begin_step()
+        row = []
+        for layer in range(L):
+            if layer + 1 < L:
+                clo.prepare(layer + 1, q_spec[layer + 1])
+            row.append(clo.decode(layer, *step[layer]))
+        clo.end_step()
+        got.append(row)
+    assert all(st.persist is not None and st.nc == HKV - 1 for st in clo.stores)
+    want = exact_topk_attention(k0, v0, data, 4, 8, clo.stores[0].k, select=select)
+    for s in range(STEPS):
+        for layer in range(L):
+            torch.testing.assert_close(got[s][layer], want[s][layer], atol=1e-5, rtol=1e-4)
+
+
 def test_a_hit_keeps_slot_and_label():
     clo = make(threshold_override=-2.0)  # every lookup after the first fill hits
     g = torch.Generator().manual_seed(3)
@@ -154,7 +199,8 @@ def test_speculative_prepare_drives_the_lookup():
     (dict(topk_ratio=1.5), "top-k"), (dict(topk_ratio=0.0), "top-k"), (dict(eta=1.2), "eta"),
     (dict(eta=-1.0), "eta"), (dict(gqa_aggregation="max"), "gqa_aggregation"), (dict(retriever="lsh"), "retriever"),
     (dict(transfer="dma"), "transfer"), (dict(cpu_threads=0), "cpu_threads"), (dict(topk="heap"), "topk"),
-    (dict(uva_programs=0), "uva_programs"),
+    (dict(uva_programs=0), "uva_programs"), (dict(persist_query="next"), "persist_query"),
+    (dict(persist_query="speculative", speculative=False), "persist_query"),
 ])
 def test_bad_configuration(kw, match):
     with pytest.raises(ConfigError, match=match):
