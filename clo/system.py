@@ -179,13 +179,7 @@ class CLO(KVOffloadSystem):
         if self.side is None:
             self.persist_sel[layer] = self._refresh(layer, self.stores[layer].permute_q(q_spec))
             return
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side), self.timer.paused():
-            selected = self._select(layer, self.stores[layer].permute_q(q_spec))
-        self.copy.wait_stream(self.side)
-        with torch.cuda.stream(self.copy), self.timer.paused():
-            self._move(layer, selected)
-            self.ready[layer].record(self.copy)
+        selected = self._ahead(layer, q_spec)
         self.pending[layer] = True
         self.persist_sel[layer] = selected[2] if selected is not None else None
         # q_spec was allocated on the compute stream and is read on the side stream, the selection on the side
@@ -193,6 +187,18 @@ class CLO(KVOffloadSystem):
         # kernel while the other stream still reads it (the lookups then see another tensor's bytes). Held
         # until decode has joined the copy stream.
         self.side_inputs[layer] = (q_spec, selected)
+
+    def _ahead(self, layer: int, q_spec: torch.Tensor) -> tuple | None:
+        """_select on the side stream, behind the compute stream's work so far, and _move on the copy stream
+        behind it; ready[layer] marks the end. Returns the selection (its memory is the side stream's)."""
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side), self.timer.paused():
+            selected = self._select(layer, self.stores[layer].permute_q(q_spec))
+        self.copy.wait_stream(self.side)
+        with torch.cuda.stream(self.copy), self.timer.paused():
+            self._move(layer, selected)
+            self.ready[layer].record(self.copy)
+        return selected
 
     def _refresh(self, layer: int, qp: torch.Tensor) -> torch.Tensor | None:
         """Lookup with qp (permuted head order); for missed heads, new top-k with qp and their rows moved

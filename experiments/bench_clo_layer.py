@@ -31,19 +31,19 @@ from clo.kv.interface import KVSpec
 from clo.kv.timer import PhaseTimer
 from clo.model.decoder import Layer
 from clo.paths import ROOT, write_json_atomic
-from clo.system import CLO
+from clo.system import CLO, PERSIST_QUERIES
 from experiments.bench_clo import DEV, LLAMA3, UVA_PROGRAMS
 from experiments.records import environment
 
 
-def build(seqlen: int, layer: int) -> tuple[CLO, Layer]:
+def build(seqlen: int, layer: int, persist_query: str = "real") -> tuple[CLO, Layer]:
     cfg = LLAMA3
     dense = Layer(cfg).to(DEV, torch.bfloat16)
 
     spec = KVSpec(cfg.num_layers, 1, seqlen + 16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
                   DEV, layer_time_s=layer_time_s(dense, 1))
     clo = CLO(importance="Llama-3-8B-Instruct-Gradient-1048k",
-              profile=str(ROOT / "data/profiles/llama3-from-smollm2.json"))
+              profile=str(ROOT / "data/profiles/llama3-from-smollm2.json"), persist_query=persist_query)
     clo.allocate(spec, PhaseTimer(DEV, enabled=False))
     k, v = (torch.randn(1, cfg.num_kv_heads, seqlen, cfg.head_dim, dtype=torch.bfloat16, device=DEV) for _ in "kv")
     clo.prefill(layer, k, v)
@@ -99,21 +99,17 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     dense_step = dense_work(dense, 1)
 
     def main_work():  # what the compute stream does while the side stream prepares the next layer, in a decode
-        clo._attend(layer, qp)  # a step's order: this layer's top-k of the persistent heads and attention, then
-        dense_step()  # the dense work
+        # step's order: attention (after the persistent heads' top-k with persist_query=real; with speculative,
+        # their rows were selected one layer ahead), then the dense work
+        clo._attend(layer, qp, persist_idx if clo.cfg["persist_query"] == "speculative" else None)
+        dense_step()
 
-    def layer_work():  # the streams of CLO.prepare: lookups and retrieval on side, the gather on copy behind them
+    def layer_work():  # CLO.prepare's streams: lookups and retrieval on side, the gather on copy behind them
         # (here the gather refills the slots this same layer's attention reads: a race in the values, harmless to
         # the timing, which is all this measures; in decode the gather fills the next layer's slots)
-        compute = torch.cuda.current_stream()
-        clo.side.wait_stream(compute)
-        with torch.cuda.stream(clo.side):
-            selected = clo._select(layer, qp)
-        clo.copy.wait_stream(clo.side)
-        with torch.cuda.stream(clo.copy):
-            clo._move(layer, selected)
+        clo._ahead(layer, q)
         main_work()
-        compute.wait_stream(clo.copy)
+        torch.cuda.current_stream().wait_stream(clo.copy)
 
     def timed(fn):
         return round(replay_ms(fn, reps=10) * 1e3, 1)
@@ -134,7 +130,7 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         "lookup": timed(lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
                                                   "mean")),
         "attention": timed(lambda: st.attend(qp, clo.win_len, persist_idx)),  # one launch, every head
-        "persistent_and_attention": timed(lambda: clo._attend(layer, qp)),  # as decode runs them
+        "persistent_and_attention": timed(lambda: clo._attend(layer, qp, None)),  # as decode runs them
         "transfer_no_miss": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots)),
         # the retrieval's own parts, to see which one the layer waits for
         "retrieval.encode_query": timed(lambda: clo.retriever.encode_query(layer, qp, st.cached)),
@@ -148,6 +144,11 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     st.topk = "torch"
     variants["torch_topk"] = layer_parts()
     st.topk = clo.cfg["topk"]
+    default = clo.cfg["persist_query"]
+    for mode in PERSIST_QUERIES:  # the persistent heads' top-k on the critical path, or one layer ahead
+        clo.cfg["persist_query"] = mode
+        variants[f"persist_query_{mode}"] = layer_parts()
+    clo.cfg["persist_query"] = default
     default = clo.transfer.uva_programs
     for cap in uva_programs:
         clo.transfer.uva_programs = cap
@@ -204,8 +205,10 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, help="also write Chrome traces of the layer (all miss, all hit) here")
     ap.add_argument("--uva-programs", type=int, nargs="*", default=list(UVA_PROGRAMS),
                     help="caps on the UVA gather's grid to compare (100000: one program per tile of a head)")
+    ap.add_argument("--persist-query", choices=PERSIST_QUERIES, default="real",
+                    help="CLO's persist_query for the main parts and the timelines (the variants measure both)")
     args = ap.parse_args()
-    clo, dense = build(args.seqlen, args.layer)
+    clo, dense = build(args.seqlen, args.layer, args.persist_query)
     us, fl = measure(clo, dense, args.layer, args.uva_programs, args.trace), floors(clo, dense, args.layer)
     # the step's own floor for this layer: HBM (weights + metadata + attended rows) vs the link (moved rows)
     hbm_floor = fl["dense_floor_us"] + fl["retrieval_floor_us"] + fl["attention_floor_us"]
@@ -217,6 +220,7 @@ def main() -> None:
     for name, parts in us["variants"].items():
         print(f"{name:>24} " + " ".join(f"{k}={v}" for k, v in parts.items()))
     write_json_atomic(args.out, {"bench": "clo_layer", "seqlen": args.seqlen, "layer": args.layer,
+                                 "persist_query": args.persist_query,
                                  "weights": "synthetic (random K/V, random layer weights)", "us": us, "floors": fl,
                                  "plan": clo.plan.summary(), "environment": environment(DEV)})
 

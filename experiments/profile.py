@@ -47,6 +47,13 @@ def adjacent_similarity(queries: list[torch.Tensor], group: int) -> torch.Tensor
 
 def record_queries(cfg: DictConfig, min_steps: int = 3) -> tuple[ModelConfig, dict[int, list[torch.Tensor]], str]:
     """Greedy decode of the configured prompt with real weights; every step's query of every layer."""
+    model_cfg, kv, desc = decode_real(cfg, lambda model_cfg, prompt_len: QueryRecorder(), min_steps)
+    return model_cfg, kv.queries, desc
+
+
+def decode_real(cfg: DictConfig, make_kv, min_steps: int = 3) -> tuple[ModelConfig, FullAttn, str]:
+    """Greedy decode of the configured prompt with real weights through make_kv(model_cfg, prompt_len), a FullAttn
+    that observes; returns it after the last step, with a description of the weights, prompt and steps."""
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
     source = weights_source(cfg.model)
     if source == "synthetic":
@@ -61,12 +68,12 @@ def record_queries(cfg: DictConfig, min_steps: int = 3) -> tuple[ModelConfig, di
     tokenizer = load_tokenizer(source, cfg.model)
     prompt = build_prompt(cfg.workload.prompt, seqlen, int(cfg.batch), int(cfg.seed), tokenizer,
                           model_cfg.vocab_size, float(cfg.workload.needle_depth))
-    kv = QueryRecorder()
+    kv = make_kv(model_cfg, seqlen)
     kv.allocate(KVSpec(model_cfg.num_layers, int(cfg.batch), seqlen + gen, model_cfg.num_heads,
                        model_cfg.num_kv_heads, model_cfg.head_dim, dtype, device))
     generate(model, kv, prompt.tokens.to(device), gen)  # no early stop: every step is a sample
     desc = f"{weights_desc}; {prompt.kind} prompt of {seqlen} tokens, {gen} greedy steps, batch {cfg.batch}"
-    return model_cfg, kv.queries, desc
+    return model_cfg, kv, desc
 
 
 def profile(cfg: DictConfig) -> dict:

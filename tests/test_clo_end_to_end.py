@@ -47,13 +47,17 @@ def test_full_budget_clo_generates_fullattn_tokens_with_every_part_on():
 
 
 @pytest.mark.slow
-def test_real_smollm2_needle_answer_equals_fullattn(smollm2_folder):
+# the default CLO (on CPU its measured link leaves every hard head to prefetch), and a near-zero link, which makes
+# every hard head persistent, selecting with either query
+@pytest.mark.parametrize("overrides", [[], ["system.link_gb_s=1e-6", "system.persist_query=real"],
+                                       ["system.link_gb_s=1e-6", "system.persist_query=speculative"]])
+def test_real_smollm2_needle_answer_equals_fullattn(smollm2_folder, overrides):
     from transformers import AutoTokenizer
 
     from experiments.workloads import build_prompt
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=["system=clo"])
+        cfg = compose("config", overrides=["system=clo", *overrides])
     mcfg = ModelConfig.from_mapping(cfg.model)
     model = hf_decoder(mcfg, smollm2_folder, CPU, torch.float32)
     tok = AutoTokenizer.from_pretrained(str(smollm2_folder))
@@ -66,3 +70,4 @@ def test_real_smollm2_needle_answer_equals_fullattn(smollm2_folder):
     assert text == tok.decode(want.tokens[0], skip_special_tokens=True) and prompt.answer in text
     hits = sum(s.hits for s in got.steps) / sum(s.lookups for s in got.steps)
     assert 0 < hits < 1  # the cache was really used, and really missed
+    assert (clo.plan.summary()["persistent_heads"] > 0) == bool(overrides)
