@@ -150,12 +150,12 @@ def test_clo_side_stream_reads_its_own_query():
     assert steps[0].hits == 0 and all(s.lookups > 0 and s.hits == s.lookups for s in steps[1:])
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_clo_persistent_heads_overlapped_attention(tmp_path, overlap):
+@pytest.mark.parametrize("mode", ["overlap", "one_launch", "speculative"])
+def test_clo_persistent_heads_overlapped_attention(tmp_path, mode):
     """With a persistent and a cached KV head per layer (a profile that makes one head hard, a link too slow to
     prefetch it), decode's overlapped attention (the cached head's part on its own stream while the persistent
     head's top-k is selected, then one merge) equals one launch over every head, and graph replay gives the
-    eager tokens."""
+    eager tokens; also with the persistent head selected one layer ahead (persist_query=speculative)."""
     import json
 
     from clo.generate import generate
@@ -172,18 +172,19 @@ def test_clo_persistent_heads_overlapped_attention(tmp_path, overlap):
         # claim output places by atomics), and attention sums the rows in that order; the bf16 rounding of
         # the sums then differs, and greedy tokens of a random model follow (graph and eager differed at
         # step 4 of 24 with it: results/history/6b386b6_radix_order/)
-        kv = CLO(dense_layers=1, profile=str(profile), layer_time_ms=0.1, link_gb_s=1e-3, topk="torch")
+        kv = CLO(dense_layers=1, profile=str(profile), layer_time_ms=0.1, link_gb_s=1e-3, topk="torch",
+                 persist_query="speculative" if mode == "speculative" else "real")
         kv.allocate(KVSpec(4, 2, 3040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA, enabled=not graph))
-        if not overlap:
+        if mode == "one_launch":
             kv.attn_stream = None  # every head in one launch after the top-k
         runs.append(generate(model, kv, prompt, 24, decode_mode="graph" if graph else "eager").tokens)
     differ = (runs[0] != runs[1]).any(0).nonzero()
     assert torch.equal(runs[0], runs[1]), f"first differing step {differ[0].item() if len(differ) else None}"
     st = kv.stores[1]
     assert st.nc == 1 and st.persist is not None and st.persist.shape[1] == 1
-    if not overlap:
-        return  # without attn_stream, _attend is st.attend itself
+    if mode != "overlap":
+        return  # without attn_stream, or with the selection made ahead, _attend is st.attend itself
     qp = torch.randn(2, 8, 64, device=CUDA, dtype=torch.bfloat16)
-    got = kv._attend(1, qp).float()
+    got = kv._attend(1, qp, None).float()
     want = st.attend(qp, kv.win_len, st.select_persistent(qp, kv.retriever, 1)).float()
     assert not got.isnan().any() and (got - want).norm() / want.norm() < 1e-3
