@@ -13,6 +13,9 @@ hit' only the prefetch heads' (they are refreshed every step by design). The par
   side         lookup + retrieval + transfer, one after the other on one stream (the one-layer-ahead work)
   layer        that work on CLO's side and copy streams, overlapped with persistent + attention + dense, as a
                decode step runs them
+  pipeline     --pipeline-layers consecutive sparse layers in a step's order (prepare l + 1, decode l, dense), per
+               layer, for both persist_query modes, with the one-layer-ahead streams at default or highest priority
+               and the GEMVs with or without an SM carveout: the layer time inside a step, next to its floor
 
     python -m experiments.bench_clo_layer --out results/bench/clo_layer.json [--seqlen 131072] [--layer 5]
 """
@@ -36,7 +39,7 @@ from experiments.bench_clo import DEV, LLAMA3, UVA_PROGRAMS
 from experiments.records import environment
 
 
-def build(seqlen: int, layer: int, persist_query: str = "real") -> tuple[CLO, Layer]:
+def build(seqlen: int, layers: list[int], persist_query: str = "real") -> tuple[CLO, Layer]:
     cfg = LLAMA3
     dense = Layer(cfg).to(DEV, torch.bfloat16)
 
@@ -46,7 +49,8 @@ def build(seqlen: int, layer: int, persist_query: str = "real") -> tuple[CLO, La
               profile=str(ROOT / "data/profiles/llama3-from-smollm2.json"), persist_query=persist_query)
     clo.allocate(spec, PhaseTimer(DEV, enabled=False))
     k, v = (torch.randn(1, cfg.num_kv_heads, seqlen, cfg.head_dim, dtype=torch.bfloat16, device=DEV) for _ in "kv")
-    clo.prefill(layer, k, v)
+    for layer in layers:  # the same random KV in each: only the plans differ
+        clo.prefill(layer, k, v)
     clo.end_prefill(seqlen)
     clo.begin_step()  # the step's position and window lengths
     return clo, dense
@@ -55,15 +59,66 @@ def build(seqlen: int, layer: int, persist_query: str = "real") -> tuple[CLO, La
 CASES = {"all_miss": 2.0, "all_hit": -2.0}  # the threshold that forces every cached head to miss / to hit
 
 
-def forced(st, case: str, fn):
-    """fn() with every cached head of the layer forced to miss or to hit (filled slots, threshold of CASES)."""
-    tau = st.tau.clone()
-    st.tau.fill_(CASES[case])
-    st.valid.fill_(True)
+def forced(stores, case: str, fn):
+    """fn() with every cached head of the layers' stores (one, or a list) forced to miss or to hit (filled slots,
+    threshold of CASES)."""
+    stores = stores if isinstance(stores, list) else [stores]
+    taus = [st.tau.clone() for st in stores]
+    for st in stores:
+        st.tau.fill_(CASES[case])
+        st.valid.fill_(True)
     try:
         return fn()
     finally:
-        st.tau.copy_(tau)
+        for st, tau in zip(stores, taus):
+            st.tau.copy_(tau)
+
+
+def pipeline_us(clo: CLO, dense_step, layers: list[int]) -> float:
+    """Per-layer µs of consecutive sparse layers run as a decode step runs them: prepare(l + 1) (side and copy
+    streams), decode(l) (waits for l's rows, attends), then the dense work; all in one graph. The marginal time
+    per layer between all of `layers` and their first half, so that the first layer's exposed prepare cancels."""
+    q = torch.randn(1, LLAMA3.num_heads, LLAMA3.head_dim, dtype=torch.bfloat16, device=DEV)
+    k, v = (torch.randn(1, LLAMA3.num_kv_heads, LLAMA3.head_dim, dtype=torch.bfloat16, device=DEV) for _ in "kv")
+
+    def run(n: int) -> float:
+        def step():
+            clo.prepare(layers[0], q)  # what the layer before does
+            for i in range(n):
+                if i + 1 < n:
+                    clo.prepare(layers[i + 1], q)
+                clo.decode(layers[i], q, k, v)
+                dense_step()
+        return replay_ms(step, reps=5) * 1e3
+
+    n = len(layers)
+    return round((run(n) - run(n // 2)) / (n - n // 2), 1)
+
+
+def contention_variants(clo: CLO, dense: Layer, layers: list[int], carveout: int) -> dict:
+    """The pipeline (pipeline_us) for each persist_query, under ways of sharing the SMs between the one-layer-
+    ahead streams and the dense GEMVs: default; side and copy streams at the highest priority (kernel nodes keep
+    their stream's priority in a graph: PyTorch instantiates with cudaGraphInstantiateFlagUseNodePriority); the
+    GEMVs told to leave `carveout` SMs free (cuBLAS's SM count target); both. Also the dense work alone."""
+    stores = [clo.stores[i] for i in layers]
+    default_streams, mode0 = (clo.side, clo.copy), clo.cfg["persist_query"]
+    out = {}
+    for name, high, sms in (("default", False, None), ("priority", True, None), (f"carveout_{carveout}", False, carveout),
+                            (f"priority_carveout_{carveout}", True, carveout)):
+        clo.side, clo.copy = (torch.cuda.Stream(DEV, priority=-100) for _ in "sc") if high else default_streams
+        torch._C._set_sm_carveout_experimental(sms)
+        try:
+            res = {"dense": round(replay_ms(dense_work(dense, 1), reps=10) * 1e3, 1)}
+            for mode in PERSIST_QUERIES:
+                clo.cfg["persist_query"] = mode
+                for case in CASES:
+                    res[f"{mode}_{case}"] = forced(stores, case, lambda: pipeline_us(clo, dense_work(dense, 1), layers))
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+            clo.side, clo.copy = default_streams
+            clo.cfg["persist_query"] = mode0
+        out[name] = res
+    return out
 
 
 def kernel_timeline(fn, path: Path) -> list[dict]:
@@ -176,9 +231,9 @@ def gemvs(layer: Layer):
     return lambda: (a.qkv_proj(x), a.o_proj(x), m.gate_up_proj(x), m.down_proj(inter))
 
 
-def floors(clo: CLO, dense: Layer, layer: int) -> dict:
+def floors(clo: CLO, dense: Layer, layer: int, hbm: float, link: float) -> dict:
+    """The layer's physical floors; hbm and link in bytes per microsecond."""
     st = clo.stores[layer]
-    hbm, link = copy_bandwidth_gb_s(DEV) * 1e3, pinned_h2d_gb_s(DEV) * 1e3  # bytes per microsecond
     row = 2 * LLAMA3.head_dim * 2
     n_persist = st.window.shape[1] - st.nc
     weights = sum(p.numel() * p.element_size() for p in dense.parameters())
@@ -207,22 +262,44 @@ def main() -> None:
                     help="caps on the UVA gather's grid to compare (100000: one program per tile of a head)")
     ap.add_argument("--persist-query", choices=PERSIST_QUERIES, default="real",
                     help="CLO's persist_query for the main parts and the timelines (the variants measure both)")
+    ap.add_argument("--pipeline-layers", type=int, default=8,
+                    help="consecutive sparse layers from --layer on for the step-order pipeline (0: skip it)")
+    ap.add_argument("--carveout", type=int, default=16, help="SMs the GEMVs leave free in the contention variants")
     args = ap.parse_args()
-    clo, dense = build(args.seqlen, args.layer, args.persist_query)
-    us, fl = measure(clo, dense, args.layer, args.uva_programs, args.trace), floors(clo, dense, args.layer)
-    # the step's own floor for this layer: HBM (weights + metadata + attended rows) vs the link (moved rows)
-    hbm_floor = fl["dense_floor_us"] + fl["retrieval_floor_us"] + fl["attention_floor_us"]
+    layers = list(range(args.layer, args.layer + max(args.pipeline_layers, 1)))
+    clo, dense = build(args.seqlen, layers, args.persist_query)
+    hbm, link = copy_bandwidth_gb_s(DEV) * 1e3, pinned_h2d_gb_s(DEV) * 1e3  # bytes per microsecond
+    us, fl = measure(clo, dense, args.layer, args.uva_programs, args.trace), floors(clo, dense, args.layer, hbm, link)
     for parts in (us, *us["variants"].values()):
         for case in CASES:
-            own = max(hbm_floor, fl["transfer_floor_us"] if case == "all_miss" else fl["transfer_floor_all_hit_us"])
-            parts[f"layer_{case}_over_floor"] = round(parts[f"layer_{case}"] / own, 2)
+            parts[f"layer_{case}_over_floor"] = round(parts[f"layer_{case}"] / own_floor(fl, case), 2)
     print("\n".join(f"{k:>24} {v}" for k, v in {**us, **fl}.items() if k != "variants" and not k.startswith("timeline")))
     for name, parts in us["variants"].items():
         print(f"{name:>24} " + " ".join(f"{k}={v}" for k, v in parts.items()))
+    pipeline = None
+    if args.pipeline_layers > 1:
+        per_layer = [floors(clo, dense, i, hbm, link) for i in layers]
+        # pipelined, the link and HBM work of all the layers overlap: the floor is the larger of the two sums
+        floor = {case: round(max(sum(own_floor(f, case, "hbm") for f in per_layer),
+                                 sum(own_floor(f, case, "link") for f in per_layer)) / len(layers), 1) for case in CASES}
+        pipeline = {"layers": layers, "floor_us": floor, "us": contention_variants(clo, dense, layers, args.carveout)}
+        for name, res in pipeline["us"].items():
+            for key in list(res):
+                case = next((c for c in CASES if key.endswith(c)), None)
+                if case is not None:
+                    res[f"{key}_over_floor"] = round(res[key] / floor[case], 2)
+            print(f"{'pipeline ' + name:>24} " + " ".join(f"{k}={v}" for k, v in res.items()))
     write_json_atomic(args.out, {"bench": "clo_layer", "seqlen": args.seqlen, "layer": args.layer,
                                  "persist_query": args.persist_query,
                                  "weights": "synthetic (random K/V, random layer weights)", "us": us, "floors": fl,
-                                 "plan": clo.plan.summary(), "environment": environment(DEV)})
+                                 "pipeline": pipeline, "plan": clo.plan.summary(), "environment": environment(DEV)})
+
+
+def own_floor(fl: dict, case: str, part: str = "both") -> float:
+    """A layer's own floor for a case: HBM (weights + metadata + attended rows) vs the link (the moved rows)."""
+    hbm = fl["dense_floor_us"] + fl["retrieval_floor_us"] + fl["attention_floor_us"]
+    link = fl["transfer_floor_us"] if case == "all_miss" else fl["transfer_floor_all_hit_us"]
+    return {"hbm": hbm, "link": link, "both": max(hbm, link)}[part]
 
 
 if __name__ == "__main__":

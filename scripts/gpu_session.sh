@@ -2,7 +2,7 @@
 # The GPU checks and measurements, in stages, for a session with little device time:
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
 # Stages: pytest_gpu (~2.5 min) pytest_clo_gpu (its CLO tests alone, ~1 min) bench_clo tune bench_clo_layer (~1.5 min together)
-# bench_clo_layer_speculative, clo_graph and clo_graph_speculative (SEQLENS=32k,128k; persist_query=real | speculative)
+# bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
 # fig2 (~3.5 min) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
 # It installs the carried wheels (hardware.md), runs the GPU tests, the kernel benchmarks and the system runs,
@@ -34,12 +34,13 @@ stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
 stage pytest_clo_gpu 120 python3 -m pytest -m gpu -q tests/test_gpu.py -k clo
 stage tune 120 python3 -m experiments.tune_retrieval_kernels --out "$out/retrieval_tuning.json"
 stage bench_clo_layer 150 python3 -m experiments.bench_clo_layer --out "$out/clo_layer.json" --trace "$out/traces"
-stage bench_clo_layer_speculative 150 python3 -m experiments.bench_clo_layer --persist-query speculative \
+stage bench_clo_layer_speculative 300 python3 -m experiments.bench_clo_layer --persist-query speculative \
   --out "$out/clo_layer_speculative.json" --trace "$out/traces_speculative" --uva-programs
 run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants its flags first
 stage clo_graph 120 $run +experiment=clo_synthetic system=clo,fullattn seqlen=${SEQLENS:-32k,128k} workload.gen_tokens=32
-stage clo_graph_speculative 120 $run +experiment=clo_synthetic system=clo system.persist_query=speculative \
-  seqlen=${SEQLENS:-32k,128k} workload.gen_tokens=32
+# CLO's two persist_query modes at 128K; LAYER_MS and LINK_GB_S pin Eq. 12's inputs so both runs get one plan
+stage clo_persist_query 300 $run +experiment=clo_synthetic system=clo system.persist_query=real,speculative \
+  system.layer_time_ms=${LAYER_MS:-null} system.link_gb_s=${LINK_GB_S:-null} seqlen=128k workload.gen_tokens=32
 stage fig2 200 $run +experiment=fig2_breakdown workload.gen_tokens=16
 stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg,tgp seqlen=128k workload.gen_tokens=16
 # the baselines' top-k, radix select vs torch.topk; the sweep's first run is slower in every phase (cold process)
