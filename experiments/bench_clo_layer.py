@@ -14,8 +14,8 @@ hit' only the prefetch heads' (they are refreshed every step by design). The par
   layer        that work on CLO's side and copy streams, overlapped with persistent + attention + dense, as a
                decode step runs them
   pipeline     --pipeline-layers consecutive sparse layers in a step's order (prepare l + 1, decode l, dense), per
-               layer, for both persist_query modes, with the one-layer-ahead streams at default or highest priority
-               and the GEMVs with or without an SM carveout: the layer time inside a step, next to its floor
+               layer, for both persist_query modes, with and without dense_waits_selection: the layer time inside a
+               step, next to its floor
 
     python -m experiments.bench_clo_layer --out results/bench/clo_layer.json [--seqlen 131072] [--layer 5]
 """
@@ -39,14 +39,16 @@ from experiments.bench_clo import DEV, LLAMA3, UVA_PROGRAMS
 from experiments.records import environment
 
 
-def build(seqlen: int, layers: list[int], persist_query: str = "real") -> tuple[CLO, Layer]:
+def build(seqlen: int, layers: list[int], persist_query: str = "real", layer_time_ms: float | None = None,
+          link_gb_s: float | None = None) -> tuple[CLO, Layer]:
     cfg = LLAMA3
     dense = Layer(cfg).to(DEV, torch.bfloat16)
 
     spec = KVSpec(cfg.num_layers, 1, seqlen + 16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
                   DEV, layer_time_s=layer_time_s(dense, 1))
     clo = CLO(importance="Llama-3-8B-Instruct-Gradient-1048k",
-              profile=str(ROOT / "data/profiles/llama3-from-smollm2.json"), persist_query=persist_query)
+              profile=str(ROOT / "data/profiles/llama3-from-smollm2.json"), persist_query=persist_query,
+              layer_time_ms=layer_time_ms, link_gb_s=link_gb_s)
     clo.allocate(spec, PhaseTimer(DEV, enabled=False))
     k, v = (torch.randn(1, cfg.num_kv_heads, seqlen, cfg.head_dim, dtype=torch.bfloat16, device=DEV) for _ in "kv")
     for layer in layers:  # the same random KV in each: only the plans differ
@@ -95,51 +97,24 @@ def pipeline_us(clo: CLO, dense_step, layers: list[int]) -> float:
     return round((run(n) - run(n // 2)) / (n - n // 2), 1)
 
 
-def contention_variants(clo: CLO, dense: Layer, layers: list[int], carveout: int) -> dict:
-    """The pipeline (pipeline_us) for each persist_query, under ways of sharing the SMs between the one-layer-
-    ahead streams and the dense GEMVs: default; side and copy streams at the highest priority (kernel nodes keep
-    their stream's priority in a graph: PyTorch instantiates with cudaGraphInstantiateFlagUseNodePriority); the
-    GEMVs told to leave `carveout` SMs free (cuBLAS's SM count target); both. Also the dense work alone."""
+def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
+    """The pipeline (pipeline_us) for each persist_query, with the dense work waiting for the next layer's
+    selection (dense_waits_selection) or not. (Side and copy streams at the highest priority, and an SM carveout
+    of the GEMVs, changed nothing at f73ec52: results/history/f73ec52_contention/.)"""
     stores = [clo.stores[i] for i in layers]
-    default_streams, mode0 = (clo.side, clo.copy), clo.cfg["persist_query"]
-    out = {}
-    for name, high, sms in (("default", False, None), ("priority", True, None), (f"carveout_{carveout}", False, carveout),
-                            (f"priority_carveout_{carveout}", True, carveout)):
-        clo.side, clo.copy = (torch.cuda.Stream(DEV, priority=-100) for _ in "sc") if high else default_streams
-        torch._C._set_sm_carveout_experimental(sms)
-        try:
-            res = {"dense": round(replay_ms(dense_work(dense, 1), reps=10) * 1e3, 1)}
+    cfg0 = dict(clo.cfg)
+    out = {"dense": round(replay_ms(dense_work(dense, 1), reps=10) * 1e3, 1)}
+    try:
+        for wait in (True, False):
+            clo.cfg["dense_waits_selection"] = wait
             for mode in PERSIST_QUERIES:
                 clo.cfg["persist_query"] = mode
                 for case in CASES:
-                    res[f"{mode}_{case}"] = forced(stores, case, lambda: pipeline_us(clo, dense_work(dense, 1), layers))
-        finally:
-            torch._C._set_sm_carveout_experimental(None)
-            clo.side, clo.copy = default_streams
-            clo.cfg["persist_query"] = mode0
-        out[name] = res
+                    out[f"{mode}{'' if wait else '_overlapped'}_{case}"] = forced(
+                        stores, case, lambda: pipeline_us(clo, dense_work(dense, 1), layers))
+    finally:
+        clo.cfg.update(cfg0)
     return out
-
-
-def kernel_timeline(fn, path: Path) -> list[dict]:
-    """Replays `fn` (captured in a graph, 3 times) under the torch profiler: writes its Chrome trace to `path`
-    (open in Perfetto) and returns the GPU kernels of the last replay, [{name, stream, start_us, dur_us}], start
-    relative to the replay's first kernel: which part waits for which when the two streams overlap."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graph = capture(fn, 3)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(str(path))
-    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
-    kernels.sort(key=lambda e: e["ts"])
-    if not kernels:  # a profiler that does not see inside graphs
-        return []
-    last = kernels[len(kernels) - len(kernels) // 3:]
-    t0 = last[0]["ts"]
-    return [{"name": e["name"][:60], "stream": e["args"].get("stream"), "start_us": round(e["ts"] - t0, 1),
-             "dur_us": round(e["dur"], 1)} for e in last]
 
 
 def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: Path | None = None) -> dict:
@@ -157,6 +132,7 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         # step's order: attention (after the persistent heads' top-k with persist_query=real; with speculative,
         # their rows were selected one layer ahead), then the dense work
         clo._attend(layer, qp, persist_idx if clo.cfg["persist_query"] == "speculative" else None)
+        clo._wait_selection(layer)  # as decode does before the dense work (dense_waits_selection)
         dense_step()
 
     def layer_work():  # CLO.prepare's streams: lookups and retrieval on side, the gather on copy behind them
@@ -264,10 +240,11 @@ def main() -> None:
                     help="CLO's persist_query for the main parts and the timelines (the variants measure both)")
     ap.add_argument("--pipeline-layers", type=int, default=8,
                     help="consecutive sparse layers from --layer on for the step-order pipeline (0: skip it)")
-    ap.add_argument("--carveout", type=int, default=16, help="SMs the GEMVs leave free in the contention variants")
+    ap.add_argument("--layer-time-ms", type=float, help="pin Eq. 12's T_comp (default: measured), e.g. to a run's plan")
+    ap.add_argument("--link-gb-s", type=float, help="pin Eq. 12's link bandwidth (default: measured)")
     args = ap.parse_args()
     layers = list(range(args.layer, args.layer + max(args.pipeline_layers, 1)))
-    clo, dense = build(args.seqlen, layers, args.persist_query)
+    clo, dense = build(args.seqlen, layers, args.persist_query, args.layer_time_ms, args.link_gb_s)
     hbm, link = copy_bandwidth_gb_s(DEV) * 1e3, pinned_h2d_gb_s(DEV) * 1e3  # bytes per microsecond
     us, fl = measure(clo, dense, args.layer, args.uva_programs, args.trace), floors(clo, dense, args.layer, hbm, link)
     for parts in (us, *us["variants"].values()):
@@ -282,13 +259,13 @@ def main() -> None:
         # pipelined, the link and HBM work of all the layers overlap: the floor is the larger of the two sums
         floor = {case: round(max(sum(own_floor(f, case, "hbm") for f in per_layer),
                                  sum(own_floor(f, case, "link") for f in per_layer)) / len(layers), 1) for case in CASES}
-        pipeline = {"layers": layers, "floor_us": floor, "us": contention_variants(clo, dense, layers, args.carveout)}
-        for name, res in pipeline["us"].items():
-            for key in list(res):
-                case = next((c for c in CASES if key.endswith(c)), None)
-                if case is not None:
-                    res[f"{key}_over_floor"] = round(res[key] / floor[case], 2)
-            print(f"{'pipeline ' + name:>24} " + " ".join(f"{k}={v}" for k, v in res.items()))
+        res = pipeline_variants(clo, dense, layers)
+        for key in list(res):
+            case = next((c for c in CASES if key.endswith(c)), None)
+            if case is not None:
+                res[f"{key}_over_floor"] = round(res[key] / floor[case], 2)
+        pipeline = {"layers": layers, "floor_us": floor, "us": res}
+        print(f"{'pipeline':>24} " + " ".join(f"{k}={v}" for k, v in res.items()))
     write_json_atomic(args.out, {"bench": "clo_layer", "seqlen": args.seqlen, "layer": args.layer,
                                  "persist_query": args.persist_query,
                                  "weights": "synthetic (random K/V, random layer weights)", "us": us, "floors": fl,

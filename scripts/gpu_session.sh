@@ -35,11 +35,14 @@ stage pytest_clo_gpu 120 python3 -m pytest -m gpu -q tests/test_gpu.py -k clo
 stage tune 120 python3 -m experiments.tune_retrieval_kernels --out "$out/retrieval_tuning.json"
 stage bench_clo_layer 150 python3 -m experiments.bench_clo_layer --out "$out/clo_layer.json" --trace "$out/traces"
 stage bench_clo_layer_speculative 300 python3 -m experiments.bench_clo_layer --persist-query speculative \
-  --out "$out/clo_layer_speculative.json" --trace "$out/traces_speculative" --uva-programs
+  --out "$out/clo_layer_speculative.json" --trace "$out/traces_speculative" --uva-programs \
+  ${LAYER_MS:+--layer-time-ms $LAYER_MS} ${LINK_GB_S:+--link-gb-s $LINK_GB_S}
 run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants its flags first
 stage clo_graph 120 $run +experiment=clo_synthetic system=clo,fullattn seqlen=${SEQLENS:-32k,128k} workload.gen_tokens=32
-# CLO's two persist_query modes at 128K; LAYER_MS and LINK_GB_S pin Eq. 12's inputs so both runs get one plan
-stage clo_persist_query 300 $run +experiment=clo_synthetic system=clo system.persist_query=real,speculative \
+# CLO's two persist_query modes at 128K (DENSE_WAITS=true,false: with and without dense_waits_selection); LAYER_MS
+# and LINK_GB_S pin Eq. 12's inputs so that every run gets one plan
+stage clo_persist_query 420 $run +experiment=clo_synthetic system=clo system.persist_query=real,speculative \
+  system.dense_waits_selection=${DENSE_WAITS:-true} \
   system.layer_time_ms=${LAYER_MS:-null} system.link_gb_s=${LINK_GB_S:-null} seqlen=128k workload.gen_tokens=32
 stage fig2 200 $run +experiment=fig2_breakdown workload.gen_tokens=16
 stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg,tgp seqlen=128k workload.gen_tokens=16
