@@ -80,21 +80,24 @@ def pipeline_us(clo: CLO, dense_step, layers: list[int]) -> float:
     """Per-layer µs of consecutive sparse layers run as a decode step runs them: prepare(l + 1) (side and copy
     streams), decode(l) (waits for l's rows, attends), then the dense work; all in one graph. The marginal time
     per layer between all of `layers` and their first half, so that the first layer's exposed prepare cancels."""
+    n = len(layers)
+    full, half = (replay_ms(pipeline_step(clo, dense_step, layers[:m]), reps=5) * 1e3 for m in (n, n // 2))
+    return round((full - half) / (n - n // 2), 1)
+
+
+def pipeline_step(clo: CLO, dense_step, layers: list[int]):
+    """A closure running `layers` in a decode step's order (pipeline_us)."""
     q = torch.randn(1, LLAMA3.num_heads, LLAMA3.head_dim, dtype=torch.bfloat16, device=DEV)
     k, v = (torch.randn(1, LLAMA3.num_kv_heads, LLAMA3.head_dim, dtype=torch.bfloat16, device=DEV) for _ in "kv")
 
-    def run(n: int) -> float:
-        def step():
-            clo.prepare(layers[0], q)  # what the layer before does
-            for i in range(n):
-                if i + 1 < n:
-                    clo.prepare(layers[i + 1], q)
-                clo.decode(layers[i], q, k, v)
-                dense_step()
-        return replay_ms(step, reps=5) * 1e3
-
-    n = len(layers)
-    return round((run(n) - run(n // 2)) / (n - n // 2), 1)
+    def step():
+        clo.prepare(layers[0], q)  # what the layer before does
+        for i, layer in enumerate(layers):
+            if i + 1 < len(layers):
+                clo.prepare(layers[i + 1], q)
+            clo.decode(layer, q, k, v)
+            dense_step()
+    return step
 
 
 def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
@@ -115,6 +118,27 @@ def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
     finally:
         clo.cfg.update(cfg0)
     return out
+
+
+def kernel_timeline(fn, path: Path) -> list[dict]:
+    """Replays `fn` (captured in a graph, 3 times) under the torch profiler: writes its Chrome trace to `path`
+    (open in Perfetto) and returns the GPU kernels of the last replay, [{name, stream, start_us, dur_us}], start
+    relative to the replay's first kernel: which part waits for which when the two streams overlap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = capture(fn, 3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    kernels.sort(key=lambda e: e["ts"])
+    if not kernels:  # a profiler that does not see inside graphs
+        return []
+    last = kernels[len(kernels) - len(kernels) // 3:]
+    t0 = last[0]["ts"]
+    return [{"name": e["name"][:60], "stream": e["args"].get("stream"), "start_us": round(e["ts"] - t0, 1),
+             "dur_us": round(e["dur"], 1)} for e in last]
 
 
 def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: Path | None = None) -> dict:
@@ -265,6 +289,14 @@ def main() -> None:
             if case is not None:
                 res[f"{key}_over_floor"] = round(res[key] / floor[case], 2)
         pipeline = {"layers": layers, "floor_us": floor, "us": res}
+        if args.trace is not None:  # all hit, this run's persist_query, with and without dense_waits_selection
+            stores = [clo.stores[i] for i in layers]
+            for wait in (True, False):
+                clo.cfg["dense_waits_selection"] = wait
+                name = f"timeline_all_hit{'' if wait else '_overlapped'}"
+                pipeline[name] = forced(stores, "all_hit", lambda: kernel_timeline(
+                    pipeline_step(clo, dense_work(dense, 1), layers), args.trace / f"pipeline_{name}.trace.json"))
+            clo.cfg["dense_waits_selection"] = True
         print(f"{'pipeline':>24} " + " ".join(f"{k}={v}" for k, v in res.items()))
     write_json_atomic(args.out, {"bench": "clo_layer", "seqlen": args.seqlen, "layer": args.layer,
                                  "persist_query": args.persist_query,
