@@ -1,6 +1,8 @@
 """One run of the decode workload: validate, plan memory, build model and KV system, generate, measure."""
 from __future__ import annotations
 
+import contextlib
+
 import statistics
 import sys
 from pathlib import Path
@@ -83,7 +85,9 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     prompt = build_prompt(cfg.workload.prompt, seqlen, batch, int(cfg.seed), tokenizer, model_cfg.vocab_size,
                           float(cfg.workload.needle_depth))
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
-    gen = run_generation(model, system, prompt.tokens.to(device), gen_tokens, stop, decode_mode)
+    trace = Path(cfg.trace_dir) / "decode_step.trace.json" if cfg.get("trace_dir") else None
+    gen = run_generation(model, system, prompt.tokens.to(device), gen_tokens, stop, decode_mode, trace,
+                         int(cfg.workload.warmup_steps))
 
     text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
     hbm = cfg.hardware.hbm_gb_s or copy_bandwidth_gb_s(device)
@@ -113,14 +117,36 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_generation(model, system, tokens, gen_tokens, stop, decode_mode) -> Generation:
+def run_generation(model, system, tokens, gen_tokens, stop, decode_mode, trace: Path | None = None,
+                   warmup: int = 0) -> Generation:
+    """generate() with progress bars; with `trace`, the GPU kernels of one steady decode step (the first after
+    the warm-up and a graph's capture) are written there as a Chrome trace (torch profiler; open in Perfetto)."""
     n_layers = model.cfg.num_layers
     with tqdm(total=n_layers, desc=f"prefill {tokens.shape[1]} tokens", unit="layer", file=sys.stderr,
               leave=False) as bar_p, tqdm(total=gen_tokens - 1, desc="decode", unit="tok", file=sys.stderr,
-                                          leave=False) as bar_d:
+                                          leave=False) as bar_d, step_profiler(trace, warmup + 2) as prof:
+        def on_token(_):
+            bar_d.update(1)
+            if prof is not None:
+                prof.step()
         return generate(model, system, tokens, gen_tokens, stop, decode_mode,
-                        on_prefill_layer=lambda _: bar_p.update(1),
-                        on_token=lambda _: bar_d.update(1))
+                        on_prefill_layer=lambda _: bar_p.update(1), on_token=on_token)
+
+
+@contextlib.contextmanager
+def step_profiler(path: Path | None, skip: int):
+    """A torch profiler that records the GPU kernels (on CPU runs: the operators) of the decode step after `skip`
+    steps, then writes `path`."""
+    if path is None:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU  # CPU: its operators
+    with profile(activities=[activity], schedule=schedule(wait=skip, warmup=1, active=1, repeat=1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as prof:
+        yield prof
 
 
 def metrics(gen: Generation, system: KVOffloadSystem, cfg: ModelConfig, spec: KVSpec, seqlen: int,

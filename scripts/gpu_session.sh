@@ -44,6 +44,11 @@ stage clo_graph 120 $run +experiment=clo_synthetic system=clo,fullattn seqlen=${
 stage clo_persist_query 420 $run +experiment=clo_synthetic system=clo system.persist_query=real,speculative \
   system.dense_waits_selection=${DENSE_WAITS:-true} \
   system.layer_time_ms=${LAYER_MS:-null} system.link_gb_s=${LINK_GB_S:-null} seqlen=128k workload.gen_tokens=32
+# one steady decode step of CLO at 128K as a Chrome trace per run (experiments.step_timeline summarises it)
+stage trace_128k 240 $run +experiment=clo_synthetic system=clo system.persist_query=${PERSIST_QUERY:-real} \
+  system.dense_waits_selection=${DENSE_WAITS:-true} system.layer_time_ms=${LAYER_MS:-null} \
+  system.link_gb_s=${LINK_GB_S:-null} seqlen=128k workload.gen_tokens=12 \
+  'trace_dir='"$out"'/trace_${system.persist_query}_${system.dense_waits_selection}'
 stage fig2 200 $run +experiment=fig2_breakdown workload.gen_tokens=16
 stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg,tgp seqlen=128k workload.gen_tokens=16
 # the baselines' top-k, radix select vs torch.topk; the sweep's first run is slower in every phase (cold process)

@@ -1,0 +1,55 @@
+"""Where a decode step's GPU time goes, from a Chrome trace (`trace_dir=...` of the run command, or the layer
+benchmark's --trace): per stream, the kernels' busy time; on the compute stream (the one of the longest kernel), its idle gaps and the
+kernel of another stream that ended just before each gap closed (what the compute stream waited for).
+
+    python -m experiments.step_timeline results/.../decode_step.trace.json [--gaps 15]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def kernels(path: Path) -> list[dict]:
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    return sorted(({"name": e["name"], "stream": e["args"].get("stream"), "start": e["ts"], "end": e["ts"] + e["dur"]}
+                   for e in events), key=lambda k: k["start"])
+
+
+def summary(ks: list[dict], n_gaps: int) -> dict:
+    by_stream = defaultdict(list)
+    for k in ks:
+        by_stream[k["stream"]].append(k)
+    span = ks[-1]["end"] - ks[0]["start"]
+    busy = {s: round(sum(k["end"] - k["start"] for k in v), 1) for s, v in by_stream.items()}
+    compute = max(ks, key=lambda k: k["end"] - k["start"])["stream"]  # the longest kernel: a GEMV or attention
+    gaps = []
+    own = by_stream[compute]
+    for a, b in zip(own, own[1:]):
+        if b["start"] - a["end"] > 1.0:
+            others = [k for k in ks if k["stream"] != compute and k["end"] <= b["start"] + 0.5]
+            waited = max(others, key=lambda k: k["end"])["name"][:50] if others else None
+            gaps.append({"at_us": round(a["end"] - ks[0]["start"], 1), "idle_us": round(b["start"] - a["end"], 1),
+                         "next": b["name"][:40], "after_other_stream": waited})
+    kernel_time = defaultdict(float)
+    for k in ks:
+        kernel_time[(k["stream"], k["name"][:50])] += k["end"] - k["start"]
+    top = sorted(kernel_time.items(), key=lambda kv: -kv[1])[:20]
+    return {"span_us": round(span, 1), "kernels": len(ks), "busy_us_by_stream": busy, "compute_stream": compute,
+            "compute_idle_us": round(sum(g["idle_us"] for g in gaps), 1),
+            "largest_gaps": sorted(gaps, key=lambda g: -g["idle_us"])[:n_gaps],
+            "top_kernels_us": [{"stream": s, "name": n, "us": round(t, 1)} for (s, n), t in top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--gaps", type=int, default=15)
+    args = ap.parse_args()
+    print(json.dumps(summary(kernels(args.trace), args.gaps), indent=1))
+
+
+if __name__ == "__main__":
+    main()
