@@ -41,7 +41,7 @@ class CLO(KVOffloadSystem):
                  epsilon: float = 0.1, persistent: bool = True, speculative: bool = True,
                  layer_time_ms: float | None = None, link_gb_s: float | None = None, transfer: str = "uva",
                  cpu_threads: int = 4, uva_programs: int | None = 32, topk: str = "radix",
-                 persist_query: str = "real", dense_waits_selection: bool = True) -> None:
+                 persist_query: str = "real") -> None:
         super().__init__()
         check_budget(topk_ratio, sink, recent, dense_layers)
         if not -1.0 < eta <= 1.0:
@@ -61,8 +61,7 @@ class CLO(KVOffloadSystem):
                         threshold_override=threshold_override, importance=importance, profile=profile,
                         epsilon=epsilon, persistent=persistent, speculative=speculative,
                         layer_time_ms=layer_time_ms, link_gb_s=link_gb_s, transfer=transfer,
-                        cpu_threads=cpu_threads, uva_programs=uva_programs, topk=topk, persist_query=persist_query,
-                        dense_waits_selection=dense_waits_selection)
+                        cpu_threads=cpu_threads, uva_programs=uva_programs, topk=topk, persist_query=persist_query)
         self.wants_speculative_query = speculative
         self.supports_cuda_graph = transfer == "uva"  # the CPU-gather path syncs with the host by design
         self.transfer_kind, self.cpu_threads, self.uva_programs = transfer, cpu_threads, uva_programs
@@ -132,7 +131,6 @@ class CLO(KVOffloadSystem):
         # the cached heads' attention runs here while the compute stream selects the persistent heads' rows
         self.attn_stream = torch.cuda.Stream(spec.device) if cuda else None
         self.ready = [torch.cuda.Event() if self.side is not None else None for _ in range(spec.num_layers)]
-        self.selected = [torch.cuda.Event() if self.side is not None else None for _ in range(spec.num_layers)]
         self.pending = [False] * spec.num_layers
         self.side_inputs: list[tuple | None] = [None] * spec.num_layers
         self.persist_sel: list[torch.Tensor | None] = [None] * spec.num_layers  # persist_query=speculative's
@@ -196,7 +194,6 @@ class CLO(KVOffloadSystem):
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side), self.timer.paused():
             selected = self._select(layer, self.stores[layer].permute_q(q_spec))
-            self.selected[layer].record(self.side)
         self.copy.wait_stream(self.side)
         with torch.cuda.stream(self.copy), self.timer.paused():
             self._move(layer, selected)
@@ -247,10 +244,8 @@ class CLO(KVOffloadSystem):
             buf = self.dense_kv[layer]
             buf.index_copy_(2, self.position, new[:, :, None])
             with self.phase("attention"):
-                out = decode_attention(q, buf[:, :, :, 0].transpose(1, 2), buf[:, :, :, 1].transpose(1, 2),
-                                       self.dense_len)
-            self._before_dense(layer)
-            return out
+                return decode_attention(q, buf[:, :, :, 0].transpose(1, 2), buf[:, :, :, 1].transpose(1, 2),
+                                        self.dense_len)
         st = self.stores[layer]
         st.append(new, self.win_at)
         qp = st.permute_q(q)
@@ -262,21 +257,7 @@ class CLO(KVOffloadSystem):
         elif not self.wants_speculative_query or layer == 0:
             self.persist_sel[layer] = self._refresh(layer, qp)
         persist_idx, self.persist_sel[layer] = self.persist_sel[layer], None
-        out = st.unpermute_out(self._attend(layer, qp, persist_idx))
-        self._before_dense(layer)
-        return out
-
-    def _wait_selection(self, layer: int) -> None:
-        """With dense_waits_selection, the compute stream's next work (this layer's o_proj and MLP) waits for
-        `layer`'s lookups and top-k on the side stream: a dozen small kernels that, beside the GEMVs, wait for
-        free SMs (a radix pass 5 -> 30 us on the H200) and delay the transfer behind them; ahead of the GEMVs they
-        run beside this layer's attention instead."""
-        if self.cfg["dense_waits_selection"]:
-            torch.cuda.current_stream().wait_event(self.selected[layer])
-
-    def _before_dense(self, layer: int) -> None:
-        if layer + 1 < len(self.stores) and self.pending[layer + 1]:
-            self._wait_selection(layer + 1)
+        return st.unpermute_out(self._attend(layer, qp, persist_idx))
 
     def _attend(self, layer: int, qp: torch.Tensor, persist_idx: torch.Tensor | None) -> torch.Tensor:
         """Hybrid attention over every head (permuted order), the persistent heads at persist_idx, or at their

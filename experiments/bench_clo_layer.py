@@ -14,8 +14,7 @@ hit' only the prefetch heads' (they are refreshed every step by design). The par
   layer        that work on CLO's side and copy streams, overlapped with persistent + attention + dense, as a
                decode step runs them
   pipeline     --pipeline-layers consecutive sparse layers in a step's order (prepare l + 1, decode l, dense), per
-               layer, for both persist_query modes, with and without dense_waits_selection: the layer time inside a
-               step, next to its floor
+               layer, for both persist_query modes: the layer time inside a step, next to its floor
 
     python -m experiments.bench_clo_layer --out results/bench/clo_layer.json [--seqlen 131072] [--layer 5]
 """
@@ -101,22 +100,19 @@ def pipeline_step(clo: CLO, dense_step, layers: list[int]):
 
 
 def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
-    """The pipeline (pipeline_us) for each persist_query, with the dense work waiting for the next layer's
-    selection (dense_waits_selection) or not. (Side and copy streams at the highest priority, and an SM carveout
-    of the GEMVs, changed nothing at f73ec52: results/history/f73ec52_contention/.)"""
+    """The pipeline (pipeline_us) for each persist_query, and the dense work alone. (Tried at f73ec52 and c6305d4,
+    no gain: side and copy streams at the highest priority, an SM carveout of the GEMVs, and the dense work waiting
+    for the next layer's selection; results/history/f73ec52_contention/, c6305d4_dense_waits/.)"""
     stores = [clo.stores[i] for i in layers]
-    cfg0 = dict(clo.cfg)
+    mode0 = clo.cfg["persist_query"]
     out = {"dense": round(replay_ms(dense_work(dense, 1), reps=10) * 1e3, 1)}
     try:
-        for wait in (True, False):
-            clo.cfg["dense_waits_selection"] = wait
-            for mode in PERSIST_QUERIES:
-                clo.cfg["persist_query"] = mode
-                for case in CASES:
-                    out[f"{mode}{'' if wait else '_overlapped'}_{case}"] = forced(
-                        stores, case, lambda: pipeline_us(clo, dense_work(dense, 1), layers))
+        for mode in PERSIST_QUERIES:
+            clo.cfg["persist_query"] = mode
+            for case in CASES:
+                out[f"{mode}_{case}"] = forced(stores, case, lambda: pipeline_us(clo, dense_work(dense, 1), layers))
     finally:
-        clo.cfg.update(cfg0)
+        clo.cfg["persist_query"] = mode0
     return out
 
 
@@ -156,7 +152,6 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         # step's order: attention (after the persistent heads' top-k with persist_query=real; with speculative,
         # their rows were selected one layer ahead), then the dense work
         clo._attend(layer, qp, persist_idx if clo.cfg["persist_query"] == "speculative" else None)
-        clo._wait_selection(layer)  # as decode does before the dense work (dense_waits_selection)
         dense_step()
 
     def layer_work():  # CLO.prepare's streams: lookups and retrieval on side, the gather on copy behind them
@@ -289,14 +284,9 @@ def main() -> None:
             if case is not None:
                 res[f"{key}_over_floor"] = round(res[key] / floor[case], 2)
         pipeline = {"layers": layers, "floor_us": floor, "us": res}
-        if args.trace is not None:  # all hit, this run's persist_query, with and without dense_waits_selection
-            stores = [clo.stores[i] for i in layers]
-            for wait in (True, False):
-                clo.cfg["dense_waits_selection"] = wait
-                name = f"timeline_all_hit{'' if wait else '_overlapped'}"
-                pipeline[name] = forced(stores, "all_hit", lambda: kernel_timeline(
-                    pipeline_step(clo, dense_work(dense, 1), layers), args.trace / f"pipeline_{name}.trace.json"))
-            clo.cfg["dense_waits_selection"] = True
+        if args.trace is not None:  # all hit, this run's persist_query
+            pipeline["timeline_all_hit"] = forced([clo.stores[i] for i in layers], "all_hit", lambda: kernel_timeline(
+                pipeline_step(clo, dense_work(dense, 1), layers), args.trace / "pipeline_all_hit.trace.json"))
         print(f"{'pipeline':>24} " + " ".join(f"{k}={v}" for k, v in res.items()))
     write_json_atomic(args.out, {"bench": "clo_layer", "seqlen": args.seqlen, "layer": args.layer,
                                  "persist_query": args.persist_query,

@@ -39,16 +39,14 @@ stage bench_clo_layer_speculative 300 python3 -m experiments.bench_clo_layer --p
   ${LAYER_MS:+--layer-time-ms $LAYER_MS} ${LINK_GB_S:+--link-gb-s $LINK_GB_S}
 run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants its flags first
 stage clo_graph 120 $run +experiment=clo_synthetic system=clo,fullattn seqlen=${SEQLENS:-32k,128k} workload.gen_tokens=32
-# CLO's two persist_query modes at 128K (DENSE_WAITS=true,false: with and without dense_waits_selection); LAYER_MS
-# and LINK_GB_S pin Eq. 12's inputs so that every run gets one plan
+# CLO's two persist_query modes at 128K; LAYER_MS and LINK_GB_S pin Eq. 12's inputs so that both runs get one plan
 stage clo_persist_query 420 $run +experiment=clo_synthetic system=clo system.persist_query=real,speculative \
-  system.dense_waits_selection=${DENSE_WAITS:-true} \
   system.layer_time_ms=${LAYER_MS:-null} system.link_gb_s=${LINK_GB_S:-null} seqlen=128k workload.gen_tokens=32
 # one steady decode step of CLO at 128K as a Chrome trace per run (experiments.step_timeline summarises it)
 stage trace_128k 240 $run +experiment=clo_synthetic system=clo system.persist_query=${PERSIST_QUERY:-real} \
-  system.dense_waits_selection=${DENSE_WAITS:-true} system.layer_time_ms=${LAYER_MS:-null} \
+  system.layer_time_ms=${LAYER_MS:-null} \
   system.link_gb_s=${LINK_GB_S:-null} seqlen=128k workload.gen_tokens=12 \
-  'trace_dir='"$out"'/trace_${system.persist_query}_${system.dense_waits_selection}'
+  'trace_dir='"$out"'/trace_${system.persist_query}'
 stage fig2 200 $run +experiment=fig2_breakdown workload.gen_tokens=16
 stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg,tgp seqlen=128k workload.gen_tokens=16
 # the baselines' top-k, radix select vs torch.topk; the sweep's first run is slower in every phase (cold process)
