@@ -12,6 +12,7 @@ import math
 import torch
 
 from clo.errors import ConfigError
+from clo.kernels.append_kv import append_kv
 from clo.kernels.decode_attention import hybrid_attention
 from clo.kv.interface import KVSpec
 
@@ -49,7 +50,6 @@ class LayerStore:
         cached = sorted(set(range(hkv)) - set(persistent))
         self.nc = len(cached)
         self.order = torch.tensor(cached + sorted(persistent), dtype=torch.long, device=dev)
-        self.inverse = self.order.argsort()
         self.cached = torch.arange(self.nc, device=dev)  # head ids in the permuted order
         self.persistent = torch.arange(self.nc, hkv, device=dev)
         self.every_head = torch.arange(hkv, device=dev)
@@ -80,17 +80,13 @@ class LayerStore:
         b, h, d = q.shape
         return q.view(b, -1, self.group, d)[:, self.order].reshape(b, h, d)
 
-    def unpermute_out(self, o: torch.Tensor) -> torch.Tensor:
-        b, h, d = o.shape
-        return o.view(b, -1, self.group, d)[:, self.inverse].reshape(b, h, d)
-
     def window_slot(self, length: int) -> int:
         """Where in the window the token at position `length` goes (sink and recent rows come first)."""
         return length - self.t0 + self.sink + self.recent
 
-    def append(self, new: torch.Tensor, at: torch.Tensor) -> None:
-        """new [B, Hkv, 2, D] (model head order); at: [1] device index of its window row (window_slot)."""
-        self.window.index_copy_(2, at, new[:, self.order, None])
+    def append(self, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor) -> None:
+        """k, v [B, Hkv, D] (model head order); at: [1] device index of their window row (window_slot)."""
+        append_kv(k, v, self.window, self.order, at)
 
     def retrieve(self, retriever, layer: int, qp: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Absolute token indices [B, h, k] of the top-k middle tokens of `heads` (permuted order) for qp, in no
@@ -106,11 +102,11 @@ class LayerStore:
             return None
         return self.retrieve(retriever, layer, qp, self.persistent)
 
-    def attend(self, qp: torch.Tensor, win_len: torch.Tensor, persist_idx: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, win_len: torch.Tensor, persist_idx: torch.Tensor | None) -> torch.Tensor:
         """Hybrid attention (spec 2.7) over the window (sink, recent, generated: win_len [B] rows, on the device),
-        the slots and the persistent heads' KV at persist_idx (select_persistent's), each where it lies. qp and
-        the result are in the permuted head order."""
-        return hybrid_attention(qp, *self.buffers(win_len), self.persist_rows(persist_idx))  # k = 0: the window
+        the slots and the persistent heads' KV at persist_idx (select_persistent's), each where it lies. q and the
+        result are in the model's head order (the kernel maps the store's heads to it: no permuted copies)."""
+        return hybrid_attention(q, *self.buffers(win_len), self.persist_rows(persist_idx), q_heads=self.order)
 
     def buffers(self, win_len: torch.Tensor):
         """(window, slots) as decode attention reads them: (k, v, lengths), k and v [B, T, heads, D] views."""

@@ -239,49 +239,47 @@ class CLO(KVOffloadSystem):
             self.trace.append((layer, miss.clone()))  # per cached head, in the store's order
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        new = torch.stack([k, v], dim=2)  # [B, Hkv, 2, D]
         if layer < self.cfg["dense_layers"]:
             buf = self.dense_kv[layer]
-            buf.index_copy_(2, self.position, new[:, :, None])
+            buf.index_copy_(2, self.position, torch.stack([k, v], dim=2)[:, :, None])
             with self.phase("attention"):
                 return decode_attention(q, buf[:, :, :, 0].transpose(1, 2), buf[:, :, :, 1].transpose(1, 2),
                                         self.dense_len)
         st = self.stores[layer]
-        st.append(new, self.win_at)
-        qp = st.permute_q(q)
+        st.append(k, v, self.win_at)
         if self.pending[layer]:
             with self.phase("transfer_exposed"):  # the stall behind the copy stream is all that is exposed
                 torch.cuda.current_stream().wait_event(self.ready[layer])
             self.pending[layer] = False
             self.side_inputs[layer] = None  # later reuse of their memory is ordered after the copy stream
         elif not self.wants_speculative_query or layer == 0:
-            self.persist_sel[layer] = self._refresh(layer, qp)
+            self.persist_sel[layer] = self._refresh(layer, st.permute_q(q))
         persist_idx, self.persist_sel[layer] = self.persist_sel[layer], None
-        return st.unpermute_out(self._attend(layer, qp, persist_idx))
+        return self._attend(layer, q, persist_idx)
 
-    def _attend(self, layer: int, qp: torch.Tensor, persist_idx: torch.Tensor | None) -> torch.Tensor:
-        """Hybrid attention over every head (permuted order), the persistent heads at persist_idx, or at their
-        top-k for the real query when it is None. On CUDA with both kinds of heads, the other heads' attention
-        runs on attn_stream while that top-k is selected: a chain of small kernels that leaves most of the GPU
-        idle."""
+    def _attend(self, layer: int, q: torch.Tensor, persist_idx: torch.Tensor | None) -> torch.Tensor:
+        """Hybrid attention over every head (q and the output in the model's head order), the persistent heads at
+        persist_idx, or at their top-k for the real query when it is None. On CUDA with both kinds of heads, the
+        other heads' attention runs on attn_stream while that top-k is selected: a chain of small kernels that
+        leaves most of the GPU idle."""
         st = self.stores[layer]
         if persist_idx is not None or self.attn_stream is None or st.persist is None or not st.nc or not st.k:
-            if persist_idx is None:
+            if persist_idx is None and st.persist is not None:
                 with self.phase("retrieval"):
-                    persist_idx = st.select_persistent(qp, self.retriever, layer)
+                    persist_idx = st.select_persistent(st.permute_q(q), self.retriever, layer)
             with self.phase("attention"):
-                return st.attend(qp, self.win_len, persist_idx)
+                return st.attend(q, self.win_len, persist_idx)
         from clo.kernels.decode_attention import SplitAttention
 
         compute = torch.cuda.current_stream()
         with self.phase("attention"):
             window, slots = st.buffers(self.win_len)
-            parts = SplitAttention(qp, *window, slots, indexed_heads=st.persist.shape[1])
+            parts = SplitAttention(q, *window, slots, indexed_heads=st.persist.shape[1], q_heads=st.order)
             self.attn_stream.wait_stream(compute)
             with torch.cuda.stream(self.attn_stream):
                 parts.split(0, st.nc)
         with self.phase("retrieval"):
-            persist_idx = st.select_persistent(qp, self.retriever, layer)
+            persist_idx = st.select_persistent(st.permute_q(q), self.retriever, layer)
         with self.phase("attention"):
             parts.split(st.nc, parts.hkv, st.persist_rows(persist_idx))
             compute.wait_stream(self.attn_stream)  # the buffers and qp are freed on this stream, after the join

@@ -151,7 +151,7 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     def main_work():  # what the compute stream does while the side stream prepares the next layer, in a decode
         # step's order: attention (after the persistent heads' top-k with persist_query=real; with speculative,
         # their rows were selected one layer ahead), then the dense work
-        clo._attend(layer, qp, persist_idx if clo.cfg["persist_query"] == "speculative" else None)
+        clo._attend(layer, q, persist_idx if clo.cfg["persist_query"] == "speculative" else None)
         dense_step()
 
     def layer_work():  # CLO.prepare's streams: lookups and retrieval on side, the gather on copy behind them
@@ -179,8 +179,8 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         "dense.gemvs": timed(gemvs(dense)),  # its projections alone: the rest is norms, RoPE, SiLU and additions
         "lookup": timed(lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
                                                   "mean")),
-        "attention": timed(lambda: st.attend(qp, clo.win_len, persist_idx)),  # one launch, every head
-        "persistent_and_attention": timed(lambda: clo._attend(layer, qp, None)),  # as decode runs them
+        "attention": timed(lambda: st.attend(q, clo.win_len, persist_idx)),  # one launch, every head
+        "persistent_and_attention": timed(lambda: clo._attend(layer, q, None)),  # as decode runs them
         "transfer_no_miss": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots)),
         # the retrieval's own parts, to see which one the layer waits for
         "retrieval.encode_query": timed(lambda: clo.retriever.encode_query(layer, qp, st.cached)),

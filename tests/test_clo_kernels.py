@@ -287,3 +287,31 @@ def test_kernels_replay_in_a_cuda_graph():
         assert torch.equal(s.cpu().gather(-1, top.cpu()).sort(-1).values, want_top)
         uva_gather_ref(host, heads.cpu(), idx.cpu(), want_m, before)
         assert torch.equal(slots.cpu(), before)
+
+
+def check_append_kv(device, b, hkv, t, d, dtype):
+    from clo.kernels.append_kv import append_kv_ref, append_kv_triton
+
+    gen = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(b, hkv, d, generator=gen).to(dtype) for _ in "kv")
+    window = torch.randn(b, hkv, t, 2, d, generator=gen).to(dtype)
+    order = torch.randperm(hkv, generator=gen)
+    at = torch.tensor([t - 2])
+    want = window.clone()
+    append_kv_ref(k, v, want, order, at)
+    got = window.to(device)
+    append_kv_triton(k.to(device), v.to(device), got, order.to(device), at.to(device))
+    assert torch.equal(got.cpu(), want)  # a copy: bit-exact
+    assert torch.equal(want[:, 1, t - 2, 0], k[:, order[1]]) and torch.equal(want[:, :, : t - 2], window[:, :, : t - 2])
+
+
+@interpreter
+def test_append_kv_interpreted():
+    check_append_kv("cpu", 2, 4, 6, 8, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_append_kv_triton_matches_ref(dtype):
+    pytest.importorskip("triton")
+    check_append_kv("cuda", 2, 8, 50, 128, dtype)

@@ -74,11 +74,13 @@ def test_decode_attention_triton_broadcast_lengths_and_fp32():
     assert (got - want).norm() / want.norm() < 1e-2  # tl.dot may use tf32 for fp32 inputs
 
 
-def check_hybrid_attention(device, b, hkv, g_, d, caps, dtype, n_indexed=0, persist_len=0, attention=None):
+def check_hybrid_attention(device, b, hkv, g_, d, caps, dtype, n_indexed=0, persist_len=0, attention=None,
+                           permuted=False):
     """hybrid_attention (or `attention`, called as it is) over two buffers laid out as CLO keeps them
     ([B, Hkv, T, 2, D], read through transposed views) equals attention over their concatenation. With
     n_indexed, the last heads' second-buffer rows are those of a third buffer (persist_len tokens) at random
-    distinct indices, as CLO's persistent heads."""
+    distinct indices, as CLO's persistent heads. permuted: the queries come in another head order, q_heads maps
+    the buffers' heads to it (as CLO's stores)."""
     from clo.kernels.decode_attention import hybrid_attention
 
     attention = attention or hybrid_attention
@@ -91,7 +93,14 @@ def check_hybrid_attention(device, b, hkv, g_, d, caps, dtype, n_indexed=0, pers
     persist = torch.randn(b, n_indexed, persist_len, 2, d, generator=gen).to(dtype).to(device)
     idx = torch.rand(b, n_indexed, persist_len, generator=gen).argsort(-1)[..., : caps[1]].to(device)
     indexed = (persist[:, :, :, 0].transpose(1, 2), persist[:, :, :, 1].transpose(1, 2), idx) if n_indexed else None
-    got = attention(q, *views, indexed=indexed).float().cpu()
+    if permuted:
+        order = torch.randperm(hkv, generator=gen).to(device)
+        q_model = torch.empty_like(q).view(b, hkv, g_, d)
+        q_model[:, order] = q.view(b, hkv, g_, d)  # buffer head j's queries sit at head order[j] of q_model
+        got = attention(q_model.view(b, hkv * g_, d), *views, indexed=indexed, q_heads=order)
+        got = got.view(b, hkv, g_, d)[:, order].reshape(b, hkv * g_, d).float().cpu()
+    else:
+        got = attention(q, *views, indexed=indexed).float().cpu()
     picked = persist.gather(2, idx[..., None, None].expand(-1, -1, -1, 2, d))  # [B, n_indexed, caps[1], 2, D]
     rows = torch.cat([bufs[1], picked], 1).cpu()
     for i in range(b):  # the reference: one buffer holding the valid rows of both
@@ -102,8 +111,10 @@ def check_hybrid_attention(device, b, hkv, g_, d, caps, dtype, n_indexed=0, pers
 
 
 @pytest.mark.parametrize("n_indexed", [0, 1])
-def test_hybrid_attention_reference(n_indexed):
-    check_hybrid_attention("cpu", 2, 2, 3, 16, (40, 300), torch.float32, n_indexed, persist_len=500)
+@pytest.mark.parametrize("permuted", [False, True])
+def test_hybrid_attention_reference(n_indexed, permuted):
+    check_hybrid_attention("cpu", 2, 3, 3, 16, (40, 300), torch.float32, n_indexed, persist_len=500,
+                           permuted=permuted)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -132,23 +143,24 @@ def test_hybrid_attention_interpreted(caps, lens):
                     reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
 @pytest.mark.parametrize("hkv, n_indexed", [(3, 1), (2, 2)])  # 2, 2: every head indexed, the slots hold none
 @pytest.mark.parametrize("in_parts", [False, True])
-def test_hybrid_attention_indexed_interpreted(hkv, n_indexed, in_parts):
+@pytest.mark.parametrize("permuted", [False, True])
+def test_hybrid_attention_indexed_interpreted(hkv, n_indexed, in_parts, permuted):
     """One split launch for every head, or (in_parts, as CLO overlaps them) one for the heads read in place and
-    one for the indexed heads, then the merge."""
+    one for the indexed heads, then the merge; the queries in the buffers' head order or mapped (q_heads)."""
     pytest.importorskip("triton")
     from clo.kernels.decode_attention import SplitAttention, decode_attention_triton
 
-    def kernel(q, first, second, indexed):
+    def kernel(q, first, second, indexed, q_heads=None):
         if not in_parts:
-            return decode_attention_triton(q, *first, second=second, indexed=indexed)
-        parts = SplitAttention(q, *first, second, n_indexed)
+            return decode_attention_triton(q, *first, second=second, indexed=indexed, q_heads=q_heads)
+        parts = SplitAttention(q, *first, second, n_indexed, q_heads=q_heads)
         if parts.nc:
             parts.split(0, parts.nc)
         parts.split(parts.nc, hkv, indexed)
         return parts.merge()[0]
 
     check_hybrid_attention("cpu", 2, hkv, 2, 16, (70, 130), torch.float32, n_indexed, persist_len=400,
-                           attention=kernel)
+                           attention=kernel, permuted=permuted)
 
 
 @pytest.mark.gpu
@@ -156,7 +168,7 @@ def test_hybrid_attention_indexed_interpreted(hkv, n_indexed, in_parts):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n_indexed", [0, 2])
 def test_hybrid_attention_triton_matches_ref(caps, dtype, n_indexed):
-    check_hybrid_attention("cuda", 2, 8, 4, 128, caps, dtype, n_indexed, persist_len=20000)
+    check_hybrid_attention("cuda", 2, 8, 4, 128, caps, dtype, n_indexed, persist_len=20000, permuted=n_indexed > 0)
 
 
 def test_hybrid_attention_with_an_empty_buffer():

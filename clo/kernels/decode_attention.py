@@ -53,17 +53,19 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(Q, K, V, Lens, K2, V2, Lens2, PK, PV, Idx, NC, H0, NH, Out, M, L, sm_scale,
+    def _split_kernel(Q, QHeads, K, V, Lens, K2, V2, Lens2, PK, PV, Idx, NC, H0, NH, Out, M, L, sm_scale,
                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                       stride_k2b, stride_k2t, stride_k2h, stride_v2b, stride_v2t, stride_v2h,
                       stride_pkb, stride_pkt, stride_pkh, stride_pvb, stride_pvt, stride_pvh, stride_ib, stride_ih,
                       HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS1: tl.constexpr,
-                      SPLIT_LEN2: tl.constexpr, TWO: tl.constexpr, INDIRECT: tl.constexpr, BLOCK_N: tl.constexpr):
+                      SPLIT_LEN2: tl.constexpr, TWO: tl.constexpr, INDIRECT: tl.constexpr, MAPPED: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
         """Splits 0..SPLITS1-1 cover the first buffer, the rest (TWO) the second: one launch for both. With
         INDIRECT, KV heads NC.. take the second buffer's rows from PK/PV (their head kvh - NC) at the token indices
         Idx: a persistent head's selected rows are read where they lie, not gathered first. A launch covers KV
-        heads H0..H0+NH-1 (SplitAttention.split)."""
+        heads H0..H0+NH-1 (SplitAttention.split). With MAPPED, KV head kvh of the buffers reads the queries of
+        head QHeads[kvh] of Q (the merge writes its output there): no permuted copy of the queries."""
         split = tl.program_id(1)
         b = tl.program_id(0) // NH
         kvh = H0 + tl.program_id(0) % NH
@@ -94,7 +96,10 @@ if triton is not None:
                         indexed_end = length
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
-        q = tl.load(Q + b * stride_qb + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
+        qh = kvh
+        if MAPPED:
+            qh = tl.load(QHeads + kvh)
+        q = tl.load(Q + b * stride_qb + (qh * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
                     other=0.0)
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
@@ -122,9 +127,9 @@ if triton is not None:
         tl.store(L + row, l_i, mask=g < G)
 
     @triton.jit
-    def _merge_kernel(Out, M, L, O, Lse, stride_ob, stride_oh,
+    def _merge_kernel(Out, M, L, O, Lse, QHeads, stride_ob, stride_oh,
                       HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                      SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                      SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, MAPPED: tl.constexpr):
         """One program per query head, all its splits' maxima and sums in one load: the merge is a few loads
         deep, not one chain of loads per split (a serial loop over ~70 splits took 14 us on the H200)."""
         bhg = tl.program_id(0)
@@ -148,8 +153,11 @@ if triton is not None:
             part = tl.load(Out + ((bh * SPLITS + sc) * G + g)[:, None] * D + d[None, :], mask=(sc < SPLITS)[:, None],
                            other=0.0)
             acc += tl.sum(part * wc[:, None], 0)
-        tl.store(O + b * stride_ob + (kvh * G + g) * stride_oh + d, (acc / l_all).to(O.dtype.element_ty))
-        tl.store(Lse + bhg, m_safe + tl.log(l_all))
+        qh = kvh
+        if MAPPED:
+            qh = tl.load(QHeads + kvh)
+        tl.store(O + b * stride_ob + (qh * G + g) * stride_oh + d, (acc / l_all).to(O.dtype.element_ty))
+        tl.store(Lse + (b * HKV + qh) * G + g, m_safe + tl.log(l_all))
 
 
 def _splits(batch_kv_heads: int, capacity: int, block_n: int) -> tuple[int, int]:
@@ -167,11 +175,13 @@ class SplitAttention:
 
     `second` = (k2, v2, lengths2): attention over the union of both buffers. indexed_heads > 0: the last
     indexed_heads KV heads take their second-buffer rows from pk/pv at idx (split's `indexed`, hybrid_attention's
-    form); k2/v2 then hold only the heads before them."""
+    form); k2/v2 then hold only the heads before them. q_heads [Hkv] long: KV head j of the buffers serves the
+    query heads of KV head q_heads[j] of q, and the output is in q's order (CLO's stores keep their heads
+    permuted)."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                  second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, indexed_heads: int = 0,
-                 block_n: int = 64, num_warps: int = 4):
+                 block_n: int = 64, num_warps: int = 4, q_heads: torch.Tensor | None = None):
         b, h, d = q.shape
         self.hkv = hkv = k.shape[2]
         self.g = h // hkv
@@ -193,6 +203,8 @@ class SplitAttention:
         self.out = torch.empty_like(q)
         self.lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
         self.block_n, self.num_warps = block_n, num_warps
+        assert q_heads is None or (q_heads.shape == (hkv,) and q_heads.device == q.device)
+        self.q_heads = q_heads
 
     def split(self, h0: int, h1: int, indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         q, k, v, lengths = self.first
@@ -208,21 +220,25 @@ class SplitAttention:
             assert pk.stride(3) == pv.stride(3) == 1 and pk.dtype == pv.dtype == k.dtype
             check_offsets(pk, pv)
         _split_kernel[(b * (h1 - h0), self.splits)](
-            q, k, v, lengths, k2, v2, lengths2, pk, pv, idx, self.nc, h0, h1 - h0, self.part, self.m, self.l_,
+            q, self._heads(), k, v, lengths, k2, v2, lengths2, pk, pv, idx, self.nc, h0, h1 - h0, self.part, self.m, self.l_,
             1.0 / math.sqrt(d), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
             v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2), v2.stride(0), v2.stride(1),
             v2.stride(2), pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
             idx.stride(0), idx.stride(1), HKV=self.hkv, G=self.g,
             G_PAD=max(16, triton.next_power_of_2(self.g)),  # tl.dot needs at least 16 rows; G of them are stored
             D=d, SPLITS=self.splits, SPLIT_LEN=self.split_len, SPLITS1=self.splits1, SPLIT_LEN2=self.split_len2,
-            TWO=self.two, INDIRECT=indexed is not None, BLOCK_N=self.block_n, num_warps=self.num_warps)
+            TWO=self.two, INDIRECT=indexed is not None, MAPPED=self.q_heads is not None, BLOCK_N=self.block_n,
+            num_warps=self.num_warps)
+
+    def _heads(self) -> torch.Tensor:
+        return self.q_heads if self.q_heads is not None else self.lse  # unread without MAPPED
 
     def merge(self) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, d = self.out.shape
         splits_pad = triton.next_power_of_2(self.splits)
-        _merge_kernel[(b * h,)](self.part, self.m, self.l_, self.out, self.lse, self.out.stride(0),
+        _merge_kernel[(b * h,)](self.part, self.m, self.l_, self.out, self.lse, self._heads(), self.out.stride(0),
                                 self.out.stride(1), HKV=self.hkv, G=self.g, D=d, SPLITS=self.splits,
-                                SPLITS_PAD=splits_pad, CHUNK=min(32, splits_pad))
+                                SPLITS_PAD=splits_pad, CHUNK=min(32, splits_pad), MAPPED=self.q_heads is not None)
         return self.out, self.lse
 
 
@@ -235,10 +251,11 @@ def check_offsets(*buffers: torch.Tensor) -> None:
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                             block_n: int = 64, num_warps: int = 4, return_lse: bool = False,
                             second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                            indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                            indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                            q_heads: torch.Tensor | None = None):
     """Every head in one split launch and one merge (SplitAttention's arguments)."""
     parts = SplitAttention(q, k, v, lengths, second, indexed[2].shape[1] if indexed is not None else 0,
-                           block_n, num_warps)
+                           block_n, num_warps, q_heads)
     parts.split(0, parts.hkv, indexed)
     out, lse = parts.merge()
     return (out, lse) if return_lse else out
@@ -263,16 +280,23 @@ def gather_indexed(second: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 
 def hybrid_attention(q: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      second: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                     indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     q_heads: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over the union of two KV buffers, each (k, v, lengths) as decode_attention takes them,
     read where they lie (spec 2.7). `indexed` = (pk, pv, idx): the last Hp KV heads' second-buffer rows are
     pk/pv [B, T, Hp, D] at the token indices idx [B, Hp, k] (CLO's persistent heads: their full KV on the
     device, read at their top-k); `second` then holds the other heads. On CUDA one split kernel covers both
     and one merge combines them; the specification is the indexed rows gathered (`gather_indexed`), then
-    per-buffer attention merged by log-sum-exp (`merge_attention`)."""
+    per-buffer attention merged by log-sum-exp (`merge_attention`). q_heads: as SplitAttention's (the
+    specification permutes q's head groups, attends, and puts the output back in q's order)."""
     empty = first[0].shape[1] == 0 or second[0].shape[1] == 0  # no rows at all: the kernel needs both buffers
     if q.is_cuda and triton is not None and not empty:
-        return decode_attention_triton(q, *first, second=second, indexed=indexed)
+        return decode_attention_triton(q, *first, second=second, indexed=indexed, q_heads=q_heads)
+    if q_heads is not None:
+        b, h, d = q.shape
+        groups = q.view(b, q_heads.shape[0], -1, d)
+        out = hybrid_attention(groups[:, q_heads].reshape(b, h, d), first, second, indexed)
+        return out.view(groups.shape)[:, q_heads.argsort()].reshape(b, h, d)
     if indexed is not None:
         second = gather_indexed(second, indexed)
     if empty:
