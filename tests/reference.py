@@ -35,3 +35,17 @@ def exact_topk_attention(k0, v0, data, sink, recent, k_sel, dense_layers=0, sele
             row.append(res)
         out.append(row)
     return out
+
+
+def write_profile(path, s_hat) -> str:
+    """A reuse profile in experiments.profile's format, s_hat [layers][kv_heads]; returns its path (a str, as CLO's
+    `profile` setting takes it). s_hat -1 makes a head hard to reuse (Eq. 11), 1 easy."""
+    import json
+
+    path.write_text(json.dumps({"s_hat": [[float(x) for x in row] for row in s_hat]}))
+    return str(path)
+
+
+def first_head_hard(layers: int, kv_heads: int) -> list[list[float]]:
+    """s_hat that makes KV head 0 of every layer hard to reuse and the others easy."""
+    return [[-1.0] + [1.0] * (kv_heads - 1)] * layers

@@ -11,6 +11,7 @@ from clo.kv.interface import KVSpec
 from clo.model.config import ModelConfig
 from clo.model.weights import hf_decoder, synthetic_decoder
 from clo.system import CLO
+from tests.reference import write_profile
 from tests.test_config import CONF
 
 CPU = torch.device("cpu")
@@ -23,7 +24,7 @@ def run(model, system, prompt, n, stop=frozenset()):
     return generate(model, system, prompt, n, stop)
 
 
-def test_full_budget_clo_generates_fullattn_tokens_with_every_part_on():
+def test_full_budget_clo_generates_fullattn_tokens_with_every_part_on(tmp_path):
     cfg = ModelConfig(name="t", family="llama", hidden_size=128, intermediate_size=256, num_layers=5, num_heads=8,
                       num_kv_heads=2, head_dim=16, vocab_size=500, rope_theta=1e4, rms_norm_eps=1e-5,
                       max_position_embeddings=2048)
@@ -32,14 +33,10 @@ def test_full_budget_clo_generates_fullattn_tokens_with_every_part_on():
     # a profile that makes some heads hard: persistent heads and prefetch heads both exist
     s_hat = torch.full((5, 2), 0.95)
     s_hat[2:] = 0.1  # both KV heads of layers 2-4 are hard
-    profile = CONF.parent / "data" / "profiles" / "_test_tiny.json"
-    profile.write_text('{"s_hat": %s}' % s_hat.tolist())
-    try:
-        # N_p = floor(1 ms x 0.1 GB/s / (2 seqs x 300 rows x 128 B)) = 1: one prefetch head, one persistent
-        clo = CLO(topk_ratio=1.0, sink=4, recent=8, profile=str(profile), layer_time_ms=1.0, link_gb_s=0.1)
-        got = run(model, clo, prompt, 12)
-    finally:
-        profile.unlink()
+    profile = write_profile(tmp_path / "tiny.json", s_hat.tolist())
+    # N_p = floor(1 ms x 0.1 GB/s / (2 seqs x 300 rows x 128 B)) = 1: one prefetch head, one persistent
+    clo = CLO(topk_ratio=1.0, sink=4, recent=8, profile=profile, layer_time_ms=1.0, link_gb_s=0.1)
+    got = run(model, clo, prompt, 12)
     assert clo.plan.n_p == 1 and clo.wants_speculative_query
     assert sum(map(len, clo.plan.persistent)) == 3 and sum(map(len, clo.plan.prefetch)) == 3
     want = run(model, FullAttn(), prompt, 12)

@@ -10,7 +10,7 @@ from baselines.fullattn import FullAttn
 from clo.errors import ConfigError
 from clo.kv.interface import KVSpec
 from clo.system import CLO
-from tests.reference import exact_topk_attention
+from tests.reference import exact_topk_attention, first_head_hard, write_profile
 
 B, H, HKV, D, L, T0, STEPS = 2, 8, 2, 16, 3, 120, 5
 G = H // HKV
@@ -112,11 +112,8 @@ def test_statistics_and_memory_match_an_independent_count():
 def test_memory_counts_a_persistent_head_once(tmp_path):
     """A persistent head keeps its full KV on the device, counted under 'persistent', and has no slots; the
     held bytes are still the sum of the store's tensors."""
-    import json
-
-    profile = tmp_path / "first_head_hard.json"
-    profile.write_text(json.dumps({"s_hat": [[-1.0] + [1.0] * (HKV - 1)] * L}))
-    clo = make(persistent=True, profile=str(profile), layer_time_ms=0.1, link_gb_s=1e-3)
+    profile = write_profile(tmp_path / "first_head_hard.json", first_head_hard(L, HKV))
+    clo = make(persistent=True, profile=profile, layer_time_ms=0.1, link_gb_s=1e-3)
     feed([clo], steps=1)
     assert all(st.nc == HKV - 1 and st.slots.shape[1] == st.nc and st.persist.shape[1] == 1 for st in clo.stores)
     assert clo.memory_parts()["persistent"] == sum(st.persist.nbytes for st in clo.stores) == L * B * T0 * 2 * D * 4
@@ -128,13 +125,10 @@ def test_persistent_heads_select_with_the_configured_query(tmp_path, persist_que
     """Head 0 persistent, head 1 cached (forced misses, exact retriever), queries given one layer ahead: the cached
     head's top-k comes from the speculative query, the persistent head's from the real query or, with
     persist_query=speculative, from the speculative one too. Layer 0 has no layer before it: the real query."""
-    import json
-
-    profile = tmp_path / "first_head_hard.json"
-    profile.write_text(json.dumps({"s_hat": [[-1.0] + [1.0] * (HKV - 1)] * L}))
+    profile = write_profile(tmp_path / "first_head_hard.json", first_head_hard(L, HKV))
     # tau = 2 everywhere (every lookup misses); epsilon = -2 keeps head 1 easy under it (Eq. 11)
     clo = make(persistent=True, speculative=True, persist_query=persist_query, threshold_override=2.0,
-               epsilon=-2.0, profile=str(profile), layer_time_ms=0.1, link_gb_s=1e-3)
+               epsilon=-2.0, profile=profile, layer_time_ms=0.1, link_gb_s=1e-3)
     g = torch.Generator().manual_seed(7)
     k0, v0 = torch.randn(L, B, HKV, T0, D, generator=g), torch.randn(L, B, HKV, T0, D, generator=g)
     for layer in range(L):

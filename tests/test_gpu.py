@@ -156,14 +156,12 @@ def test_clo_persistent_heads_overlapped_attention(tmp_path, mode):
     prefetch it), decode's overlapped attention (the cached head's part on its own stream while the persistent
     head's top-k is selected, then one merge) equals one launch over every head, and graph replay gives the
     eager tokens; also with the persistent head selected one layer ahead (persist_query=speculative)."""
-    import json
-
     from clo.generate import generate
     from clo.model.weights import synthetic_decoder
     from clo.system import CLO
+    from tests.reference import first_head_hard, write_profile
 
-    profile = tmp_path / "one_hard_head.json"
-    profile.write_text(json.dumps({"s_hat": [[-1.0, 1.0]] * TINY.num_layers}))
+    profile = write_profile(tmp_path / "one_hard_head.json", first_head_hard(TINY.num_layers, 2))
     model = synthetic_decoder(TINY, 0, CUDA, torch.bfloat16)
     prompt = torch.randint(0, 2000, (2, 3000), device=CUDA)
     runs = []
@@ -172,7 +170,7 @@ def test_clo_persistent_heads_overlapped_attention(tmp_path, mode):
         # claim output places by atomics), and attention sums the rows in that order; the bf16 rounding of
         # the sums then differs, and greedy tokens of a random model follow (graph and eager differed at
         # step 4 of 24 with it: results/history/6b386b6_radix_order/)
-        kv = CLO(dense_layers=1, profile=str(profile), layer_time_ms=0.1, link_gb_s=1e-3, topk="torch",
+        kv = CLO(dense_layers=1, profile=profile, layer_time_ms=0.1, link_gb_s=1e-3, topk="torch",
                  persist_query="speculative" if mode == "speculative" else "real")
         kv.allocate(KVSpec(4, 2, 3040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA, enabled=not graph))
         if mode == "one_launch":
