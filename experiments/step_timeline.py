@@ -19,6 +19,8 @@ def kernels(path: Path) -> list[dict]:
 
 
 def summary(ks: list[dict], n_gaps: int) -> dict:
+    if not ks:
+        raise SystemExit("no GPU kernels in the trace (a CPU run records operators, not kernels)")
     by_stream = defaultdict(list)
     for k in ks:
         by_stream[k["stream"]].append(k)

@@ -149,3 +149,28 @@ def test_the_launchers_commit_wins_over_a_stale_git(monkeypatch):
     assert got["commit"] == "abc1234" and got["from"] == "CLO_GIT_COMMIT" and got["local_git_head"]
     monkeypatch.delenv("CLO_GIT_COMMIT")
     assert git_commit(ROOT)["commit"] == got["local_git_head"]
+
+
+def test_trace_dir_writes_one_decode_step(tmp_path):
+    """trace_dir=: the profiler records one steady step (here, on a CPU, its operators) into a Chrome trace."""
+    run("seqlen=64", *FAST, "workload.gen_tokens=8", "workload.warmup_steps=0", "system=clo",
+        f"trace_dir={tmp_path / 'trace'}", tmp=tmp_path)
+    events = json.loads((tmp_path / "trace" / "decode_step.trace.json").read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any("index_copy" in n for n in names)  # the step's own work (the dense layers' KV append)
+    trace = tmp_path / "trace" / "decode_step.trace.json"
+    p = subprocess.run([sys.executable, "-m", "experiments.step_timeline", str(trace)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "no GPU kernels" in p.stderr
+
+
+def test_step_timeline_finds_the_compute_streams_gaps():
+    from experiments.step_timeline import summary
+
+    ks = [{"name": "gemv", "stream": 1, "start": 0.0, "end": 65.0},
+          {"name": "topk", "stream": 2, "start": 10.0, "end": 70.0},  # the compute stream (longest kernel) waits for it
+          {"name": "attention", "stream": 1, "start": 71.0, "end": 80.0}]
+    out = summary(ks, 5)
+    assert out["compute_stream"] == 1 and out["span_us"] == 80.0
+    assert out["busy_us_by_stream"] == {1: 74.0, 2: 60.0} and out["compute_idle_us"] == 6.0
+    assert out["largest_gaps"] == [{"at_us": 65.0, "idle_us": 6.0, "next": "attention", "after_other_stream": "topk"}]
