@@ -6,7 +6,6 @@ Also the per-head distribution the paper plots (Fig. 4-6). Writes data/profiles/
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
@@ -19,10 +18,10 @@ from clo.generate import generate
 from clo.kv.interface import KVSpec
 from clo.model.config import ModelConfig
 from clo.model.weights import build_decoder
-from clo.paths import ROOT, write_json_atomic
+from clo.paths import ROOT
 from experiments import preflight
 from experiments.execute import load_tokenizer, weights_source
-from experiments.records import environment
+from experiments.records import environment, write_measurement
 from experiments.workloads import build_prompt
 
 
@@ -95,13 +94,8 @@ def profile(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
-        data = profile(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    out = Path(cfg.get("profile_out") or ROOT / "data" / "profiles" / f"{data['model']}.json")
-    write_json_atomic(out, data)
+    data, out = write_measurement(profile, cfg, lambda d: Path(cfg.get("profile_out")
+                                                               or ROOT / "data" / "profiles" / f"{d['model']}.json"))
     s = torch.tensor(data["s_hat"])
     print(f"s_hat over {s.numel()} heads: mean {s.mean():.3f}, min {s.min():.3f}, "
           f"{(s > 0.8).float().mean() * 100:.0f}% above 0.8 -> {out}")

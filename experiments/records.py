@@ -81,3 +81,21 @@ def environment(device: torch.device) -> dict[str, Any]:
     except ImportError:
         env["flashinfer"] = None
     return env
+
+
+def write_measurement(measure, cfg, out) -> tuple[dict, Path]:
+    """A measuring command's body: data = measure(cfg), written atomically to out(data) (a Path). A ConfigError
+    is printed and exits with status 2 before anything is written."""
+    import sys
+
+    from clo.errors import ConfigError
+    from clo.paths import write_json_atomic
+
+    try:
+        data = measure(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    path = out(data)
+    write_json_atomic(path, data)
+    return data, path

@@ -18,7 +18,6 @@ candidates) and the others.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import hydra
@@ -29,13 +28,13 @@ from baselines.fullattn import FullAttn
 from clo.errors import ConfigError
 from clo.layout import select_budget, split_prompt
 from clo.model.config import ModelConfig
+from clo.paths import ROOT
 from clo.policy.persistent import load_profile
 from clo.policy.thresholds import load_importance, thresholds
-from clo.paths import ROOT, write_json_atomic
 from clo.retrieval import ExactRetriever, HashRetriever, select_topk
 from experiments import preflight
 from experiments.profile import decode_real
-from experiments.records import environment
+from experiments.records import environment, write_measurement
 
 SELECTIONS = ("hash_real", "hash_speculative", "exact_speculative", "exact_real")
 
@@ -138,13 +137,8 @@ def measure(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
-        data = measure(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    out = Path(cfg.get("selection_out") or ROOT / "results" / f"speculative_selection_{data['model']}" / "record.json")
-    write_json_atomic(out, data)
+    data, out = write_measurement(measure, cfg, lambda d: Path(
+        cfg.get("selection_out") or ROOT / "results" / f"speculative_selection_{d['model']}" / "record.json"))
     for group, vals in data["summary"].items():
         print(f"{group:>12} " + " ".join(f"{k}={v}" for k, v in vals.items()))
     print(f"-> {out}")

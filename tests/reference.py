@@ -19,7 +19,7 @@ def exact_topk_attention(k0, v0, data, sink, recent, k_sel, dense_layers=0, sele
     out = []
     for step, inputs in enumerate(data):
         row = []
-        for layer, (q, _, _) in enumerate(inputs):
+        for layer, (q, *_) in enumerate(inputs):
             g = q.shape[1] // hkv
             gen_k = torch.stack([data[s][layer][1] for s in range(step + 1)], 2)  # [B, Hkv, n, D]
             gen_v = torch.stack([data[s][layer][2] for s in range(step + 1)], 2)

@@ -29,8 +29,10 @@ def make(**kw) -> CLO:
     return s
 
 
-def feed(systems, seed=0, steps=STEPS):
-    """Same random prompt and decode inputs into every system; returns per-step outputs of each, and the data."""
+def feed(systems, seed=0, steps=STEPS, speculative=False):
+    """Same random prompt and decode inputs into every system; returns per-step outputs of each, and the data
+    (per step and layer (q, k_new, v_new), and with `speculative` a 4th, the query given one layer ahead to
+    prepare(), independent of q)."""
     g = torch.Generator().manual_seed(seed)
     k0, v0 = torch.randn(L, B, HKV, T0, D, generator=g), torch.randn(L, B, HKV, T0, D, generator=g)
     for s in systems:
@@ -40,11 +42,17 @@ def feed(systems, seed=0, steps=STEPS):
     outs, data = [[] for _ in systems], []
     for _ in range(steps):
         step = [(torch.randn(B, H, D, generator=g), torch.randn(B, HKV, D, generator=g),
-                 torch.randn(B, HKV, D, generator=g)) for _ in range(L)]
+                 torch.randn(B, HKV, D, generator=g)) + ((torch.randn(B, H, D, generator=g),) if speculative else ())
+                for _ in range(L)]
         data.append(step)
         for s, o in zip(systems, outs):
             s.begin_step()
-            o.append([s.decode(layer, *step[layer]) for layer in range(L)])
+            row = []
+            for layer in range(L):
+                if speculative and layer + 1 < L:
+                    s.prepare(layer + 1, step[layer + 1][3])
+                row.append(s.decode(layer, *step[layer][:3]))
+            o.append(row)
             s.end_step()
     return outs, (k0, v0, data)
 
@@ -129,33 +137,17 @@ def test_persistent_heads_select_with_the_configured_query(tmp_path, persist_que
     # tau = 2 everywhere (every lookup misses); epsilon = -2 keeps head 1 easy under it (Eq. 11)
     clo = make(persistent=True, speculative=True, persist_query=persist_query, threshold_override=2.0,
                epsilon=-2.0, profile=profile, layer_time_ms=0.1, link_gb_s=1e-3)
-    g = torch.Generator().manual_seed(7)
-    k0, v0 = torch.randn(L, B, HKV, T0, D, generator=g), torch.randn(L, B, HKV, T0, D, generator=g)
-    for layer in range(L):
-        clo.prefill(layer, k0[layer], v0[layer])
-    clo.end_prefill(T0)
-    data, select, got = [], [], []
-    for _ in range(STEPS):
-        step = [(torch.randn(B, H, D, generator=g), torch.randn(B, HKV, D, generator=g),
-                 torch.randn(B, HKV, D, generator=g)) for _ in range(L)]
-        q_spec = [torch.randn(B, H, D, generator=g) for _ in range(L)]
+    (got,), (k0, v0, data) = feed([clo], seed=7, speculative=True)
+    assert all(st.persist is not None and st.nc == HKV - 1 for st in clo.stores)
+    select = []
+    for step in data:
         sel = [step[0][0]]
         for layer in range(1, L):
-            q_sel = q_spec[layer].clone()
+            q_sel = step[layer][3].clone()
             if persist_query == "real":
                 q_sel[:, :G] = step[layer][0][:, :G]  # KV head 0's query group
             sel.append(q_sel)
-        data.append(step)
         select.append(sel)
-        clo.begin_step()
-        row = []
-        for layer in range(L):
-            if layer + 1 < L:
-                clo.prepare(layer + 1, q_spec[layer + 1])
-            row.append(clo.decode(layer, *step[layer]))
-        clo.end_step()
-        got.append(row)
-    assert all(st.persist is not None and st.nc == HKV - 1 for st in clo.stores)
     want = exact_topk_attention(k0, v0, data, 4, 8, clo.stores[0].k, select=select)
     for s in range(STEPS):
         for layer in range(L):
