@@ -276,8 +276,8 @@ def main() -> None:
     if args.pipeline_layers > 1:
         per_layer = [floors(clo, dense, i, hbm, link) for i in layers]
         # pipelined, the link and HBM work of all the layers overlap: the floor is the larger of the two sums
-        floor = {case: round(max(sum(own_floor(f, case, "hbm") for f in per_layer),
-                                 sum(own_floor(f, case, "link") for f in per_layer)) / len(layers), 1) for case in CASES}
+        floor = {case: round(max(sum(own_floor(f, case, part) for f in per_layer) for part in ("hbm", "link"))
+                             / len(layers), 1) for case in CASES}
         res = pipeline_variants(clo, dense, layers)
         for key in list(res):
             case = next((c for c in CASES if key.endswith(c)), None)

@@ -50,7 +50,8 @@ class SelectionProbe(FullAttn):
         self.sink, self.recent, self.n_mid = split_prompt(prompt_len, sys_cfg["sink"], sys_cfg["recent"])
         self.k_sel = select_budget(prompt_len, sys_cfg["topk_ratio"], sys_cfg["sink"], sys_cfg["recent"])
         if not 0 < self.k_sel < self.n_mid:
-            raise ConfigError(f"top-k {self.k_sel} of a middle of {self.n_mid} tokens: nothing to select; a longer seqlen")
+            raise ConfigError(f"top-k {self.k_sel} of a middle of {self.n_mid} tokens: nothing to select; "
+                              "a longer seqlen")
         self.first_layer, self.group = first_layer, model_cfg.group_size
         args = (model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, torch.device("cpu"))
         self.hash = HashRetriever(*args, rbit=sys_cfg["rbit"], seed=sys_cfg["seed"])

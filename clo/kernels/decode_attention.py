@@ -220,8 +220,8 @@ class SplitAttention:
             assert pk.stride(3) == pv.stride(3) == 1 and pk.dtype == pv.dtype == k.dtype
             check_offsets(pk, pv)
         _split_kernel[(b * (h1 - h0), self.splits)](
-            q, self._heads(), k, v, lengths, k2, v2, lengths2, pk, pv, idx, self.nc, h0, h1 - h0, self.part, self.m, self.l_,
-            1.0 / math.sqrt(d), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+            q, self._heads(), k, v, lengths, k2, v2, lengths2, pk, pv, idx, self.nc, h0, h1 - h0, self.part, self.m,
+            self.l_, 1.0 / math.sqrt(d), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
             v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2), v2.stride(0), v2.stride(1),
             v2.stride(2), pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
             idx.stride(0), idx.stride(1), HKV=self.hkv, G=self.g,
