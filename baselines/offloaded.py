@@ -122,8 +122,8 @@ class OffloadedBaseline(KVOffloadSystem):
         return per_token * (sparse * attended + dense * (self.length + 1)) + self.memory_parts()["metadata"]
 
     def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
-        """Upper bound, taking the whole max_len as the prompt (as CLO's estimate)."""
-        return split_host(self.estimate_parts(spec, spec.max_len))
+        """The parts for the spec's prompt length (the whole max_len when it is not given)."""
+        return split_host(self.estimate_parts(spec, spec.prompt_tokens))
 
     def memory_held(self) -> MemoryEstimate:
         return split_host(self.memory_parts())

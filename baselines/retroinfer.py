@@ -88,10 +88,10 @@ class RetroInfer(OffloadedBaseline):
         return -n_mid % self.block_size
 
     def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
-        n_mid = split_prompt(spec.max_len, self.sink, self.recent)[2]
+        n_mid = split_prompt(spec.prompt_tokens, self.sink, self.recent)[2]
         if 0 < n_mid < self.block_size:
             raise ConfigError(f"block_size={self.block_size} is larger than the {n_mid} retrievable middle tokens "
-                              f"(max_len {spec.max_len} minus sink {self.sink} and recent {self.recent})")
+                              f"(prompt {spec.prompt_tokens} minus sink {self.sink} and recent {self.recent})")
         return super().estimate_memory(spec)
 
     def estimate_parts(self, spec: KVSpec, t0: int) -> dict[str, int]:

@@ -19,7 +19,7 @@ from clo.errors import ConfigError
 from clo.kernels.decode_attention import decode_attention
 from clo.kernels.head_cache import lookup_and_update
 from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
-from clo.layout import LayerStore, check_budget, select_budget
+from clo.layout import LayerStore, check_budget, select_budget, split_prompt
 from clo.policy.persistent import HeadPlan, heads_per_layer_time, load_profile, plan_persistent_heads
 from clo.policy.thresholds import AGGREGATIONS, load_importance, thresholds
 from clo.retrieval import RETRIEVERS, check_topk_method, make_retriever
@@ -99,21 +99,33 @@ class CLO(KVOffloadSystem):
         return select_budget(prompt_len, self.cfg["topk_ratio"], self.cfg["sink"], self.cfg["recent"])
 
     def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
-        """Upper bound, taking the whole max_len as prompt; the persistent heads as planned."""
+        """memory_parts() from the shapes alone, for the spec's prompt length (max_len when it is not given), with
+        the persistent heads as planned."""
+        parts = self.estimate_parts(spec)
+        return MemoryEstimate(device_bytes=sum(v for k, v in parts.items() if k != "host"), host_bytes=parts["host"])
+
+    def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
         if not hasattr(self, "plan"):
             self._policy(spec)
-        row, t = self._row_bytes(spec), spec.max_len
-        dense = min(self.cfg["dense_layers"], spec.num_layers)
-        per_seq = 0
+        c, row, t0, b, hkv = self.cfg, self._row_bytes(spec), spec.prompt_tokens, spec.batch, spec.num_kv_heads
+        sink, recent, n_mid = split_prompt(t0, c["sink"], c["recent"])
+        k, g = self._k_select(t0), spec.group_size
+        if c["retriever"] == "hash":
+            meta_per_token = c["rbit"] // 8 + 4  # codes + key norm
+        else:
+            meta_per_token = spec.head_dim * spec.dtype_bytes  # the oracle keeps the keys
+        dense = min(c["dense_layers"], spec.num_layers)
+        parts = {"slots": 0, "labels": 0, "persistent": 0, "window": 0, "metadata": 0,
+                 "dense_layers": b * dense * hkv * spec.max_len * row, "host": 0}
         for layer in range(dense, spec.num_layers):
-            n_persist = len(self.plan.persistent[layer])
-            per_seq += row * t * n_persist  # persistent full KV
-            per_seq += row * self._k_select(t) * (spec.num_kv_heads - n_persist)  # slots
-            per_seq += row * (self.cfg["sink"] + self.cfg["recent"]) * spec.num_kv_heads  # window
-            per_seq += (self.cfg["rbit"] // 8 + 4) * t * spec.num_kv_heads  # hash codes + key norms
-        per_seq += row * t * spec.num_kv_heads * dense
-        host = row * t * spec.num_kv_heads * (spec.num_layers - dense)
-        return MemoryEstimate(device_bytes=spec.batch * per_seq, host_bytes=spec.batch * host)
+            nc = hkv - len(self.plan.persistent[layer])
+            parts["slots"] += b * nc * k * (row + 8)  # rows + their token indices
+            parts["labels"] += b * nc * (g * spec.head_dim * 4 + 1)  # fp32 labels + valid flag
+            parts["persistent"] += b * (hkv - nc) * t0 * row
+            parts["window"] += b * hkv * (sink + recent + spec.max_len - t0) * row
+            parts["metadata"] += b * hkv * n_mid * meta_per_token
+            parts["host"] += b * hkv * t0 * row
+        return parts
 
     def _allocate(self, spec: KVSpec) -> None:
         self._policy(spec)  # again: the spec now carries the measured layer time

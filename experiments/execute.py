@@ -57,7 +57,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     source = weights_source(cfg.model)
     system: KVOffloadSystem = instantiate(cfg.system)
     spec = KVSpec(model_cfg.num_layers, batch, seqlen + gen_tokens, model_cfg.num_heads, model_cfg.num_kv_heads,
-                  model_cfg.head_dim, dtype, device)
+                  model_cfg.head_dim, dtype, device, prompt_len=seqlen)
     plan = preflight.plan_memory(model_cfg, system, spec, seqlen)
     what = f"system={system_name} model={model_cfg.name} seqlen={seqlen} batch={batch}"
     budget = preflight.check_memory(plan, device, cfg.hardware.gpu_mem_gb, what)

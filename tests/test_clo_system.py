@@ -154,6 +154,21 @@ def test_persistent_heads_select_with_the_configured_query(tmp_path, persist_que
             torch.testing.assert_close(got[s][layer], want[s][layer], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(retriever="hash"), dict(persistent=True, speculative=True),
+                                dict(dense_layers=1, retriever="hash", persistent=True, speculative=True)])
+def test_memory_estimate_is_what_allocate_and_prefill_hold(tmp_path, kw):
+    """From the shapes alone, with the prompt length given, the estimate is the memory the stores hold after the
+    prefill and the steps, part by part (the generated tokens' window rows included); without it, the prompt is
+    taken to be max_len."""
+    if kw.get("persistent"):
+        kw["profile"] = write_profile(tmp_path / "first_head_hard.json", first_head_hard(L, HKV))
+        kw.update(layer_time_ms=0.1, link_gb_s=1e-3)
+    clo = make(**kw)
+    feed([clo], steps=2)
+    assert clo.estimate_parts(KVSpec(**{**spec().__dict__, "prompt_len": T0})) == clo.memory_parts()
+    assert clo.estimate_parts(spec())["host"] == clo.memory_parts()["host"] * (T0 + STEPS) // T0
+
+
 def test_a_hit_keeps_slot_and_label():
     clo = make(threshold_override=-2.0)  # every lookup after the first fill hits
     g = torch.Generator().manual_seed(3)

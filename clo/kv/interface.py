@@ -33,6 +33,13 @@ class KVSpec:
     device: torch.device
     gpu_budget_bytes: int | None = None  # None: no budget set (CPU runs, or the whole device)
     layer_time_s: float | None = None  # measured time of one decoder layer's dense compute at this batch
+    # the prompt's length when known: memory estimates then count the generated tokens a system keeps on the
+    # device; None assumes a prompt of max_len tokens (no generated rows)
+    prompt_len: int | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.max_len if self.prompt_len is None else self.prompt_len
 
     @property
     def group_size(self) -> int:
