@@ -194,11 +194,11 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     st.topk = "torch"
     variants["torch_topk"] = layer_parts()
     st.topk = clo.cfg["topk"]
-    default = clo.cfg["persist_query"]
+    mode0 = clo.cfg["persist_query"]
     for mode in PERSIST_QUERIES:  # the persistent heads' top-k on the critical path, or one layer ahead
         clo.cfg["persist_query"] = mode
         variants[f"persist_query_{mode}"] = layer_parts()
-    clo.cfg["persist_query"] = default
+    clo.cfg["persist_query"] = mode0
     default = clo.transfer.uva_programs
     for cap in uva_programs:
         clo.transfer.uva_programs = cap
