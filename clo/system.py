@@ -294,7 +294,7 @@ class CLO(KVOffloadSystem):
             persist_idx = st.select_persistent(st.permute_q(q), self.retriever, layer)
         with self.phase("attention"):
             parts.split(st.nc, parts.hkv, st.persist_rows(persist_idx))
-            compute.wait_stream(self.attn_stream)  # the buffers and qp are freed on this stream, after the join
+            compute.wait_stream(self.attn_stream)  # the buffers and q are freed on this stream, after the join
             return parts.merge()[0]
 
     def end_step(self):

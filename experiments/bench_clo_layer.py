@@ -21,7 +21,6 @@ hit' only the prefetch heads' (they are refreshed every step by design). The par
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ from clo.paths import ROOT, write_json_atomic
 from clo.system import CLO, PERSIST_QUERIES
 from experiments.bench_clo import DEV, LLAMA3, UVA_PROGRAMS
 from experiments.records import environment
+from experiments.step_timeline import kernels
 
 
 def build(seqlen: int, layers: list[int], persist_query: str = "real", layer_time_ms: float | None = None,
@@ -127,14 +127,13 @@ def kernel_timeline(fn, path: Path) -> list[dict]:
         graph.replay()
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(path))
-    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
-    kernels.sort(key=lambda e: e["ts"])
-    if not kernels:  # a profiler that does not see inside graphs
+    ks = kernels(path)
+    if not ks:  # a profiler that does not see inside graphs
         return []
-    last = kernels[len(kernels) - len(kernels) // 3:]
-    t0 = last[0]["ts"]
-    return [{"name": e["name"][:60], "stream": e["args"].get("stream"), "start_us": round(e["ts"] - t0, 1),
-             "dur_us": round(e["dur"], 1)} for e in last]
+    last = ks[len(ks) - len(ks) // 3:]
+    t0 = last[0]["start"]
+    return [{"name": k["name"][:60], "stream": k["stream"], "start_us": round(k["start"] - t0, 1),
+             "dur_us": round(k["end"] - k["start"], 1)} for k in last]
 
 
 def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: Path | None = None) -> dict:

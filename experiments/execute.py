@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import statistics
 import sys
 from pathlib import Path

@@ -7,12 +7,14 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from clo.paths import ROOT
+from clo.errors import ConfigError
+from clo.paths import ROOT, write_json_atomic
 
 # Overrides that change where or how a run is reported, not what it measures.
 NOT_IDENTITY = ("results_dir", "force", "wandb.", "hydra.")
@@ -86,11 +88,6 @@ def environment(device: torch.device) -> dict[str, Any]:
 def write_measurement(measure, cfg, out) -> tuple[dict, Path]:
     """A measuring command's body: data = measure(cfg), written atomically to out(data) (a Path). A ConfigError
     is printed and exits with status 2 before anything is written."""
-    import sys
-
-    from clo.errors import ConfigError
-    from clo.paths import write_json_atomic
-
     try:
         data = measure(cfg)
     except ConfigError as e:
