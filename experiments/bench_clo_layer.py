@@ -6,7 +6,7 @@ that layer (DuoAttention importance, the llama3-from-smollm2 reuse profile, the 
 Hit rates are forced, not simulated: 'all miss' moves every cached head's top-k rows (the worst step), 'all
 hit' only the prefetch heads' (they are refreshed every step by design). The parts:
 
-  dense        norms, projections, MLP (the model's work; T_comp)
+  dense        norms, projections, MLP (the model's work; T_comp), and the next layer's speculative query
   lookup       fused lookup + label update          retrieval  hash scores + top-k of the cached heads
   transfer     UVA gather of the missed rows        persistent top-k of the persistent heads (read in place)
   attention    hybrid attention over window + selected rows
@@ -24,9 +24,12 @@ import argparse
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from clo.bench.bandwidth import capture, copy_bandwidth_gb_s, dense_work, layer_time_s, pinned_h2d_gb_s, replay_ms
 from clo.kernels import radix_topk
+from clo.kernels.dense_ops import silu_mul
+from clo.kernels.gemv import linear, linear_silu_mul
 from clo.kernels.head_cache import lookup_and_update
 from clo.kv.interface import KVSpec
 from clo.kv.timer import PhaseTimer
@@ -105,12 +108,12 @@ def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
     for the next layer's selection; results/history/f73ec52_contention/, c6305d4_dense_waits/.)"""
     stores = [clo.stores[i] for i in layers]
     mode0 = clo.cfg["persist_query"]
-    out = {"dense": round(replay_ms(dense_work(dense, 1), reps=10) * 1e3, 1)}
+    out = {"dense": round(replay_ms(dense_work(dense, 1, True), reps=10) * 1e3, 1)}
     try:
         for mode in PERSIST_QUERIES:
             clo.cfg["persist_query"] = mode
             for case in CASES:
-                out[f"{mode}_{case}"] = forced(stores, case, lambda: pipeline_us(clo, dense_work(dense, 1), layers))
+                out[f"{mode}_{case}"] = forced(stores, case, lambda: pipeline_us(clo, dense_work(dense, 1, True), layers))
     finally:
         clo.cfg["persist_query"] = mode0
     return out
@@ -145,7 +148,7 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     idx = st.retrieve(clo.retriever, layer, qp, st.cached)
     all_miss = torch.ones(1, st.nc, dtype=torch.bool, device=DEV)
     persist_idx = st.select_persistent(qp, clo.retriever, layer)
-    dense_step = dense_work(dense, 1)
+    dense_step = dense_work(dense, 1, True)
 
     def main_work():  # what the compute stream does while the side stream prepares the next layer, in a decode
         # step's order: attention (after the persistent heads' top-k with persist_query=real; with speculative,
@@ -175,7 +178,8 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     scores = clo.retriever.scores(layer, qp, st.cached)
     out = {
         "dense": timed(dense_step),
-        "dense.gemvs": timed(gemvs(dense)),  # its projections alone: the rest is norms, RoPE, SiLU and additions
+        "dense.gemvs": timed(gemvs(dense)),  # its projections alone: the rest is norms, RoPE and additions
+        "dense.gemvs_cublas": timed(gemvs(dense, cublas=True)),
         "lookup": timed(lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
                                                   "mean")),
         "attention": timed(lambda: st.attend(q, clo.win_len, persist_idx)),  # one launch, every head
@@ -216,13 +220,17 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     return out
 
 
-def gemvs(layer: Layer):
-    """A closure running only a decode step's four projections of `layer` (q/k/v, o, gate/up, down)."""
+def gemvs(layer: Layer, cublas: bool = False):
+    """A closure running only a decode step's projections of `layer` (q/k/v, o, gate/up with the SiLU-multiply,
+    down, the speculative q) with the decoder's GEMV kernels, or with cuBLAS (F.linear, then the SiLU-multiply)."""
     p = layer.input_layernorm.weight
     a, m = layer.self_attn, layer.mlp
     x = torch.randn(1, 1, p.shape[0], device=p.device, dtype=p.dtype)
     inter = torch.randn(1, 1, m.down_proj.in_features, device=p.device, dtype=p.dtype)
-    return lambda: (a.qkv_proj(x), a.o_proj(x), m.gate_up_proj(x), m.down_proj(inter))
+    one, gated = (F.linear, lambda x, w: silu_mul(F.linear(x, w))) if cublas else (linear, linear_silu_mul)
+    w_q = a.qkv_proj.weight[: a.h * a.d]
+    return lambda: (one(x, a.qkv_proj.weight), one(x, a.o_proj.weight), gated(x, m.gate_up_proj.weight),
+                    one(inter, m.down_proj.weight), one(x, w_q))
 
 
 def floors(clo: CLO, dense: Layer, layer: int, hbm: float, link: float) -> dict:
@@ -239,6 +247,8 @@ def floors(clo: CLO, dense: Layer, layer: int, hbm: float, link: float) -> dict:
         "hbm_gb_s": round(hbm / 1e3, 1),
         "transfer_floor_us": round(st.nc * st.k * row / link, 1),
         "dense_floor_us": round(weights / hbm, 1),
+        # CLO's one-layer-ahead query reads the next layer's W_Q a second time in every step
+        "speculative_query_floor_us": round(LLAMA3.num_heads * LLAMA3.head_dim * LLAMA3.hidden_size * 2 / hbm, 1),
         "retrieval_floor_us": round(meta / hbm, 1),
         "attention_floor_us": round(attended / hbm, 1),
         "cached_heads": st.nc, "persistent_heads": n_persist, "prefetch_heads": int(st.prefetch_mask.sum()),
@@ -285,7 +295,7 @@ def main() -> None:
         pipeline = {"layers": layers, "floor_us": floor, "us": res}
         if args.trace is not None:  # all hit, this run's persist_query
             pipeline["timeline_all_hit"] = forced([clo.stores[i] for i in layers], "all_hit", lambda: kernel_timeline(
-                pipeline_step(clo, dense_work(dense, 1), layers), args.trace / "pipeline_all_hit.trace.json"))
+                pipeline_step(clo, dense_work(dense, 1, True), layers), args.trace / "pipeline_all_hit.trace.json"))
         print(f"{'pipeline':>24} " + " ".join(f"{k}={v}" for k, v in res.items()))
     write_json_atomic(args.out, {"bench": "clo_layer", "seqlen": args.seqlen, "layer": args.layer,
                                  "persist_query": args.persist_query,
@@ -295,7 +305,7 @@ def main() -> None:
 
 def own_floor(fl: dict, case: str, part: str = "both") -> float:
     """A layer's own floor for a case: HBM (weights + metadata + attended rows) vs the link (the moved rows)."""
-    hbm = fl["dense_floor_us"] + fl["retrieval_floor_us"] + fl["attention_floor_us"]
+    hbm = fl["dense_floor_us"] + fl["speculative_query_floor_us"] + fl["retrieval_floor_us"] + fl["attention_floor_us"]
     link = fl["transfer_floor_us"] if case == "all_miss" else fl["transfer_floor_all_hit_us"]
     return {"hbm": hbm, "link": link, "both": max(hbm, link)}[part]
 

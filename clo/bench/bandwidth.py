@@ -72,9 +72,10 @@ def capture(fn, reps: int = 1) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def dense_work(layer, batch: int):
+def dense_work(layer, batch: int, speculative: bool = False):
     """A closure running one decoder layer's dense work for a decode step of `batch` sequences, as
-    Decoder.dense_segment does it (o_proj, MLP, norms, q/k/v with RoPE; no attention, no speculative query)."""
+    Decoder.dense_segment does it (o_proj, MLP, norms, q/k/v with RoPE; no attention). speculative: the next
+    layer's speculative query too (its norm and q projection; `layer`'s weights stand in for the next layer's)."""
     p = layer.input_layernorm.weight
     a = layer.self_attn
     x = torch.randn(batch, 1, p.shape[0], device=p.device, dtype=p.dtype)
@@ -84,7 +85,9 @@ def dense_work(layer, batch: int):
 
     def work():
         y, mlp_out = layer.decode_mlp(x, o)
-        h, _ = layer.input_layernorm.add_and_norm(y, mlp_out)
+        h, y = layer.input_layernorm.add_and_norm(y, mlp_out)
+        if speculative:
+            a.decode_query(layer.input_layernorm(y), position, inv_freq)
         return a.decode_qkv(h, position, inv_freq)
 
     return work

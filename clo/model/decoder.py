@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clo.kernels.dense_ops import rms_norm, rope, silu_mul
+from clo.kernels.gemv import linear, linear_silu_mul
 from clo.kv.interface import KVOffloadSystem
 from clo.model.config import ModelConfig
 from clo.model.rope import Rotary, apply_rotary
@@ -54,13 +55,14 @@ class Attention(nn.Module):
     def decode_qkv(self, x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor):
         """One decode step: x [B, 1, hidden] (normed) -> q [B, H, D], k and v [B, Hkv, D], RoPE'd at position[0]
         in place (one kernel for q and k)."""
-        y = rope(self.qkv_proj(x).view(x.shape[0], -1, self.d), self.h + self.hkv, position, inv_freq)
+        y = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(x.shape[0], -1, self.d)
+        y = rope(y, self.h + self.hkv, position, inv_freq)
         return tuple(t.contiguous() for t in y.split([self.h, self.hkv, self.hkv], dim=1))  # views when B = 1
 
     def decode_query(self, x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """x [B, 1, hidden] (normed) -> q [B, H, D] at position[0]: the speculative query of spec 2.3."""
         n, bias = self.h * self.d, self.qkv_proj.bias
-        q = F.linear(x, self.qkv_proj.weight[:n], None if bias is None else bias[:n])  # q's rows of the fused weight
+        q = linear(x, self.qkv_proj.weight[:n], None if bias is None else bias[:n])  # q's rows of the fused weight
         return rope(q.view(x.shape[0], self.h, self.d), self.h, position, inv_freq)
 
 
@@ -74,6 +76,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """One decode step's MLP: at one row, two GEMV kernels (gate/up with the SiLU-multiply, then down)."""
+        return linear(linear_silu_mul(x, self.gate_up_proj.weight), self.down_proj.weight)
 
 
 # HF's separate projections and the fused one each group is loaded into (gpt-fast's wqkv, vLLM's qkv_proj)
@@ -111,8 +117,9 @@ class Layer(nn.Module):
     def decode_mlp(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step after attention: x [B, 1, hidden] the layer's input, o [B, H, D] its attention output
         -> (x + o_proj(o), the MLP's output). The MLP's residual addition is left to the next norm's kernel."""
-        h, x = self.post_attention_layernorm.add_and_norm(x, self.self_attn.o_proj(o.reshape(o.shape[0], 1, -1)))
-        return x, self.mlp(h)
+        o = linear(o.reshape(o.shape[0], 1, -1), self.self_attn.o_proj.weight)
+        h, x = self.post_attention_layernorm.add_and_norm(x, o)
+        return x, self.mlp.decode(h)
 
 
 class Body(nn.Module):
@@ -217,7 +224,7 @@ class Decoder(nn.Module):
             x, mlp_out = layers[i - 1].decode_mlp(x, o)
             h, x = norm.add_and_norm(x, mlp_out)
         if i == len(layers):
-            return (self.lm_head(h)[:, 0].float(),)
+            return (linear(h, self.lm_head.weight)[:, 0].float(),)
         inv_freq = self.rotary().inv_freq
         q, k, v = layers[i].self_attn.decode_qkv(h, position, inv_freq)
         q_spec = None

@@ -1,0 +1,100 @@
+"""A decode step's projections at BSZ 1: y = x W^T (+ b) for one row x, as one memory-bound Triton kernel, and
+the MLP's gate/up projection with SiLU(gate) * up in the same kernel.
+
+Why not cuBLAS: at one row its GEMVs stream a Llama-3-8B layer's weights at ~3.4 of the 4.1 TB/s a device copy
+reaches on the H200 (results/bench/README.md), and every system's decode step is mostly those bytes. Each
+program here owns BLOCK_N output rows and streams them along K with wide loads, so the kernel is a plain
+weight stream; the launch parameters come from experiments/tune_gemv.py. `linear_ref` / `linear_silu_mul_ref`
+are the specification; the public functions take the kernel for one CUDA row and the reference otherwise
+(prefill, batches, the CPU).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from clo.kernels.dense_ops import silu_mul_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: the references are used
+    triton = None
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def linear_silu_mul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight [2I, K] (gate rows, then up rows) -> SiLU(x gate^T) * (x up^T), [..., I]."""
+    return silu_mul_ref(F.linear(x, weight))
+
+
+def _one_cuda_row(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda and x.numel() == x.shape[-1]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return gemv_triton(x, weight, bias) if _one_cuda_row(x) else linear_ref(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return gemv_triton(x, weight, gated=True) if _one_cuda_row(x) else linear_silu_mul_ref(x, weight)
+
+
+def launch_params(n: int, k: int) -> tuple[int, int, int]:
+    """(output rows per program, K per load, warps) for an [n, k] weight: chosen from experiments/tune_gemv.py's
+    run on the H200 (results/bench/gemv_tuning.json). Enough programs to fill every SM several times over, each
+    streaming a few KB per step of its loop."""
+    block_n = 8 if n * k >= (1 << 24) else 4
+    return block_n, 512, 4
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+                params: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] holding one row; weight [N, K] with unit stride along K. gated: N = 2I, returns
+    SiLU(gate) * up [..., I]. params overrides launch_params (the tuning script's sweep)."""
+    n, k = weight.shape
+    if x.shape[-1] != k or weight.stride(1) != 1:
+        raise ValueError(f"gemv: x [..., {x.shape[-1]}] against weight {tuple(weight.shape)} "
+                         f"with strides {weight.stride()}")
+    n_out = n // 2 if gated else n
+    y = torch.empty(*x.shape[:-1], n_out, device=x.device, dtype=x.dtype)
+    block_n, block_k, warps = params or launch_params(n, k)
+    _gemv_kernel[(triton.cdiv(n_out, block_n),)](
+        x.reshape(-1), weight, bias if bias is not None else weight, y, n_out, k, weight.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(X, W, Bias, Y, N, K, stride_w, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        cols = tl.arange(0, BLOCK_K)
+        w_rows = W + rows.to(tl.int64)[:, None] * stride_w
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # gated: the up rows, N rows further on
+        for k0 in range(0, K, BLOCK_K):
+            col_ok = k0 + cols < K
+            x = tl.load(X + k0 + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            mask = row_ok[:, None] & col_ok[None, :]
+            # the weights are read once per step: do not let them push x out of the cache
+            w = tl.load(w_rows + k0 + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            acc += w.to(tl.float32) * x
+            if GATED:
+                u = tl.load(w_rows + N * stride_w + k0 + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_first")
+                acc_up += u.to(tl.float32) * x
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(Bias + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if GATED:  # rounded where silu_mul_ref rounds: the projections, SiLU(gate), the product
+            g = y.to(Y.dtype.element_ty).to(tl.float32)
+            up = tl.sum(acc_up, axis=1).to(Y.dtype.element_ty).to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32) * up
+        tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)

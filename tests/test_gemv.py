@@ -1,0 +1,78 @@
+"""The decode-step GEMV kernel (plain, with bias, with SiLU(gate) * up fused) against its torch reference, in the
+Triton interpreter (TRITON_INTERPRET=1) and on the GPU; the dispatch keeps everything but one CUDA row on torch."""
+import os
+
+import pytest
+import torch
+
+from clo.kernels.gemv import linear, linear_ref, linear_silu_mul, linear_silu_mul_ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernels on the CPU")
+gpu = pytest.mark.gpu
+
+
+def randn(*shape, seed=0, dtype=torch.bfloat16, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+
+
+def check(device, n, k, dtype, bias, gated, params=None):
+    """One row against the reference on the same inputs. Plain: against the fp32 product, which the kernel's fp32
+    sums round once (a bf16 step of outputs of size ~sqrt(k)). Gated: against the reference's own roundings
+    (the projections, SiLU, the product): a step in one of them moves the result by up to three steps, more where
+    the interpreter truncates instead of rounding."""
+    from clo.kernels.gemv import gemv_triton
+
+    x, w = randn(1, 1, k, seed=1, dtype=dtype, device=device), randn(n, k, seed=2, dtype=dtype, device=device)
+    b = randn(n, seed=3, dtype=dtype, device=device) if bias else None
+    got = gemv_triton(x, w, b, gated=gated, params=params).cpu()
+    want = (linear_silu_mul_ref(x.cpu(), w.cpu()).float() if gated
+            else linear_ref(x.cpu().float(), w.cpu().float(), None if b is None else b.cpu().float()))
+    assert got.shape == (1, 1, n // 2 if gated else n) and got.dtype == dtype and not got.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7 if not gated else 2 ** -5 if device == "cpu" else 2 ** -6
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * k ** 0.5)
+
+
+@interpreter
+@pytest.mark.parametrize("n,k,bias,gated", [(24, 1024, False, False), (13, 700, True, False), (40, 600, False, True)])
+def test_gemv_interpreted(n, k, bias, gated):  # 13 x 700: masked rows and a masked last step along K
+    check("cpu", n, k, torch.bfloat16, bias, gated)
+
+
+@gpu
+@pytest.mark.parametrize("n,k,dtype,bias,gated", [
+    (6144, 4096, torch.bfloat16, False, False),   # Llama-3-8B q/k/v
+    (4096, 14336, torch.bfloat16, False, False),  # down
+    (28672, 4096, torch.bfloat16, False, True),   # gate/up with SiLU-multiply
+    (7168, 5120, torch.bfloat16, True, False),    # Qwen2.5-14B q/k/v, with bias
+    (1000, 576, torch.float32, True, False),      # masked rows, fp32
+    (30, 1000, torch.bfloat16, False, True)])     # masked everything, gated
+def test_gemv_triton_matches_ref(n, k, dtype, bias, gated):
+    check("cuda", n, k, dtype, bias, gated)
+
+
+@gpu
+@pytest.mark.parametrize("params", [(4, 256, 4), (16, 512, 8), (2, 1024, 4)])
+def test_gemv_triton_matches_ref_at_other_launch_params(params):
+    check("cuda", 4096, 4096, torch.bfloat16, False, False, params)
+    check("cuda", 2048, 4096, torch.bfloat16, False, True, params)
+
+
+@gpu
+def test_dispatch_uses_the_kernel_for_one_row_only():
+    x, w = randn(2, 1, 256, device="cuda"), randn(64, 256, seed=4, device="cuda")
+    torch.testing.assert_close(linear(x, w), linear_ref(x, w))  # two rows: torch
+    torch.testing.assert_close(linear_silu_mul(x, w), linear_silu_mul_ref(x, w))
+    torch.testing.assert_close(linear(x[:1], w), linear_ref(x[:1], w), rtol=2 ** -7, atol=0.2)
+
+
+def test_dispatch_on_cpu_is_the_reference():
+    x, w, b = randn(3, 1, 32), randn(8, 32, seed=1), randn(8, seed=2)
+    assert torch.equal(linear(x, w, b), linear_ref(x, w, b))
+    assert torch.equal(linear_silu_mul(x[:1], w), linear_silu_mul_ref(x[:1], w))
+
+
+def test_shape_mismatch_is_a_clear_error():
+    from clo.kernels.gemv import gemv_triton
+    with pytest.raises(ValueError, match="gemv"):
+        gemv_triton(randn(1, 1, 32), randn(8, 16))
