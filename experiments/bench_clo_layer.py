@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from clo.bench.bandwidth import capture, copy_bandwidth_gb_s, dense_work, layer_time_s, pinned_h2d_gb_s, replay_ms
 from clo.kernels import radix_topk
+from clo.kernels.decode_attention import decode_attention_triton
 from clo.kernels.dense_ops import silu_mul
 from clo.kernels.gemv import linear, linear_silu_mul
 from clo.kernels.head_cache import lookup_and_update
@@ -212,12 +213,23 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         variants[f"uva_warps_{warps}"] = layer_parts()
     clo.transfer.uva_warps = 4
     out["variants"] = variants
+    out["attention_variants"] = attention_variants(st, q, clo.win_len, persist_idx, timed)
     if trace is not None:
         trace.mkdir(parents=True, exist_ok=True)
         for case in CASES:
             out[f"timeline_{case}"] = forced(st, case, lambda: kernel_timeline(layer_work,
                                                                                 trace / f"layer_{case}.trace.json"))
     return out
+
+
+def attention_variants(st, q, win_len, persist_idx, timed) -> dict:
+    """The hybrid attention's launch parameters (rows per block, warps, programs per buffer): which the defaults
+    (64, 4, 512) should be for CLO's buffers."""
+    window, slots = st.buffers(win_len)
+    indexed = st.persist_rows(persist_idx)
+    return {f"{bn}/{w}/{p}": timed(lambda: decode_attention_triton(q, *window, bn, w, second=slots, indexed=indexed,
+                                                                  q_heads=st.order, programs=p))
+            for bn in (32, 64, 128) for w in (2, 4, 8) for p in (256, 512, 1024)}
 
 
 def gemvs(layer: Layer, cublas: bool = False):

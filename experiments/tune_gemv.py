@@ -54,7 +54,7 @@ def main() -> None:
 
         # gated: what the decoder did before, one cuBLAS GEMV and then the SiLU-multiply kernel
         timed("cublas", (lambda w: silu_mul(F.linear(x, w))) if gated else (lambda w: F.linear(x, w)))
-        timed("triton (default)", lambda w: gemv_triton(x, w, gated=gated), params=list(launch_params(n, k)))
+        timed("triton (default)", lambda w: gemv_triton(x, w, gated=gated), params=list(launch_params(gated)))
         for p in SWEEP:
             timed("triton", lambda w, p=p: gemv_triton(x, w, gated=gated, params=p), params=list(p))
     write_json_atomic(args.out, {"bench": "tune_gemv", "model": LLAMA3.name, "batch": 1, "dtype": "bfloat16",

@@ -160,9 +160,9 @@ if triton is not None:
         tl.store(Lse + (b * HKV + qh) * G + g, m_safe + tl.log(l_all))
 
 
-def _splits(batch_kv_heads: int, capacity: int, block_n: int) -> tuple[int, int]:
-    """Enough programs to cover the GPU (~4 per SM on 132 SMs), each at least one block long."""
-    splits = max(1, min(triton.cdiv(capacity, block_n), triton.cdiv(512, batch_kv_heads)))
+def _splits(batch_kv_heads: int, capacity: int, block_n: int, programs: int = 512) -> tuple[int, int]:
+    """About `programs` programs (the default: ~4 per SM on 132 SMs), each at least one block long."""
+    splits = max(1, min(triton.cdiv(capacity, block_n), triton.cdiv(programs, batch_kv_heads)))
     split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     return triton.cdiv(capacity, split_len), split_len
 
@@ -181,7 +181,7 @@ class SplitAttention:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                  second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, indexed_heads: int = 0,
-                 block_n: int = 64, num_warps: int = 4, q_heads: torch.Tensor | None = None):
+                 block_n: int = 64, num_warps: int = 4, q_heads: torch.Tensor | None = None, programs: int = 512):
         b, h, d = q.shape
         self.hkv = hkv = k.shape[2]
         self.g = h // hkv
@@ -194,8 +194,8 @@ class SplitAttention:
         check_offsets(k, v, k2, v2)
         # the kernel reads lengths[b] at offset b: no broadcast (stride 0) views
         self.first, self.second = (q, k, v, lengths.contiguous()), (k2, v2, lengths2.contiguous())
-        splits1, self.split_len = _splits(b * hkv, k.shape[1], block_n)
-        splits2, self.split_len2 = _splits(b * hkv, k2.shape[1], block_n) if second is not None else (0, 1)
+        splits1, self.split_len = _splits(b * hkv, k.shape[1], block_n, programs)
+        splits2, self.split_len2 = _splits(b * hkv, k2.shape[1], block_n, programs) if second is not None else (0, 1)
         self.splits1, self.splits, self.two = splits1, splits1 + splits2, second is not None
         self.part = torch.empty(b * hkv * self.splits * self.g, d, dtype=torch.float32, device=q.device)
         self.m = torch.empty(b * hkv * self.splits * self.g, dtype=torch.float32, device=q.device)
@@ -252,10 +252,10 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
                             block_n: int = 64, num_warps: int = 4, return_lse: bool = False,
                             second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                             indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                            q_heads: torch.Tensor | None = None):
+                            q_heads: torch.Tensor | None = None, programs: int = 512):
     """Every head in one split launch and one merge (SplitAttention's arguments)."""
     parts = SplitAttention(q, k, v, lengths, second, indexed[2].shape[1] if indexed is not None else 0,
-                           block_n, num_warps, q_heads)
+                           block_n, num_warps, q_heads, programs)
     parts.split(0, parts.hkv, indexed)
     out, lse = parts.merge()
     return (out, lse) if return_lse else out
