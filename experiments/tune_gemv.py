@@ -68,11 +68,12 @@ def main() -> None:
             with_add, rope_heads = FUSED[name]
             add = torch.randn_like(x) if with_add else None
             g, s = torch.randn(k, device=DEV, dtype=x.dtype), torch.empty_like(x)
-            rope = (torch.tensor([1000], device=DEV), torch.rand(LLAMA3.head_dim // 2, device=DEV), rope_heads)
+            pos, inv = torch.tensor([1000], device=DEV), torch.rand(LLAMA3.head_dim // 2, device=DEV)
+            rope = (pos, inv, rope_heads)
 
             def unfused(w):
                 y = gemv_triton(rms_norm_triton(x, g, 1e-5, add)[0], w, gated=gated)
-                return rope_triton(y.view(1, -1, LLAMA3.head_dim), *rope) if rope_heads else y
+                return rope_triton(y.view(1, -1, LLAMA3.head_dim), rope_heads, pos, inv) if rope_heads else y
             timed("norm, gemv, rope kernels", unfused)
             for p in SWEEP:
                 timed("fused", lambda w, p=p: gemv_triton(x, w, gated=gated, params=p, norm=(add, g, 1e-5, s),
