@@ -3,10 +3,8 @@
 replayed from a CUDA graph over enough copies of the weight that none is read from L2 (50 MB on the H200).
 Bandwidth = weight bytes / time; the ratio is against the device copy measured in the run. The kernel's
 correctness is tests/test_gemv.py's; clo.kernels.gemv.launch_params is chosen from this table.
---fused sweeps instead the projections with the RMSNorm (and its residual addition) and RoPE folded in, as the
-decoder runs them, against the same work as separate norm, GEMV and RoPE kernels.
 
-    python -m experiments.tune_gemv --out results/bench/gemv_tuning.json [--fused]
+    python -m experiments.tune_gemv --out results/bench/gemv_tuning.json
 """
 from __future__ import annotations
 
@@ -18,16 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from clo.bench.bandwidth import copy_bandwidth_gb_s, replay_ms
-from clo.kernels.dense_ops import rms_norm_triton, rope_triton, silu_mul
+from clo.kernels.dense_ops import silu_mul
 from clo.kernels.gemv import gemv_triton, launch_params
 from clo.paths import write_json_atomic
 from experiments.bench_clo import DEV, LLAMA3
 from experiments.records import environment
 
 SWEEP = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8)))
-# what the decoder folds into each projection: (a residual addition before the norm, the heads RoPE rotates)
-FUSED = {"qkv": (True, LLAMA3.num_heads + LLAMA3.num_kv_heads), "q (speculative)": (False, LLAMA3.num_heads),
-         "gate_up + silu_mul": (True, 0), "lm_head": (True, 0)}
 
 
 def shapes(cfg) -> dict[str, tuple[int, int, bool]]:
@@ -41,7 +36,6 @@ def shapes(cfg) -> dict[str, tuple[int, int, bool]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--fused", action="store_true")
     args = ap.parse_args()
     hbm = copy_bandwidth_gb_s(DEV)
     rows = []
@@ -61,24 +55,9 @@ def main() -> None:
         # gated: what the decoder did before, one cuBLAS GEMV and then the SiLU-multiply kernel
         timed("cublas", (lambda w: silu_mul(F.linear(x, w))) if gated else (lambda w: F.linear(x, w)))
         timed("triton (default)", lambda w: gemv_triton(x, w, gated=gated), params=list(launch_params(gated)))
-        if not args.fused:
-            for p in SWEEP:
-                timed("triton", lambda w, p=p: gemv_triton(x, w, gated=gated, params=p), params=list(p))
-        elif name in FUSED:
-            with_add, rope_heads = FUSED[name]
-            add = torch.randn_like(x) if with_add else None
-            g, s = torch.randn(k, device=DEV, dtype=x.dtype), torch.empty_like(x)
-            pos, inv = torch.tensor([1000], device=DEV), torch.rand(LLAMA3.head_dim // 2, device=DEV)
-            rope = (pos, inv, rope_heads)
-
-            def unfused(w):
-                y = gemv_triton(rms_norm_triton(x, g, 1e-5, add)[0], w, gated=gated)
-                return rope_triton(y.view(1, -1, LLAMA3.head_dim), rope_heads, pos, inv) if rope_heads else y
-            timed("norm, gemv, rope kernels", unfused)
-            for p in SWEEP:
-                timed("fused", lambda w, p=p: gemv_triton(x, w, gated=gated, params=p, norm=(add, g, 1e-5, s),
-                                                          rope=rope if rope_heads else None), params=list(p))
-    write_json_atomic(args.out, {"bench": "tune_gemv", "fused": args.fused, "model": LLAMA3.name, "batch": 1, "dtype": "bfloat16",
+        for p in SWEEP:
+            timed("triton", lambda w, p=p: gemv_triton(x, w, gated=gated, params=p), params=list(p))
+    write_json_atomic(args.out, {"bench": "tune_gemv", "model": LLAMA3.name, "batch": 1, "dtype": "bfloat16",
                                  "weights": "random (timing only)", "hbm_gb_s": round(hbm, 1), "rows": rows,
                                  "environment": environment(DEV)})
 

@@ -85,10 +85,10 @@ def dense_work(layer, batch: int, speculative: bool = False):
 
     def work():
         y, mlp_out = layer.decode_mlp(x, o)
-        q, k, v, y = layer.decode_qkv(y, mlp_out, position, inv_freq)
+        h, y = layer.input_layernorm.add_and_norm(y, mlp_out)
         if speculative:
-            layer.decode_query(y, position, inv_freq)
-        return q, k, v
+            a.decode_query(layer.input_layernorm(y), position, inv_freq)
+        return a.decode_qkv(h, position, inv_freq)
 
     return work
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clo.kernels.dense_ops import rms_norm, silu_mul
-from clo.kernels.gemv import linear, norm_linear
+from clo.kernels.dense_ops import rms_norm, rope, silu_mul
+from clo.kernels.gemv import linear, linear_silu_mul
 from clo.kv.interface import KVOffloadSystem
 from clo.model.config import ModelConfig
 from clo.model.rope import Rotary, apply_rotary
@@ -28,6 +28,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)[0]
+
+    def add_and_norm(self, x: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + add), x + add): the residual addition and the next norm in one kernel."""
+        return rms_norm(x, self.weight, self.eps, add)
 
 
 class Attention(nn.Module):
@@ -48,6 +52,19 @@ class Attention(nn.Module):
         q, k, v = y.split([self.h, self.hkv, self.hkv], dim=1)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
+    def decode_qkv(self, x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor):
+        """One decode step: x [B, 1, hidden] (normed) -> q [B, H, D], k and v [B, Hkv, D], RoPE'd at position[0]
+        in place (one kernel for q and k)."""
+        y = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(x.shape[0], -1, self.d)
+        y = rope(y, self.h + self.hkv, position, inv_freq)
+        return tuple(t.contiguous() for t in y.split([self.h, self.hkv, self.hkv], dim=1))  # views when B = 1
+
+    def decode_query(self, x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """x [B, 1, hidden] (normed) -> q [B, H, D] at position[0]: the speculative query of spec 2.3."""
+        n, bias = self.h * self.d, self.qkv_proj.bias
+        q = linear(x, self.qkv_proj.weight[:n], None if bias is None else bias[:n])  # q's rows of the fused weight
+        return rope(q.view(x.shape[0], self.h, self.d), self.h, position, inv_freq)
+
 
 class MLP(nn.Module):
     """gate and up in one fused projection (concatenated at load): one GEMV and one SiLU-multiply kernel."""
@@ -59,6 +76,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """One decode step's MLP: at one row, two GEMV kernels (gate/up with the SiLU-multiply, then down)."""
+        return linear(linear_silu_mul(x, self.gate_up_proj.weight), self.down_proj.weight)
 
 
 # HF's separate projections and the fused one each group is loaded into (gpt-fast's wqkv, vLLM's qkv_proj)
@@ -93,34 +114,12 @@ class Layer(nn.Module):
             x[:, s : s + PREFILL_CHUNK] = chunk + self.mlp(self.post_attention_layernorm(chunk))
         return x
 
-    # One decode step, BSZ rows of one token. At one row each projection is one GEMV kernel, with the RMSNorm
-    # before it (and the residual addition before that) and the RoPE after it folded in: clo/kernels/gemv.py.
-    def decode_qkv(self, x: torch.Tensor, add: torch.Tensor | None, position: torch.Tensor,
-                   inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [B, 1, hidden] the residual stream, add the previous block's output to add to it (None: nothing)
-        -> (q [B, H, D], k, v [B, Hkv, D], q and k RoPE'd at position[0], x + add: this layer's input)."""
-        a, norm = self.self_attn, self.input_layernorm
-        y, x = norm_linear(x, add, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias,
-                           rope=(position, inv_freq, a.h + a.hkv))
-        y = y.view(x.shape[0], -1, a.d)
-        return (*(t.contiguous() for t in y.split([a.h, a.hkv, a.hkv], dim=1)), x)  # views when B = 1
-
-    def decode_query(self, x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """x [B, 1, hidden] the previous layer's input -> this layer's q [B, H, D] from it at position[0]: the
-        speculative query of spec 2.3 (this layer's norm and the q rows of its fused projection)."""
-        a, norm = self.self_attn, self.input_layernorm
-        n, bias = a.h * a.d, a.qkv_proj.bias
-        q = norm_linear(x, None, norm.weight, norm.eps, a.qkv_proj.weight[:n], None if bias is None else bias[:n],
-                        rope=(position, inv_freq, a.h))[0]
-        return q.view(x.shape[0], a.h, a.d)
-
     def decode_mlp(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, 1, hidden] the layer's input, o [B, H, D] its attention output -> (x + o_proj(o), the MLP's
-        output). The MLP's residual addition is left to the next norm's kernel."""
+        """One decode step after attention: x [B, 1, hidden] the layer's input, o [B, H, D] its attention output
+        -> (x + o_proj(o), the MLP's output). The MLP's residual addition is left to the next norm's kernel."""
         o = linear(o.reshape(o.shape[0], 1, -1), self.self_attn.o_proj.weight)
-        norm, m = self.post_attention_layernorm, self.mlp
-        h, x = norm_linear(x, o, norm.weight, norm.eps, m.gate_up_proj.weight, gated=True)
-        return x, linear(h, m.down_proj.weight)
+        h, x = self.post_attention_layernorm.add_and_norm(x, o)
+        return x, self.mlp.decode(h)
 
 
 class Body(nn.Module):
@@ -217,19 +216,21 @@ class Decoder(nn.Module):
         None); for i = num_layers, (logits [B, V],). x [B, 1, hidden] is layer i-1's input, o [B, H, D] its
         attention output."""
         layers = self.model.layers
-        add = None  # the previous block's output, not yet added to the residual stream x
+        norm = self.model.norm if i == len(layers) else layers[i].input_layernorm
         if i == 0:
             x = self.model.embed_tokens(token)[:, None, :]  # [B, 1, hidden]
+            h = norm(x)
         else:
-            x, add = layers[i - 1].decode_mlp(x, o)
+            x, mlp_out = layers[i - 1].decode_mlp(x, o)
+            h, x = norm.add_and_norm(x, mlp_out)
         if i == len(layers):
-            norm = self.model.norm
-            return (norm_linear(x, add, norm.weight, norm.eps, self.lm_head.weight)[0][:, 0].float(),)
+            return (linear(h, self.lm_head.weight)[:, 0].float(),)
         inv_freq = self.rotary().inv_freq
-        q, k, v, x = layers[i].decode_qkv(x, add, position, inv_freq)
+        q, k, v = layers[i].self_attn.decode_qkv(h, position, inv_freq)
         q_spec = None
         if speculative and i + 1 < len(layers):
-            q_spec = layers[i + 1].decode_query(x, position, inv_freq)
+            nxt = layers[i + 1]
+            q_spec = nxt.self_attn.decode_query(nxt.input_layernorm(x), position, inv_freq)
         return x, q, k, v, q_spec
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_spec: torch.Tensor | None,
