@@ -5,8 +5,8 @@ Why not cuBLAS: at one row its GEMVs stream a Llama-3-8B layer's weights at ~3.4
 reaches on the H200 (results/bench/README.md), and every system's decode step is mostly those bytes. Each
 program here owns BLOCK_N output rows and streams them along K with wide loads, so the kernel is a plain
 weight stream; the launch parameters come from experiments/tune_gemv.py. `linear_ref` / `linear_silu_mul_ref`
-are the specification; the public functions take the kernel for one CUDA row and the reference otherwise
-(prefill, batches, the CPU).
+are the specification; the public functions take the kernel for one CUDA row (and a weight contiguous along K)
+and the reference otherwise (prefill, batches, the CPU).
 """
 from __future__ import annotations
 
@@ -31,16 +31,16 @@ def linear_silu_mul_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return silu_mul_ref(F.linear(x, weight))
 
 
-def _one_cuda_row(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda and x.numel() == x.shape[-1]
+def _one_cuda_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda and x.numel() == x.shape[-1] and weight.stride(-1) == 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return gemv_triton(x, weight, bias) if _one_cuda_row(x) else linear_ref(x, weight, bias)
+    return gemv_triton(x, weight, bias) if _one_cuda_row(x, weight) else linear_ref(x, weight, bias)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return gemv_triton(x, weight, gated=True) if _one_cuda_row(x) else linear_silu_mul_ref(x, weight)
+    return gemv_triton(x, weight, gated=True) if _one_cuda_row(x, weight) else linear_silu_mul_ref(x, weight)
 
 
 def launch_params(gated: bool) -> tuple[int, int, int]:

@@ -67,7 +67,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """gate and up in one fused projection (concatenated at load): one GEMV and one SiLU-multiply kernel."""
+    """gate and up in one fused projection (concatenated at load): one GEMV and one SiLU-multiply kernel, and at
+    one decode row a single kernel for both (`decode`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
