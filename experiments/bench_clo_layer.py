@@ -21,6 +21,8 @@ hit' only the prefetch heads' (they are refreshed every step by design). The par
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 from pathlib import Path
 
 import torch
@@ -79,6 +81,19 @@ def forced(stores, case: str, fn):
             st.tau.copy_(tau)
 
 
+@contextlib.contextmanager
+def setting(target, name: str, value):
+    """target.name (target[name] for a dict) set to `value` inside the block, its old value back after."""
+    keyed = isinstance(target, dict)
+    old = target[name] if keyed else getattr(target, name)
+    put = target.__setitem__ if keyed else functools.partial(setattr, target)
+    put(name, value)
+    try:
+        yield
+    finally:
+        put(name, old)
+
+
 def pipeline_us(clo: CLO, dense_step, layers: list[int]) -> float:
     """Per-layer µs of consecutive sparse layers run as a decode step runs them: prepare(l + 1) (side and copy
     streams), decode(l) (waits for l's rows, attends), then the dense work; all in one graph. The marginal time
@@ -108,15 +123,11 @@ def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
     no gain: side and copy streams at the highest priority, an SM carveout of the GEMVs, and the dense work waiting
     for the next layer's selection; results/history/f73ec52_contention/, c6305d4_dense_waits/.)"""
     stores = [clo.stores[i] for i in layers]
-    mode0 = clo.cfg["persist_query"]
     out = {"dense": round(replay_ms(dense_work(dense, 1, True), reps=10) * 1e3, 1)}
-    try:
-        for mode in PERSIST_QUERIES:
-            clo.cfg["persist_query"] = mode
+    for mode in PERSIST_QUERIES:
+        with setting(clo.cfg, "persist_query", mode):
             for case in CASES:
                 out[f"{mode}_{case}"] = forced(stores, case, lambda: pipeline_us(clo, dense_work(dense, 1, True), layers))
-    finally:
-        clo.cfg["persist_query"] = mode0
     return out
 
 
@@ -195,23 +206,17 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     }
     # the variants the defaults were chosen from: torch.topk, and caps on the UVA gather's grid
     variants = {}
-    st.topk = "torch"
-    variants["torch_topk"] = layer_parts()
-    st.topk = clo.cfg["topk"]
-    mode0 = clo.cfg["persist_query"]
+    with setting(st, "topk", "torch"):
+        variants["torch_topk"] = layer_parts()
     for mode in PERSIST_QUERIES:  # the persistent heads' top-k on the critical path, or one layer ahead
-        clo.cfg["persist_query"] = mode
-        variants[f"persist_query_{mode}"] = layer_parts()
-    clo.cfg["persist_query"] = mode0
-    default = clo.transfer.uva_programs
+        with setting(clo.cfg, "persist_query", mode):
+            variants[f"persist_query_{mode}"] = layer_parts()
     for cap in uva_programs:
-        clo.transfer.uva_programs = cap
-        variants[f"uva_programs_{cap}"] = layer_parts()
-    clo.transfer.uva_programs = default
+        with setting(clo.transfer, "uva_programs", cap):
+            variants[f"uva_programs_{cap}"] = layer_parts()
     for warps in (1, 2):  # a lighter gather leaves more of each SM it shares to the dense GEMVs
-        clo.transfer.uva_warps = warps
-        variants[f"uva_warps_{warps}"] = layer_parts()
-    clo.transfer.uva_warps = 4
+        with setting(clo.transfer, "uva_warps", warps):
+            variants[f"uva_warps_{warps}"] = layer_parts()
     out["variants"] = variants
     out["attention_variants"] = attention_variants(st, q, clo.win_len, persist_idx, timed)
     if trace is not None:
