@@ -102,9 +102,9 @@ if triton is not None:
             tl.atomic_add(hist, counts, mask=counts > 0, sem="relaxed", scope="gpu")
             _row_barrier(counters + p, programs)
             h = tl.load(hist, cache_modifier=".cg")  # the row's whole histogram (L2: written by atomics)
-            above = tl.cumsum(h, 0, reverse=True) - h  # keys in higher bins
-            bsel = tl.min(tl.where(above < need, bins, 256))  # the bin holding the need-th largest key
-            need -= tl.sum(tl.where(bins == bsel, above, 0))
+            higher = tl.cumsum(h, 0, reverse=True) - h  # keys in higher bins
+            bsel = tl.min(tl.where(higher < need, bins, 256))  # the bin holding the need-th largest key
+            need -= tl.sum(tl.where(bins == bsel, higher, 0))
             prefix = (prefix << 8) | bsel.to(tl.uint32)
         # 3. every key above the k-th, and as many equal to it as k still needs
         out = Out + b * stride_ob + j * stride_oh
