@@ -91,7 +91,9 @@ class LayerStore:
     def retrieve(self, retriever, layer: int, qp: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Absolute token indices [B, h, k] of the top-k middle tokens of `heads` (permuted order) for qp, in no
         order (attention and the gathers do not need one)."""
-        return retriever.select(layer, qp, heads, self.k, self.sink, self.topk)
+        from clo.retrieval import select_topk
+
+        return select_topk(retriever.scores(layer, qp, heads), self.k, self.sink, ascending=False, method=self.topk)
 
     def select_persistent(self, qp: torch.Tensor, retriever, layer: int) -> torch.Tensor | None:
         """Token indices [B, Hp, k] of the persistent heads' top-k middle tokens for the real query (None without

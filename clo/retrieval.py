@@ -46,10 +46,6 @@ class ExactRetriever:
         qg = q.view(b, hkv, -1, d)[:, heads].float()
         return torch.einsum("bkgd,bktd->bkt", qg, keys.float())
 
-    def select(self, layer: int, q: torch.Tensor, heads: torch.Tensor, k: int, offset: int, method: str):
-        """Token indices [B, h, k] (offset added) of the k best-scoring candidates of `heads`, in no order."""
-        return select_topk(self.scores(layer, q, heads), k, offset, ascending=False, method=method)
-
     def metadata_bytes(self) -> int:
         return sum(k.nbytes for k in self.keys if k is not None)  # the oracle keeps every candidate key
 
@@ -69,7 +65,6 @@ class HashRetriever:
         else:
             self.weights_source = "learned"
         self.proj = weights.to(device)
-        self.fuse_topk = True  # select's radix select in the scores' launch (False: two kernels, for A/B runs)
         self.codes: list[torch.Tensor | None] = [None] * num_layers
         self.norms: list[torch.Tensor | None] = [None] * num_layers
 
@@ -97,16 +92,6 @@ class HashRetriever:
 
         qc = self.encode_query(layer, q, heads)
         return hash_scores(self.codes[layer], self.norms[layer], qc, self.rbit, heads)
-
-    def select(self, layer: int, q: torch.Tensor, heads: torch.Tensor, k: int, offset: int, method: str):
-        """As ExactRetriever.select. The radix select on CUDA runs fused with the scores (one launch,
-        clo/kernels/hash_topk.py): the same selection as select_topk(self.scores(...)), up to ties."""
-        if method != "radix" or not q.is_cuda or not self.fuse_topk:
-            return select_topk(self.scores(layer, q, heads), k, offset, ascending=False, method=method)
-        from clo.kernels.hash_topk import hash_topk
-
-        qc = self.encode_query(layer, q, heads)
-        return hash_topk(self.codes[layer], self.norms[layer], qc, self.rbit, heads, k, offset)
 
     def metadata_bytes(self) -> int:
         return sum(c.nbytes + n.nbytes for c, n in zip(self.codes, self.norms) if c is not None)

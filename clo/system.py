@@ -65,7 +65,6 @@ class CLO(KVOffloadSystem):
         self.wants_speculative_query = speculative
         self.supports_cuda_graph = transfer == "uva"  # the CPU-gather path syncs with the host by design
         self.transfer_kind, self.cpu_threads, self.uva_programs = transfer, cpu_threads, uva_programs
-        self.attn_programs = 512  # split programs of the two-stream attention (persist_query=real, on CUDA)
         TransferEngine(transfer, cpu_threads, torch.device("cpu"), uva_programs)  # validates before any long work
 
     # ---- planning ------------------------------------------------------------------------------------------
@@ -287,8 +286,7 @@ class CLO(KVOffloadSystem):
         compute = torch.cuda.current_stream()
         with self.phase("attention"):
             window, slots = st.buffers(self.win_len)
-            parts = SplitAttention(q, *window, slots, indexed_heads=st.persist.shape[1], q_heads=st.order,
-                                   programs=self.attn_programs)
+            parts = SplitAttention(q, *window, slots, indexed_heads=st.persist.shape[1], q_heads=st.order)
             self.attn_stream.wait_stream(compute)
             with torch.cuda.stream(self.attn_stream):
                 parts.split(0, st.nc)

@@ -128,10 +128,6 @@ def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
         with setting(clo.cfg, "persist_query", mode):
             for case in CASES:
                 out[f"{mode}_{case}"] = forced(stores, case, lambda: pipeline_us(clo, dense_work(dense, 1, True), layers))
-    for programs in (1024, 2048):  # the split attention's programs, with the persistent heads' top-k on the path
-        with setting(clo, "attn_programs", programs):
-            out[f"real_attn{programs}_all_hit"] = forced(stores, "all_hit",
-                                                         lambda: pipeline_us(clo, dense_work(dense, 1, True), layers))
     return out
 
 
@@ -212,12 +208,6 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     variants = {}
     with setting(st, "topk", "torch"):
         variants["torch_topk"] = layer_parts()
-    for programs in (1024, 2048):  # more, shorter splits: the persistent heads' part runs alone, after their top-k
-        with setting(clo, "attn_programs", programs):
-            variants[f"attn_programs_{programs}"] = {**layer_parts(),
-                                                     "persistent_and_attention": timed(lambda: clo._attend(layer, q, None))}
-    with setting(clo.retriever, "fuse_topk", False):  # scores, then the radix select's own six launches
-        variants["unfused_radix"] = layer_parts()
     for mode in PERSIST_QUERIES:  # the persistent heads' top-k on the critical path, or one layer ahead
         with setting(clo.cfg, "persist_query", mode):
             variants[f"persist_query_{mode}"] = layer_parts()

@@ -14,7 +14,6 @@ import torch
 
 from clo.bench.bandwidth import copy_bandwidth_gb_s, replay_ms
 from clo.kernels.hash_score import encode_query_triton, hash_scores_triton
-from clo.kernels.hash_topk import hash_topk_triton
 from clo.kernels.radix_topk import radix_topk
 from clo.paths import write_json_atomic
 from experiments.bench_clo import DEV, LLAMA3
@@ -42,7 +41,7 @@ def main() -> None:
                      "floor_us": round(floor_bytes / hbm, 2)})
         print(rows[-1], flush=True)
 
-    for h in (5, 3, 8):  # a median layer's cached and persistent heads, and every head (persist_query=speculative)
+    for h in (6, 2):
         heads = torch.arange(h, device=DEV)
         for chunk in (16, 32, 64, 128):
             timed("encode_query", h, proj[:h].nbytes, lambda: encode_query_triton(q, proj, heads, g, chunk),
@@ -53,13 +52,6 @@ def main() -> None:
                 timed("hash_scores", h, h * t * (rbit // 8 + 4 + 4),
                       lambda: hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t, warps),
                       block_t=block_t, num_warps=warps)
-        for block_t in (256, 512, 1024):
-            for warps in (4, 8):
-                for total in (66, 132):
-                    timed("hash_topk", h, h * t * (rbit // 8 + 4 + 4 * 6) + h * k * 8,  # keys: written, read 5x
-                          lambda: hash_topk_triton(codes, norms, qcodes, rbit, heads, k, 0, block_t, warps,
-                                                   max(1, total // h)),
-                          block_t=block_t, num_warps=warps, programs=max(1, total // h))
         scores = hash_scores_triton(codes, norms, qcodes, rbit, heads)[0]  # [h, T]: one row per head
         for block in (2048, 4096, 8192, 16384):
             for warps in (4, 8, 16):

@@ -174,44 +174,6 @@ def test_radix_topk_triton_matches_ref(r, t, k, kind, block):
     check_radix_topk("cuda", r, t, k, kind, block=block)
 
 
-def check_hash_topk(device, b, hk, h, t, k, g_, rbit, ties, **launch):
-    """The fused kernel picks k distinct candidates whose reference scores are the k largest (ties: any)."""
-    from clo.kernels.hash_topk import hash_topk_ref, hash_topk_triton
-
-    codes, norms, qcodes, heads = hash_case(b, hk, h, t, g_, rbit, device)
-    if ties:  # equal norms: scores are (G - 2 hamming / rbit), a few hundred values over t tokens
-        norms = torch.ones_like(norms)
-    got = hash_topk_triton(codes, norms, qcodes, rbit, heads, k, offset=7, **launch).cpu() - 7
-    scores = hash_scores_ref(codes.cpu(), norms.cpu(), qcodes.cpu(), rbit, heads.cpu())
-    want = hash_topk_ref(codes.cpu(), norms.cpu(), qcodes.cpu(), rbit, heads.cpu(), k)
-    assert got.shape == want.shape == (b, h, k)
-    for bi in range(b):
-        for j in range(h):
-            idx = got[bi, j]
-            assert idx.unique().numel() == k and 0 <= idx.min() and idx.max() < t
-            assert torch.equal(scores[bi, j, idx].sort().values, scores[bi, j, want[bi, j]].sort().values)
-
-
-@interpreter
-@pytest.mark.parametrize("t,k,ties,block_t", [(700, 70, False, 64), (700, 70, True, 128), (300, 300, False, 64),
-                                              (500, 1, True, 512)])
-def test_hash_topk_interpreted(t, k, ties, block_t):
-    """One program per row (the interpreter runs programs one at a time: a row barrier among several would
-    wait forever); spans of several blocks, k = all and k = 1, tied scores at the boundary."""
-    pytest.importorskip("triton")
-    check_hash_topk("cpu", 2, 4, 3, t, k, 4, 256, ties, block_t=block_t, num_warps=4, programs=1)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("h,t,k,ties", [(3, 131072, 13028, False), (8, 131072, 13028, True), (5, 9000, 9000, False),
-                                        (2, 70000, 1, False)])
-@pytest.mark.parametrize("launch", [{}, {"block_t": 256, "num_warps": 4, "programs": 7}])
-def test_hash_topk_triton_matches_ref(h, t, k, ties, launch):
-    """The default grid (the SM count shared by the rows) and a small one (7 programs per row: long spans)."""
-    pytest.importorskip("triton")
-    check_hash_topk("cuda", 1, 8, h, t, k, 4, 256, ties, **launch)
-
-
 def check_encode_query(device, b, hkv, g_, d, rbit, dtype, chunk=None):
     """The kernel's codes are HashRetriever.encode's, except for signs of projections within float rounding
     of zero (the kernel sums in another order)."""
