@@ -32,7 +32,7 @@ from clo.bench.bandwidth import capture, copy_bandwidth_gb_s, dense_work, layer_
 from clo.kernels import radix_topk
 from clo.kernels.decode_attention import decode_attention_triton
 from clo.kernels.dense_ops import silu_mul
-from clo.kernels.gemv import linear, linear_silu_mul
+from clo.kernels.gemv import linear, linear_pair, linear_silu_mul
 from clo.kernels.head_cache import lookup_and_update
 from clo.kv.interface import KVSpec
 from clo.kv.timer import PhaseTimer
@@ -245,9 +245,11 @@ def gemvs(layer: Layer, cublas: bool = False):
     x = torch.randn(1, 1, p.shape[0], device=p.device, dtype=p.dtype)
     inter = torch.randn(1, 1, m.down_proj.in_features, device=p.device, dtype=p.dtype)
     one, gated = (F.linear, lambda x, w: silu_mul(F.linear(x, w))) if cublas else (linear, linear_silu_mul)
-    w_q = a.qkv_proj.weight[: a.h * a.d]
-    return lambda: (one(x, a.qkv_proj.weight), one(x, a.o_proj.weight), gated(x, m.gate_up_proj.weight),
-                    one(inter, m.down_proj.weight), one(x, w_q))
+    w_q = a.query_weights()[0]
+    # ours: the speculative q and q/k/v in one launch, as the decoder makes them (linear_pair)
+    pair = ((lambda: (one(x, w_q), one(x, a.qkv_proj.weight))) if cublas
+            else (lambda: linear_pair(x, w_q, None, x, a.qkv_proj.weight, None)))
+    return lambda: (pair(), one(x, a.o_proj.weight), gated(x, m.gate_up_proj.weight), one(inter, m.down_proj.weight))
 
 
 def floors(clo: CLO, dense: Layer, layer: int, hbm: float, link: float) -> dict:

@@ -65,6 +65,11 @@ def check_rms_norm(device, rows, n, dtype, with_add):
     close(s.cpu(), want_s, device)
     assert y.dtype == want_y.dtype and not y.isnan().any()
     close(y.cpu(), want_y, device)
+    # with a second weight (rms_norm_pair): the same y and sum, and the second norm of the sum
+    w2 = randn(n, seed=3, dtype=dtype, device=device)
+    y_a, s_a, y2 = rms_norm_triton(x, w, 1e-5, add, w2)
+    assert torch.equal(y_a, y) and torch.equal(s_a, s)
+    close(y2.cpu(), rms_norm_ref(want_s, w2.cpu(), 1e-5)[0], device)
 
 
 def check_rope(device, b, total, heads, d, dtype, position):
@@ -126,3 +131,39 @@ def test_rope_triton_matches_ref(d, position):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_mul_triton_matches_ref(dtype):
     check_silu_mul("cuda", 3, 14336, dtype)
+
+
+def separate_inputs(layer, nxt, x, add, position, inv_freq):
+    """Layer.decode_inputs's results made one kernel (or torch op) at a time: the layer's norm, q/k/v and RoPE,
+    then the next layer's norm of the same sum, its q rows and RoPE (the speculative query, spec 2.3)."""
+    from clo.kernels.dense_ops import rms_norm, rope
+    from clo.kernels.gemv import linear
+
+    h, x = layer.input_layernorm.add_and_norm(x, add)
+    q, k, v = layer.self_attn.decode_qkv(h, position, inv_freq)
+    a = nxt.self_attn
+    q_spec = linear(rms_norm(x, nxt.input_layernorm.weight, nxt.input_layernorm.eps)[0], *a.query_weights())
+    return x, q, k, v, rope(q_spec.view(x.shape[0], a.h, a.d), a.h, position, inv_freq)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_decode_inputs_pairs_the_speculative_query_exactly(device, family):
+    """Both norms in one kernel, both projections in one GEMV, one RoPE: the same values as made apart (bit for
+    bit: every element is computed by the same arithmetic), with and without the previous MLP's output to add."""
+    from clo.model.config import ModelConfig
+    from clo.model.rope import inverse_frequencies
+    from clo.model.weights import synthetic_decoder
+
+    cfg = ModelConfig(name="t", family=family, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, vocab_size=100, rope_theta=1e4, rms_norm_eps=1e-5,
+                      max_position_embeddings=4096, attention_bias=family == "qwen2")
+    model = synthetic_decoder(cfg, 0, torch.device(device), torch.bfloat16)
+    layer, nxt = model.model.layers
+    position, inv = torch.tensor([1234], device=device), inverse_frequencies(cfg).to(device)
+    x, add = randn(1, 1, 256, seed=1, device=device), randn(1, 1, 256, seed=2, device=device)
+    for a in (add, None):
+        got = layer.decode_inputs(x, a, position, inv, nxt)
+        want = separate_inputs(layer, nxt, x, a, position, inv)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and torch.equal(g, w)

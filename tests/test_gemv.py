@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from clo.kernels.gemv import linear, linear_ref, linear_silu_mul, linear_silu_mul_ref
+from clo.kernels.gemv import linear, linear_pair, linear_pair_ref, linear_ref, linear_silu_mul, linear_silu_mul_ref
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernels on the CPU")
@@ -31,6 +31,45 @@ def check(device, n, k, dtype, bias, gated, params=None):
     assert got.shape == (1, 1, n // 2 if gated else n) and got.dtype == dtype and not got.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7 if not gated else 2 ** -5 if device == "cpu" else 2 ** -6
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * k ** 0.5)
+
+
+def check_pair(device, n1, k1, n2, k2, dtype, bias):
+    """Two projections in one launch: each part equals the single-projection kernel on its own inputs, bit for
+    bit (the same rows, summed in the same order), and the reference within check's tolerance."""
+    from clo.kernels.gemv import gemv_triton
+
+    x1, x2 = randn(1, 1, k1, seed=1, dtype=dtype, device=device), randn(1, 1, k2, seed=2, dtype=dtype, device=device)
+    w1, w2 = randn(n1, k1, seed=3, dtype=dtype, device=device), randn(n2, k2, seed=4, dtype=dtype, device=device)
+    b1, b2 = ((randn(n1, seed=5, dtype=dtype, device=device), randn(n2, seed=6, dtype=dtype, device=device))
+              if bias else (None, None))
+    got = gemv_triton(x1, w1, b1, second=(x2, w2, b2))
+    assert got.shape == (1, 1, n1 + n2) and got.dtype == dtype
+    assert torch.equal(got, torch.cat([gemv_triton(x1, w1, b1), gemv_triton(x2, w2, b2)], -1))
+    want = linear_pair_ref(*(t.cpu().float() if t is not None else None for t in (x1, w1, b1, x2, w2, b2)))
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.cpu().float(), want, rtol=tol, atol=tol * max(k1, k2) ** 0.5)
+
+
+@interpreter
+@pytest.mark.parametrize("n1,k1,n2,k2,bias", [(24, 1024, 13, 700, False), (1, 64, 1, 64, True), (5, 300, 40, 300, False)])
+def test_gemv_pair_interpreted(n1, k1, n2, k2, bias):
+    check_pair("cpu", n1, k1, n2, k2, torch.bfloat16, bias)
+
+
+@gpu
+@pytest.mark.parametrize("n1,k1,n2,k2,dtype,bias", [
+    (4096, 4096, 6144, 4096, torch.bfloat16, False),  # Llama-3-8B: the next layer's q, then this layer's q/k/v
+    (5120, 5120, 7168, 5120, torch.bfloat16, True),   # Qwen2.5-14B, with biases
+    (7, 576, 1000, 576, torch.float32, True),
+    (1, 64, 1, 64, torch.bfloat16, True)])  # sizes of 1, which Triton would otherwise turn into constants
+def test_gemv_pair_triton_matches_ref(n1, k1, n2, k2, dtype, bias):
+    check_pair("cuda", n1, k1, n2, k2, dtype, bias)
+
+
+def test_linear_pair_dispatch():
+    """Anything but one CUDA row each is the reference (on the CPU: exactly the two F.linear results)."""
+    x1, w1, x2, w2 = randn(2, 1, 32), randn(8, 32, seed=1), randn(2, 1, 16, seed=2), randn(4, 16, seed=3)
+    assert torch.equal(linear_pair(x1, w1, None, x2, w2, None), torch.cat([linear_ref(x1, w1), linear_ref(x2, w2)], -1))
 
 
 @interpreter

@@ -84,11 +84,7 @@ def dense_work(layer, batch: int, speculative: bool = False):
     inv_freq = torch.rand(a.d // 2, device=p.device)  # the values do not change the work
 
     def work():
-        y, mlp_out = layer.decode_mlp(x, o)
-        h, y = layer.input_layernorm.add_and_norm(y, mlp_out)
-        if speculative:
-            a.decode_query(layer.input_layernorm(y), position, inv_freq)
-        return a.decode_qkv(h, position, inv_freq)
+        return layer.decode_inputs(*layer.decode_mlp(x, o), position, inv_freq, layer if speculative else None)
 
     return work
 

@@ -62,6 +62,15 @@ def rms_norm(x, weight, eps, add=None):
     return (rms_norm_triton if _use_triton(x) else rms_norm_ref)(x, weight, eps, add)
 
 
+def rms_norm_pair(x, weight, weight2, eps, add=None):
+    """-> (RMSNorm_weight(x + add), x + add, RMSNorm_weight2(x + add)): one kernel for two layers' norms of the same
+    input (a layer's input norm and the next layer's, for CLO's speculative query)."""
+    if _use_triton(x):
+        return rms_norm_triton(x, weight, eps, add, weight2)
+    y, s = rms_norm_ref(x, weight, eps, add)
+    return y, s, rms_norm_ref(s, weight2, eps)[0]
+
+
 def rope(x, heads, position, inv_freq):
     return (rope_triton if _use_triton(x) else rope_ref)(x, heads, position, inv_freq)
 
@@ -74,8 +83,8 @@ def silu_mul(gate_up):
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(X, Add, W, Y, Sum, N, eps, stride_x, stride_a, stride_y, stride_s,
-                         HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(X, Add, W, Y, Sum, W2, Y2, N, eps, stride_x, stride_a, stride_y, stride_s, stride_y2,
+                         HAS_ADD: tl.constexpr, HAS_W2: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.arange(0, BLOCK)
         m = col < N
@@ -88,6 +97,10 @@ if triton is not None:
         y = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)).to(Sum.dtype.element_ty)
         w = tl.load(W + col, mask=m, other=0.0)
         tl.store(Y + row * stride_y + col, (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty), mask=m)
+        if HAS_W2:  # a second norm of the same x (another layer's weight)
+            w2 = tl.load(W2 + col, mask=m, other=0.0)
+            tl.store(Y2 + row * stride_y2 + col, (w2.to(tl.float32) * y.to(tl.float32)).to(Y2.dtype.element_ty),
+                     mask=m)
 
     @triton.jit
     def _rope_kernel(X, Pos, Inv, stride_b, stride_h, HEADS: tl.constexpr, HALF: tl.constexpr,
@@ -125,17 +138,20 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def rms_norm_triton(x, weight, eps, add=None):
+def rms_norm_triton(x, weight, eps, add=None, weight2=None):
     shape, n = x.shape, x.shape[-1]
     x2 = _rows(x)
     a2 = _rows(add) if add is not None else x2
     y = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
     s = torch.empty_like(x2) if add is not None else x2
+    y2 = torch.empty(x2.shape, dtype=torch.result_type(weight2, x), device=x.device) if weight2 is not None else y
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, a2, weight, y, s, n, eps, x2.stride(0), a2.stride(0), y.stride(0),
-                                         s.stride(0), HAS_ADD=add is not None, BLOCK=triton.next_power_of_2(n),
-                                         num_warps=4 if n <= 4096 else 8)
-    return y.view(shape), (s.view(shape) if add is not None else x)
+        _rms_norm_kernel[(x2.shape[0],)](x2, a2, weight, y, s, weight2 if weight2 is not None else weight, y2, n, eps,
+                                         x2.stride(0), a2.stride(0), y.stride(0), s.stride(0), y2.stride(0),
+                                         HAS_ADD=add is not None, HAS_W2=weight2 is not None,
+                                         BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+    out = y.view(shape), (s.view(shape) if add is not None else x)
+    return out if weight2 is None else (*out, y2.view(shape))
 
 
 def rope_triton(x, heads, position, inv_freq):

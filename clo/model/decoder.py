@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clo.kernels.dense_ops import rms_norm, rope, silu_mul
-from clo.kernels.gemv import linear, linear_silu_mul
+from clo.kernels.dense_ops import rms_norm, rms_norm_pair, rope, silu_mul
+from clo.kernels.gemv import linear, linear_pair, linear_silu_mul
 from clo.kv.interface import KVOffloadSystem
 from clo.model.config import ModelConfig
 from clo.model.rope import Rotary, apply_rotary
@@ -29,8 +29,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)[0]
 
-    def add_and_norm(self, x: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (norm(x + add), x + add): the residual addition and the next norm in one kernel."""
+    def add_and_norm(self, x: torch.Tensor, add: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + add), x + add): the residual addition and the next norm in one kernel (add None: x)."""
         return rms_norm(x, self.weight, self.eps, add)
 
 
@@ -59,11 +59,10 @@ class Attention(nn.Module):
         y = rope(y, self.h + self.hkv, position, inv_freq)
         return tuple(t.contiguous() for t in y.split([self.h, self.hkv, self.hkv], dim=1))  # views when B = 1
 
-    def decode_query(self, x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """x [B, 1, hidden] (normed) -> q [B, H, D] at position[0]: the speculative query of spec 2.3."""
+    def query_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W_Q and its bias: the q rows of the fused projection (the speculative query's, spec 2.3)."""
         n, bias = self.h * self.d, self.qkv_proj.bias
-        q = linear(x, self.qkv_proj.weight[:n], None if bias is None else bias[:n])  # q's rows of the fused weight
-        return rope(q.view(x.shape[0], self.h, self.d), self.h, position, inv_freq)
+        return self.qkv_proj.weight[:n], None if bias is None else bias[:n]
 
 
 class MLP(nn.Module):
@@ -121,6 +120,25 @@ class Layer(nn.Module):
         o = linear(o.reshape(o.shape[0], 1, -1), self.self_attn.o_proj.weight)
         h, x = self.post_attention_layernorm.add_and_norm(x, o)
         return x, self.mlp.decode(h)
+
+
+    def decode_inputs(self, x: torch.Tensor, add: torch.Tensor | None, position: torch.Tensor,
+                      inv_freq: torch.Tensor, nxt: Layer | None = None) -> tuple:
+        """One decode step into this layer's attention: x [B, 1, hidden] plus `add` (the previous layer's MLP
+        output, or None) -> (x + add, q [B, H, D], k, v [B, Hkv, D], q_spec [B, H, D] or None), RoPE'd at
+        position[0]. With `nxt`, q_spec is the next layer's speculative query from the same input (spec 2.3:
+        RoPE(W_Q^{l+1} RMSNorm_{l+1}(x))), made in the same three kernels as q/k/v: both norms in one, both
+        projections in one GEMV, one RoPE for q_spec, q and k."""
+        attn, norm = self.self_attn, self.input_layernorm
+        if nxt is None:
+            h, x = norm.add_and_norm(x, add)
+            return (x, *attn.decode_qkv(h, position, inv_freq), None)
+        h, x, h_next = rms_norm_pair(x, norm.weight, nxt.input_layernorm.weight, norm.eps, add)
+        spec = nxt.self_attn
+        y = linear_pair(h_next, *spec.query_weights(), h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        y = rope(y.view(x.shape[0], -1, attn.d), spec.h + attn.h + attn.hkv, position, inv_freq)
+        q_spec, q, k, v = (t.contiguous() for t in y.split([spec.h, attn.h, attn.hkv, attn.hkv], dim=1))
+        return x, q, k, v, q_spec
 
 
 class Body(nn.Module):
@@ -217,22 +235,14 @@ class Decoder(nn.Module):
         None); for i = num_layers, (logits [B, V],). x [B, 1, hidden] is layer i-1's input, o [B, H, D] its
         attention output."""
         layers = self.model.layers
-        norm = self.model.norm if i == len(layers) else layers[i].input_layernorm
         if i == 0:
-            x = self.model.embed_tokens(token)[:, None, :]  # [B, 1, hidden]
-            h = norm(x)
+            x, add = self.model.embed_tokens(token)[:, None, :], None  # [B, 1, hidden]
         else:
-            x, mlp_out = layers[i - 1].decode_mlp(x, o)
-            h, x = norm.add_and_norm(x, mlp_out)
+            x, add = layers[i - 1].decode_mlp(x, o)
         if i == len(layers):
-            return (linear(h, self.lm_head.weight)[:, 0].float(),)
-        inv_freq = self.rotary().inv_freq
-        q, k, v = layers[i].self_attn.decode_qkv(h, position, inv_freq)
-        q_spec = None
-        if speculative and i + 1 < len(layers):
-            nxt = layers[i + 1]
-            q_spec = nxt.self_attn.decode_query(nxt.input_layernorm(x), position, inv_freq)
-        return x, q, k, v, q_spec
+            return (linear(self.model.norm.add_and_norm(x, add)[0], self.lm_head.weight)[:, 0].float(),)
+        nxt = layers[i + 1] if speculative and i + 1 < len(layers) else None
+        return layers[i].decode_inputs(x, add, position, self.rotary().inv_freq, nxt)
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_spec: torch.Tensor | None,
                kv: KVOffloadSystem) -> torch.Tensor:
