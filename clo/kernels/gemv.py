@@ -94,16 +94,21 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 if triton is not None:
 
-    # the first projection's sizes are swapped for the second's at run time: no argument may become a constant
-    # (Triton turns an integer argument equal to 1 into one)
-    @triton.jit(do_not_specialize=["N", "K", "stride_w", "N2", "K2", "stride_w2", "FIRST"])
+    @triton.jit
     def _gemv_kernel(X, W, Bias, Y, N, K, stride_w, X2, W2, Bias2, N2, K2, stride_w2, FIRST,
                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Programs FIRST.. compute the second projection (W2 x2), written after the first's N outputs."""
+        """Programs FIRST.. compute the second projection (W2 x2), written after the first's N outputs. Each branch
+        passes its own arguments on unchanged: a size or stride chosen at run time would lose what Triton knows
+        of its alignment (multiples of 16), and with it the wide loads."""
         block = tl.program_id(0)
-        if block >= FIRST:
-            X, W, Bias, Y, K, stride_w = X2, W2, Bias2, Y + N, K2, stride_w2
-            N, block = N2, block - FIRST
+        if block < FIRST:
+            _gemv_rows(X, W, Bias, Y, N, K, stride_w, block, HAS_BIAS, GATED, BLOCK_N, BLOCK_K)
+        else:
+            _gemv_rows(X2, W2, Bias2, Y + N, N2, K2, stride_w2, block - FIRST, HAS_BIAS, GATED, BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def _gemv_rows(X, W, Bias, Y, N, K, stride_w, block, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         cols = tl.arange(0, BLOCK_K)
