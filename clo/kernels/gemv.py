@@ -50,10 +50,19 @@ def linear_pair_ref(x1: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
 
 def linear_pair(x1: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, x2: torch.Tensor, w2: torch.Tensor,
                 b2: torch.Tensor | None) -> torch.Tensor:
-    """[x1 W1^T (+ b1), x2 W2^T (+ b2)] concatenated along the last dim, in one launch at one CUDA row: two small
-    projections (CLO's speculative query and q/k/v) as one weight stream, one ramp-up and drain instead of two."""
-    one_launch = _one_cuda_row(x1, w1) and _one_cuda_row(x2, w2) and (b1 is None) == (b2 is None)
-    return gemv_triton(x1, w1, b1, second=(x2, w2, b2)) if one_launch else linear_pair_ref(x1, w1, b1, x2, w2, b2)
+    """[x1 W1^T (+ b1), x2 W2^T (+ b2)] in one tensor: at one CUDA row each kernel writes its part of one buffer,
+    so what follows treats both as one (CLO's speculative query and q/k/v share one RoPE launch)."""
+    if _one_cuda_row(x1, w1) and _one_cuda_row(x2, w2):
+        return linear_pair_triton(x1, w1, b1, x2, w2, b2)
+    return linear_pair_ref(x1, w1, b1, x2, w2, b2)
+
+
+def linear_pair_triton(x1, w1, b1, x2, w2, b2) -> torch.Tensor:
+    n1 = w1.shape[0]
+    y = torch.empty(*x1.shape[:-1], n1 + w2.shape[0], device=x1.device, dtype=x1.dtype)
+    gemv_triton(x1, w1, b1, out=y[..., :n1])
+    gemv_triton(x2, w2, b2, out=y[..., n1:])
+    return y
 
 
 def launch_params(gated: bool) -> tuple[int, int, int]:
@@ -63,31 +72,21 @@ def launch_params(gated: bool) -> tuple[int, int, int]:
     return (4 if gated else 2), 1024, 4
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.shape[-1] != weight.shape[1] or weight.stride(1) != 1:
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+                params: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] holding one row; weight [N, K] with unit stride along K. gated: N = 2I, returns
+    SiLU(gate) * up [..., I]. params overrides launch_params (the tuning script's sweep). out: where to write
+    (one row of the output's size, unit stride), else a new tensor."""
+    n, k = weight.shape
+    if x.shape[-1] != k or weight.stride(1) != 1:
         raise ValueError(f"gemv: x [..., {x.shape[-1]}] against weight {tuple(weight.shape)} "
                          f"with strides {weight.stride()}")
-
-
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
-                params: tuple[int, int, int] | None = None, second: tuple | None = None) -> torch.Tensor:
-    """x [..., K] holding one row; weight [N, K] with unit stride along K. gated: N = 2I, returns
-    SiLU(gate) * up [..., I]. second = (x2, weight2, bias2): linear_pair's second projection, its N2 outputs
-    after the first's (same dtype; biases on both or on neither). params overrides launch_params (the tuning
-    script's sweep)."""
-    _check(x, weight)
-    n, k = weight.shape
     n_out = n // 2 if gated else n
-    x2, w2, b2 = second if second is not None else (x, weight, bias)
-    _check(x2, w2)
-    assert not (gated and second is not None) and (bias is None) == (b2 is None) and w2.dtype == weight.dtype
-    n2 = w2.shape[0] if second is not None else 0
-    y = torch.empty(*x.shape[:-1], n_out + n2, device=x.device, dtype=x.dtype)
+    y = out if out is not None else torch.empty(*x.shape[:-1], n_out, device=x.device, dtype=x.dtype)
+    assert y.numel() == n_out and y.stride(-1) == 1 and y.dtype == x.dtype, "out: one row of the output, unit stride"
     block_n, block_k, warps = params or launch_params(gated)
-    first_programs = triton.cdiv(n_out, block_n)
-    _gemv_kernel[(first_programs + triton.cdiv(n2, block_n),)](
+    _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x.reshape(-1), weight, bias if bias is not None else weight, y, n_out, k, weight.stride(0),
-        x2.reshape(-1), w2, b2 if b2 is not None else w2, n2, w2.shape[1], w2.stride(0), first_programs,
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y
 
@@ -95,21 +94,9 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(X, W, Bias, Y, N, K, stride_w, X2, W2, Bias2, N2, K2, stride_w2, FIRST,
-                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Programs FIRST.. compute the second projection (W2 x2), written after the first's N outputs. Each branch
-        passes its own arguments on unchanged: a size or stride chosen at run time would lose what Triton knows
-        of its alignment (multiples of 16), and with it the wide loads."""
-        block = tl.program_id(0)
-        if block < FIRST:
-            _gemv_rows(X, W, Bias, Y, N, K, stride_w, block, HAS_BIAS, GATED, BLOCK_N, BLOCK_K)
-        else:
-            _gemv_rows(X2, W2, Bias2, Y + N, N2, K2, stride_w2, block - FIRST, HAS_BIAS, GATED, BLOCK_N, BLOCK_K)
-
-    @triton.jit
-    def _gemv_rows(X, W, Bias, Y, N, K, stride_w, block, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _gemv_kernel(X, W, Bias, Y, N, K, stride_w, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         cols = tl.arange(0, BLOCK_K)
         w_rows = W + rows.to(tl.int64)[:, None] * stride_w
