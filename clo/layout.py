@@ -88,12 +88,15 @@ class LayerStore:
         """k, v [B, Hkv, D] (model head order); at: [1] device index of their window row (window_slot)."""
         append_kv(k, v, self.window, self.order, at)
 
-    def retrieve(self, retriever, layer: int, qp: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    def retrieve(self, retriever, layer: int, qp: torch.Tensor, heads: torch.Tensor,
+                 miss: torch.Tensor | None = None) -> torch.Tensor:
         """Absolute token indices [B, h, k] of the top-k middle tokens of `heads` (permuted order) for qp, in no
-        order (attention and the gathers do not need one)."""
+        order (attention and the gathers do not need one). miss [B, nc], the lookup's: on CUDA the cached heads
+        that hit are neither scored nor selected (their rows are unset: only missed heads' indices are read)."""
         from clo.retrieval import select_topk
 
-        return select_topk(retriever.scores(layer, qp, heads), self.k, self.sink, ascending=False, method=self.topk)
+        scores = retriever.scores(layer, qp, heads, miss)
+        return select_topk(scores, self.k, self.sink, ascending=False, method=self.topk, miss=miss)
 
     def select_persistent(self, qp: torch.Tensor, retriever, layer: int) -> torch.Tensor | None:
         """Token indices [B, Hp, k] of the persistent heads' top-k middle tokens for the real query (None without

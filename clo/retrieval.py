@@ -39,8 +39,9 @@ class ExactRetriever:
         """keys [B, Hkv, T, D]: the candidates of this layer (kept on the device)."""
         self.keys[layer] = keys
 
-    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        """q [B, H, D], heads [h] (KV heads to score) -> [B, h, T] float32."""
+    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor, miss: torch.Tensor | None = None):
+        """q [B, H, D], heads [h] (KV heads to score) -> [B, h, T] float32. miss: HashRetriever's (every row is
+        scored here)."""
         keys = self.keys[layer][:, heads]
         b, hkv, t, d = self.keys[layer].shape
         qg = q.view(b, hkv, -1, d)[:, heads].float()
@@ -87,11 +88,13 @@ class HashRetriever:
                                        q.shape[1] // hkv)
         return self.encode(layer, q.view(b, hkv, -1, d))[:, heads]
 
-    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor, miss: torch.Tensor | None = None):
+        """miss [B, nc]: on CUDA the first nc heads are scored only where they missed (a hit reuses its cached
+        rows), their other rows left unset."""
         from clo.kernels.hash_score import hash_scores  # Triton on CUDA, the torch reference elsewhere
 
         qc = self.encode_query(layer, q, heads)
-        return hash_scores(self.codes[layer], self.norms[layer], qc, self.rbit, heads)
+        return hash_scores(self.codes[layer], self.norms[layer], qc, self.rbit, heads, miss)
 
     def metadata_bytes(self) -> int:
         return sum(c.nbytes + n.nbytes for c, n in zip(self.codes, self.norms) if c is not None)
@@ -112,13 +115,14 @@ def check_topk_method(method: str) -> None:
 
 
 def select_topk(scores: torch.Tensor, k: int, offset: int, ascending: bool = True,
-                method: str = "radix") -> torch.Tensor:
+                method: str = "radix", miss: torch.Tensor | None = None) -> torch.Tensor:
     """scores [B, Hkv, T] over candidates starting at token `offset` -> absolute indices [B, Hkv, k], ascending
     unless `ascending=False`: attention and the gathers do not need the order, and at 128K sorting the
     indices costs more than the top-k itself (96 us per layer on the H200; torch.topk 65 us, the radix select
     of clo/kernels/radix_topk.py that CUDA uses 31 us; results/bench/clo_layer.json). torch.topk elsewhere, or everywhere
-    with method="torch" (one launch instead of six: possibly cheaper where the step is launched eagerly)."""
+    with method="torch" (one launch instead of six: possibly cheaper where the step is launched eagerly). miss
+    [B, nc]: the radix select's rows of the first nc heads that hit are left unset (HashRetriever.scores)."""
     from clo.kernels.radix_topk import topk_indices, topk_ref
 
-    idx = topk_indices(scores, k, offset) if method == "radix" else topk_ref(scores, k, offset)
+    idx = topk_indices(scores, k, offset, miss) if method == "radix" else topk_ref(scores, k, offset)
     return idx.sort(dim=-1).values if ascending else idx

@@ -221,8 +221,9 @@ class CLO(KVOffloadSystem):
 
     def _select(self, layer: int, qp: torch.Tensor) -> tuple | None:
         """(miss [B, nc], idx [B, nc, k], persist_idx [B, Hp, k] or None): which cached heads missed qp (labels
-        updated) and every cached head's top-k for qp; with persist_query=speculative also the persistent heads'
-        top-k, scored and selected in the same launches. None when there is nothing to select."""
+        updated) and the missed heads' top-k for qp (on CUDA a head that hit is not scored: its rows of idx are
+        unset, and only missed heads' are read); with persist_query=speculative also the persistent heads' top-k,
+        scored and selected in the same launches. None when there is nothing to select."""
         st = self.stores[layer]
         with_persist = self.cfg["persist_query"] == "speculative" and st.persist is not None
         if not st.k or not (st.nc or with_persist):
@@ -234,7 +235,7 @@ class CLO(KVOffloadSystem):
                 miss = lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
                                          self.cfg["gqa_aggregation"])
         with self.phase("retrieval"):
-            idx = st.retrieve(self.retriever, layer, qp, st.every_head if with_persist else st.cached)
+            idx = st.retrieve(self.retriever, layer, qp, st.every_head if with_persist else st.cached, miss)
         return miss, idx[:, : st.nc], idx[:, st.nc:] if with_persist else None
 
     def _move(self, layer: int, selected: tuple | None) -> None:

@@ -4,7 +4,9 @@ graph and reported next to its physical floor (issue 3's per-layer target; paper
 The layer's KV is synthetic (random K/V); its persistent/prefetch heads are the plan the runner would make for
 that layer (DuoAttention importance, the llama3-from-smollm2 reuse profile, the measured layer time and link).
 Hit rates are forced, not simulated: 'all miss' moves every cached head's top-k rows (the worst step), 'all
-hit' only the prefetch heads' (they are refreshed every step by design). The parts:
+hit' only the prefetch heads' (they are refreshed every step by design), and scores only them and the
+persistent heads (a cached head that hits is neither scored nor selected; its floor counts only their
+metadata). The parts:
 
   dense        norms, projections, MLP (the model's work; T_comp), and the next layer's speculative query
   lookup       fused lookup + label update          retrieval  hash scores + top-k of the cached heads
@@ -269,6 +271,9 @@ def floors(clo: CLO, dense: Layer, layer: int, hbm: float, link: float) -> dict:
         # CLO's one-layer-ahead query reads the next layer's W_Q a second time in every step
         "speculative_query_floor_us": round(LLAMA3.num_heads * LLAMA3.head_dim * LLAMA3.hidden_size * 2 / hbm, 1),
         "retrieval_floor_us": round(meta / hbm, 1),
+        # every head hitting, only the persistent and prefetch heads are scored (a hit reuses its rows)
+        "retrieval_floor_all_hit_us": round(meta * (n_persist + int(st.prefetch_mask.sum())) / st.window.shape[1]
+                                            / hbm, 1),
         "attention_floor_us": round(attended / hbm, 1),
         "cached_heads": st.nc, "persistent_heads": n_persist, "prefetch_heads": int(st.prefetch_mask.sum()),
         "k": st.k,
@@ -324,7 +329,8 @@ def main() -> None:
 
 def own_floor(fl: dict, case: str, part: str = "both") -> float:
     """A layer's own floor for a case: HBM (weights + metadata + attended rows) vs the link (the moved rows)."""
-    hbm = fl["dense_floor_us"] + fl["speculative_query_floor_us"] + fl["retrieval_floor_us"] + fl["attention_floor_us"]
+    retrieval = fl["retrieval_floor_us"] if case == "all_miss" else fl["retrieval_floor_all_hit_us"]
+    hbm = fl["dense_floor_us"] + fl["speculative_query_floor_us"] + retrieval + fl["attention_floor_us"]
     link = fl["transfer_floor_us"] if case == "all_miss" else fl["transfer_floor_all_hit_us"]
     return {"hbm": hbm, "link": link, "both": max(hbm, link)}[part]
 

@@ -115,6 +115,13 @@ def check_hash_scores(device, b, hk, h, t, g_, rbit, use_heads, block_t=256):
     want = hash_scores_ref(codes.cpu(), norms.cpu(), qcodes.cpu(), rbit, None if heads is None else heads.cpu())
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)  # integer hamming: fp32 rounding at most
+    # with CLO's lookup result: the first nc heads' rows only where they missed, the rest always
+    nc = got.shape[1] - 1
+    miss = torch.rand(b, nc, generator=torch.Generator().manual_seed(7)) < 0.5
+    miss[0, 0], miss[-1, -1] = True, False
+    need = torch.cat([miss, torch.ones(b, 1, dtype=torch.bool)], 1)
+    got = hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t=block_t, miss=miss.to(device)).cpu()
+    torch.testing.assert_close(got[need], want[need], rtol=1e-6, atol=1e-5)
 
 
 def check_lookup(device, b, hc, g_, d, dtype, aggregation):
@@ -148,12 +155,19 @@ def check_radix_topk(device, r, t, k, kind, block):
               # consecutive floats above 1: the keys differ in their low bits only, so the last pass decides
               "ulps": lambda: 1.0 + torch.stack([torch.randperm(t, generator=gen) for _ in range(r)]).float() * 2**-23,
               }[kind]()
-    got = radix_topk(scores.to(device), k, offset=5, **({"block": block} if block else {})).cpu() - 5
-    assert got.shape == (r, k)
-    for row, idx in enumerate(got):
-        assert idx.unique().numel() == k and 0 <= idx.min() and idx.max() < t  # k distinct positions
-        want = scores[row, topk_ref(scores[row], k)]
-        assert torch.equal(scores[row, idx].sort().values, want.sort().values)  # the k largest values
+    launch = {"block": block} if block else {}
+    # rows as one sequence of r heads; with `miss`, the first r - 1 only where they missed (CLO's hits are not
+    # selected: their rows stay as they were)
+    miss = torch.arange(r - 1)[None] % 2 == 0
+    for m in (None, miss):
+        got = radix_topk(scores.to(device), k, offset=5, miss=None if m is None else m.to(device), **launch).cpu() - 5
+        assert got.shape == (r, k)
+        for row, idx in enumerate(got):
+            if m is not None and row < r - 1 and not m[0, row]:
+                continue
+            assert idx.unique().numel() == k and 0 <= idx.min() and idx.max() < t  # k distinct positions
+            want = scores[row, topk_ref(scores[row], k)]
+            assert torch.equal(scores[row, idx].sort().values, want.sort().values)  # the k largest values
 
 
 @interpreter

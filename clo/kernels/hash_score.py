@@ -5,6 +5,9 @@
   qcodes  [B, h, G, rbit/8] uint8    sign bits of the G queries of each scored KV head
   heads   [h] long, optional         which of the Hk KV heads to score (default: all, h = Hk); reading the
                                      selected heads in place spares the copy that codes[:, heads] would make
+  miss    [B, nc] bool, optional     CLO's lookup result for the first nc scored heads: a head that hit reuses
+                                     its cached rows, so the kernel neither reads its codes nor writes its
+                                     scores (left unset); heads nc.. are always scored
   -> scores [B, h, T] fp32 = (G - 2 * sum_g popcount(qcode_g XOR code) / rbit) * norm
 
 `hash_scores_ref` is the specification (the arithmetic of `HashRetriever.scores`); `hash_scores` picks the
@@ -52,17 +55,24 @@ if triton is not None:
         return ((u * 0x01010101) >> 24).to(tl.int32)
 
     @triton.jit
-    def _hash_score_kernel(Codes, Norms, QCodes, Heads, Out, T, inv_rbit,
+    def _needed(Miss, b, j, NC):
+        """Whether row (b, j) is scored: heads j < NC only where CLO's lookup missed (Miss [B, NC] uint8)."""
+        return (j >= NC) | (tl.load(Miss + b * NC + j, mask=j < NC, other=1) != 0)
+
+    @triton.jit
+    def _hash_score_kernel(Codes, Norms, QCodes, Heads, Miss, NC, Out, T, inv_rbit,
                            stride_cb, stride_ch, stride_ct, stride_nb, stride_nh, stride_qb, stride_qh, stride_qg,
                            stride_ob, stride_oh,
                            H: tl.constexpr, G: tl.constexpr, NW: tl.constexpr, NW_PAD: tl.constexpr,
-                           BLOCK_T: tl.constexpr, NATIVE: tl.constexpr):
+                           BLOCK_T: tl.constexpr, NATIVE: tl.constexpr, HAS_MISS: tl.constexpr):
         bj = tl.program_id(0)
         b = (bj // H).to(tl.int64)
         j = bj % H
         head = tl.load(Heads + j)
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = t < T
+        if HAS_MISS:
+            tmask = tl.where(_needed(Miss, b, j, NC), tmask, False)  # not &: the interpreter refuses that mask
         w = tl.arange(0, NW_PAD)
         wmask = w < NW  # padded words are 0 in both codes: they add nothing
         kc = tl.load(Codes + b * stride_cb + head * stride_ch + t.to(tl.int64)[:, None] * stride_ct + w[None, :],
@@ -129,7 +139,8 @@ def _words(x: torch.Tensor) -> torch.Tensor:
 
 
 def hash_scores_triton(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int,
-                       heads: torch.Tensor | None = None, block_t: int = 256, num_warps: int = 4) -> torch.Tensor:
+                       heads: torch.Tensor | None = None, block_t: int = 256, num_warps: int = 4,
+                       miss: torch.Tensor | None = None) -> torch.Tensor:
     b, hk, t, nbytes = codes.shape
     g = qcodes.shape[2]
     assert rbit % 32 == 0 and nbytes * 8 == rbit == qcodes.shape[3] * 8, "the kernel reads 32-bit words"
@@ -144,16 +155,28 @@ def hash_scores_triton(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.T
         return out
     nw = rbit // 32
     grid = (b * h, triton.cdiv(t, block_t))
-    _hash_score_kernel[grid](kw, norms, qw, heads.contiguous(), out, t, 1.0 / rbit,
+    miss_u8, nc = miss_rows(miss, b, norms)
+    _hash_score_kernel[grid](kw, norms, qw, heads.contiguous(), miss_u8, nc, out, t, 1.0 / rbit,
                              kw.stride(0), kw.stride(1), kw.stride(2), norms.stride(0), norms.stride(1),
                              qw.stride(0), qw.stride(1), qw.stride(2), out.stride(0), out.stride(1),
                              H=h, G=g, NW=nw, NW_PAD=triton.next_power_of_2(nw), BLOCK_T=block_t,
-                             NATIVE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps)
+                             NATIVE=os.environ.get("TRITON_INTERPRET") != "1", HAS_MISS=miss is not None,
+                             num_warps=num_warps)
     return out
 
 
+def miss_rows(miss: torch.Tensor | None, batch: int, unread: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """miss [B, nc] bool -> (its bytes, contiguous, nc) as the kernels read them; with None, (`unread`, 0): any
+    tensor on the device, which the kernel does not read (no allocation, so no extra launch in a graph)."""
+    if miss is None:
+        return unread, 0
+    assert miss.dtype == torch.bool and miss.shape[0] == batch, (miss.dtype, miss.shape)
+    return miss.contiguous().view(torch.uint8), miss.shape[1]
+
+
 def hash_scores(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int,
-                heads: torch.Tensor | None = None) -> torch.Tensor:
+                heads: torch.Tensor | None = None, miss: torch.Tensor | None = None) -> torch.Tensor:
+    """miss: the kernel's (rows of hit heads left unset); the reference scores every row."""
     if codes.is_cuda and triton is not None and rbit % 32 == 0:
-        return hash_scores_triton(codes, norms, qcodes, rbit, heads)
+        return hash_scores_triton(codes, norms, qcodes, rbit, heads, miss=miss)
     return hash_scores_ref(codes, norms, qcodes, rbit, heads)

@@ -21,6 +21,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from clo.kernels.hash_score import _needed, miss_rows
 except ImportError:  # CPU machines: the reference is used
     triton = None
 
@@ -56,10 +58,13 @@ if triton is not None:
         return prefix, need
 
     @triton.jit
-    def _histogram_kernel(Scores, Hist, T, K, R, stride_r, P: tl.constexpr, BLOCK: tl.constexpr):
+    def _histogram_kernel(Scores, Hist, T, K, R, stride_r, Miss, NC, H, P: tl.constexpr, BLOCK: tl.constexpr,
+                          HAS_MISS: tl.constexpr):
         row = tl.program_id(0)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < T
+        if HAS_MISS:  # row = b * H + j
+            mask = tl.where(_needed(Miss, row // H, row % H, NC), mask, False)
         key = _keys(Scores, row, t, mask, stride_r)
         if P > 0:
             prefix, need = _descend(Hist, row, R, K, P)
@@ -69,10 +74,13 @@ if triton is not None:
         tl.atomic_add(Hist + (P * R + row) * 256 + tl.arange(0, 256), counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
-    def _compact_kernel(Scores, Hist, Count, Out, T, K, R, offset, stride_r, stride_o, BLOCK: tl.constexpr):
+    def _compact_kernel(Scores, Hist, Count, Out, T, K, R, offset, stride_r, stride_o, Miss, NC, H,
+                        BLOCK: tl.constexpr, HAS_MISS: tl.constexpr):
         row = tl.program_id(0)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < T
+        if HAS_MISS:
+            mask = tl.where(_needed(Miss, row // H, row % H, NC), mask, False)
         key = _keys(Scores, row, t, mask, stride_r)
         kth, need = _descend(Hist, row, R, K, 4)  # kth: the k-th largest key itself
         above = (mask & (key > kth)).to(tl.int32)
@@ -86,9 +94,12 @@ if triton is not None:
         tl.store(out + (K - need) + at_equal, pos, mask=(equal != 0) & (at_equal < need))
 
 
-def radix_topk(scores: torch.Tensor, k: int, offset: int = 0, block: int = 2048, num_warps: int = 4) -> torch.Tensor:
+def radix_topk(scores: torch.Tensor, k: int, offset: int = 0, block: int = 2048, num_warps: int = 4,
+               miss: torch.Tensor | None = None) -> torch.Tensor:
     """2048 keys per program, 4 warps: 31 us for 6 rows of 128K on the H200 (4096 and 8 warps: 40 us;
-    results/bench/retrieval_tuning.json)."""
+    results/bench/retrieval_tuning.json). miss [B, nc] bool (hash_scores's): the rows are B sequences of h heads
+    each, and the first nc heads of a sequence are selected only where they missed (the others' indices are
+    left unset)."""
     r, t = scores.shape
     assert scores.dtype == torch.float32 and 0 <= k <= t, (scores.dtype, k, t)
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
@@ -98,15 +109,20 @@ def radix_topk(scores: torch.Tensor, k: int, offset: int = 0, block: int = 2048,
     work = torch.zeros(PASSES * r * BINS + 2 * r, dtype=torch.int32, device=scores.device)
     hist, count = work[: PASSES * r * BINS], work[PASSES * r * BINS:]
     grid = (r, triton.cdiv(t, block))
+    heads = r // miss.shape[0] if miss is not None else r  # per sequence
+    assert miss is None or heads * miss.shape[0] == r, (miss.shape, r)
+    miss_u8, nc = miss_rows(miss, r // heads, scores)
     for p in range(PASSES):
-        _histogram_kernel[grid](scores, hist, t, k, r, scores.stride(0), P=p, BLOCK=block, num_warps=num_warps)
-    _compact_kernel[grid](scores, hist, count, out, t, k, r, offset, scores.stride(0), out.stride(0), BLOCK=block,
-                          num_warps=num_warps)
+        _histogram_kernel[grid](scores, hist, t, k, r, scores.stride(0), miss_u8, nc, heads, P=p, BLOCK=block,
+                                HAS_MISS=miss is not None, num_warps=num_warps)
+    _compact_kernel[grid](scores, hist, count, out, t, k, r, offset, scores.stride(0), out.stride(0), miss_u8, nc,
+                          heads, BLOCK=block, HAS_MISS=miss is not None, num_warps=num_warps)
     return out
 
 
-def topk_indices(scores: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
-    """scores [..., T] -> offset + indices [..., k] of the k largest along the last dim, in no order."""
+def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, miss: torch.Tensor | None = None) -> torch.Tensor:
+    """scores [..., T] -> offset + indices [..., k] of the k largest along the last dim, in no order. miss: as
+    radix_topk's, for scores [B, h, T] (the reference selects every row)."""
     if scores.is_cuda and triton is not None and scores.dtype == torch.float32:
-        return radix_topk(scores.reshape(-1, scores.shape[-1]), k, offset).view(*scores.shape[:-1], k)
+        return radix_topk(scores.reshape(-1, scores.shape[-1]), k, offset, miss=miss).view(*scores.shape[:-1], k)
     return topk_ref(scores, k, offset)
