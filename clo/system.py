@@ -142,13 +142,8 @@ class CLO(KVOffloadSystem):
         self.copy = torch.cuda.Stream(spec.device) if self.side is not None else None
         # the cached heads' attention runs here while the compute stream selects the persistent heads' rows
         self.attn_stream = torch.cuda.Stream(spec.device) if cuda else None
-        self.defer_ahead = True  # see `deferred` (False: prepare launches at once; bench_clo_layer compares both)
         self.ready = [torch.cuda.Event() if self.side is not None else None for _ in range(spec.num_layers)]
         self.pending = [False] * spec.num_layers
-        # prepare() calls whose side-stream work starts later, behind the current layer's persistent top-k on the
-        # compute stream (persist_query=real): the two chains of small kernels would otherwise share the GPU, and
-        # that top-k is on the critical path, while the next layer's lookups have the whole MLP to finish in
-        self.deferred: list[tuple[int, torch.Tensor]] = []
         self.side_inputs: list[tuple | None] = [None] * spec.num_layers
         self.persist_sel: list[torch.Tensor | None] = [None] * spec.num_layers  # persist_query=speculative's
         # a step's window row and attended lengths, set once per step by begin_step (outside any graph) rather
@@ -196,12 +191,6 @@ class CLO(KVOffloadSystem):
         if self.side is None:
             self.persist_sel[layer] = self._refresh(layer, self.stores[layer].permute_q(q_spec))
             return
-        if self.cfg["persist_query"] == "real" and self.defer_ahead:
-            self.deferred.append((layer, q_spec))  # launched by decode, once its persistent top-k is on its way
-            return
-        self._launch_ahead(layer, q_spec)
-
-    def _launch_ahead(self, layer: int, q_spec: torch.Tensor) -> None:
         selected = self._ahead(layer, q_spec)
         self.pending[layer] = True
         self.persist_sel[layer] = selected[2] if selected is not None else None
@@ -262,17 +251,8 @@ class CLO(KVOffloadSystem):
         if self.trace is not None:
             self.trace.append((layer, miss.clone()))  # per cached head, in the store's order
 
-    def _release(self, only: int | None = None) -> None:
-        """Launch the deferred prepare() work: all of it, or only layer `only`'s."""
-        launch = [(layer, q) for layer, q in self.deferred if only is None or layer == only]
-        self.deferred = [(layer, q) for layer, q in self.deferred if only is not None and layer != only]
-        for layer, q_spec in launch:
-            self._launch_ahead(layer, q_spec)
-
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self._release(only=layer)  # prepared, but deferred behind an earlier layer's decode that has not run
         if layer < self.cfg["dense_layers"]:
-            self._release()
             buf = self.dense_kv[layer]
             buf.index_copy_(2, self.position, torch.stack([k, v], dim=2)[:, :, None])
             with self.phase("attention"):
@@ -300,7 +280,6 @@ class CLO(KVOffloadSystem):
             if persist_idx is None and st.persist is not None:
                 with self.phase("retrieval"):
                     persist_idx = st.select_persistent(st.permute_q(q), self.retriever, layer)
-            self._release()
             with self.phase("attention"):
                 return st.attend(q, self.win_len, persist_idx)
         from clo.kernels.decode_attention import SplitAttention
@@ -314,14 +293,12 @@ class CLO(KVOffloadSystem):
                 parts.split(0, st.nc)
         with self.phase("retrieval"):
             persist_idx = st.select_persistent(st.permute_q(q), self.retriever, layer)
-        self._release()
         with self.phase("attention"):
             parts.split(st.nc, parts.hkv, st.persist_rows(persist_idx))
             compute.wait_stream(self.attn_stream)  # the buffers and q are freed on this stream, after the join
             return parts.merge()[0]
 
     def end_step(self):
-        self._release()  # nothing is left deferred past a step (a caller that prepared a layer it did not decode)
         stats = super().end_step()
         # every store with cached heads is looked up once per step (at prepare, or at decode without prefetch);
         # the prefetch heads are refreshed every step by design and count as transfers, not as lookups

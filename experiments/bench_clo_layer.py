@@ -130,10 +130,6 @@ def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
         with setting(clo.cfg, "persist_query", mode):
             for case in CASES:
                 out[f"{mode}_{case}"] = forced(stores, case, lambda: pipeline_us(clo, dense_work(dense, 1, True), layers))
-    with setting(clo, "defer_ahead", False):  # the next layer's side-stream work beside the persistent top-k
-        for case in CASES:
-            out[f"real_undeferred_{case}"] = forced(stores, case,
-                                                    lambda: pipeline_us(clo, dense_work(dense, 1, True), layers))
     return out
 
 
