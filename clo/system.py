@@ -135,6 +135,7 @@ class CLO(KVOffloadSystem):
         self.stores: list[LayerStore | None] = [None] * spec.num_layers
         self.dense_kv: list[torch.Tensor | None] = [None] * spec.num_layers
         self.trace: list[tuple[int, torch.Tensor]] | None = None  # (layer, miss mask) when tracing
+        self.scored_rows: int | None = None  # end_step's count, for step_device_bytes
         cuda = spec.device.type == "cuda"
         # one layer ahead: lookups and retrieval on `side`, the gathers on `copy`, so that the link moves one
         # layer's rows while the side stream already selects the next layer's
@@ -311,6 +312,10 @@ class CLO(KVOffloadSystem):
         stats.hits = stats.lookups - managed_misses
         row = self._row_bytes(self.spec)
         stats.bytes_h2d = refreshes * row * max((s.k for s in self.stores if s is not None), default=0)
+        # (sequence, head) rows whose metadata the step's retrieval needs: the refreshed cached heads and every
+        # persistent head (on CUDA a cached head that hit is not scored)
+        self.scored_rows = refreshes + sum(st.window.shape[0] * (st.window.shape[1] - st.nc)
+                                           for st in self.stores if st is not None and st.k)
         with torch.inference_mode():  # the buffers were made in (inference-mode) prefill
             for st in active:
                 st.misses.zero_()
@@ -334,10 +339,13 @@ class CLO(KVOffloadSystem):
         return MemoryEstimate(device_bytes=sum(v for k, v in parts.items() if k != "host"), host_bytes=parts["host"])
 
     def step_device_bytes(self) -> int:
-        """Per step: the attended rows (window, selected rows, dense layers), the retrieval metadata (all of it:
-        the graph-capturable step scores every head) and the labels."""
+        """Per step: the attended rows (window, selected rows, dense layers), the labels, and the retrieval
+        metadata of the rows the last step needed scored (end_step's count; every row before a step has run).
+        On CUDA exactly those are read; the CPU reference scores every row."""
         row = self._row_bytes(self.spec)
-        total = self.retriever.metadata_bytes()
+        rows = sum(st.window.shape[0] * st.window.shape[1] for st in self.stores if st is not None)
+        scored = rows if self.scored_rows is None else self.scored_rows
+        total = self.retriever.metadata_bytes() * scored // max(rows, 1)
         for st in self.stores:
             if st is not None:
                 gen = self.length - st.t0 + 1

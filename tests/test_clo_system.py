@@ -101,20 +101,33 @@ def test_statistics_and_memory_match_an_independent_count():
         for layer in range(L):
             q = base[layer] + 0.8 * torch.randn(B, H, D, generator=g)
             clo.decode(layer, q, torch.randn(B, HKV, D, generator=g), torch.randn(B, HKV, D, generator=g))
-        per_step.append((clo.end_step(), clo.trace[start:]))
+        stats = clo.end_step()
+        # the floor's metadata bytes: step_device_bytes less what floor_rest counts independently
+        per_step.append((stats, clo.trace[start:], clo.scored_rows, clo.step_device_bytes() - floor_rest(clo)))
     k_sel = clo.stores[0].k
     total_hits = 0
-    for stats, trace in per_step:
+    per_row = clo.retriever.metadata_bytes() // (L * B * HKV)
+    for stats, trace, scored_rows, metadata in per_step:
         misses = sum(int(m.sum()) for _, m in trace)
         lookups = sum(m.numel() for _, m in trace)
         assert stats.lookups == lookups and stats.hits == lookups - misses
         assert stats.bytes_h2d == misses * k_sel * 2 * D * 4
+        # its floor reads the metadata of the rows it scored: the missed heads' (no persistent heads here)
+        assert scored_rows == misses and metadata == misses * per_row
         total_hits += stats.hits
     assert 0 < total_hits < STEPS * L * B * HKV  # the trace really mixes hits and misses
     held = clo.memory_held()
     assert held.device_bytes == device_bytes_held(clo)
     assert held.host_bytes == sum(st.host.nbytes for st in clo.stores) == L * B * HKV * T0 * 2 * D * 4
     assert clo.estimate_memory(spec()).host_bytes >= held.host_bytes
+
+
+def floor_rest(clo) -> int:
+    """step_device_bytes without the metadata, counted independently: every head's window (sink, recent,
+    generated) and selected rows, and the labels (dense_layers=0: no dense layer)."""
+    gen = clo.length - T0 + 1
+    st = clo.stores[0]
+    return L * (B * HKV * (st.sink + st.recent + gen + st.k) * 2 * D * 4 + st.labels.nbytes)
 
 
 def test_memory_counts_a_persistent_head_once(tmp_path):
