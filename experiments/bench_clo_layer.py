@@ -248,7 +248,7 @@ def gemvs(layer: Layer, cublas: bool = False):
     inter = torch.randn(1, 1, m.down_proj.in_features, device=p.device, dtype=p.dtype)
     one, gated = (F.linear, lambda x, w: silu_mul(F.linear(x, w))) if cublas else (linear, linear_silu_mul)
     w_q = a.query_weights()[0]
-    # ours: the speculative q and q/k/v in one launch, as the decoder makes them (linear_pair)
+    # ours: the speculative q and q/k/v into one buffer, as the decoder makes them (linear_pair)
     pair = ((lambda: (one(x, w_q), one(x, a.qkv_proj.weight))) if cublas
             else (lambda: linear_pair(x, w_q, None, x, a.qkv_proj.weight, None)))
     return lambda: (pair(), one(x, a.o_proj.weight), gated(x, m.gate_up_proj.weight), one(inter, m.down_proj.weight))

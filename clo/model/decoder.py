@@ -121,14 +121,13 @@ class Layer(nn.Module):
         h, x = self.post_attention_layernorm.add_and_norm(x, o)
         return x, self.mlp.decode(h)
 
-
     def decode_inputs(self, x: torch.Tensor, add: torch.Tensor | None, position: torch.Tensor,
                       inv_freq: torch.Tensor, nxt: Layer | None = None) -> tuple:
         """One decode step into this layer's attention: x [B, 1, hidden] plus `add` (the previous layer's MLP
         output, or None) -> (x + add, q [B, H, D], k, v [B, Hkv, D], q_spec [B, H, D] or None), RoPE'd at
         position[0]. With `nxt`, q_spec is the next layer's speculative query from the same input (spec 2.3:
-        RoPE(W_Q^{l+1} RMSNorm_{l+1}(x))), made in the same three kernels as q/k/v: both norms in one, both
-        projections in one GEMV, one RoPE for q_spec, q and k."""
+        RoPE(W_Q^{l+1} RMSNorm_{l+1}(x))), made beside q/k/v: both norms in one kernel, both projections
+        written into one buffer (linear_pair), one RoPE launch for q_spec, q and k."""
         attn, norm = self.self_attn, self.input_layernorm
         if nxt is None:
             h, x = norm.add_and_norm(x, add)
