@@ -121,15 +121,26 @@ def pipeline_step(clo: CLO, dense_step, layers: list[int]):
 
 
 def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
-    """The pipeline (pipeline_us) for each persist_query, and the dense work alone. (Tried at f73ec52 and c6305d4,
-    no gain: side and copy streams at the highest priority, an SM carveout of the GEMVs, and the dense work waiting
-    for the next layer's selection; results/history/f73ec52_contention/, c6305d4_dense_waits/.)"""
+    """The pipeline (pipeline_us) for each persist_query, with CLO's streams and with the side and copy streams at
+    the highest priority (kernel nodes keep their stream's priority in a graph: PyTorch instantiates with
+    cudaGraphInstantiateFlagUseNodePriority), and the dense work alone. (Tried at f73ec52 and c6305d4, no gain
+    then: the priorities, an SM carveout of the GEMVs, and the dense work waiting for the next layer's selection;
+    results/history/f73ec52_contention/, c6305d4_dense_waits/.)"""
     stores = [clo.stores[i] for i in layers]
     out = {"dense": round(replay_ms(dense_work(dense, 1, True), reps=10) * 1e3, 1)}
     for mode in PERSIST_QUERIES:
         with setting(clo.cfg, "persist_query", mode):
             for case in CASES:
                 out[f"{mode}_{case}"] = forced(stores, case, lambda: pipeline_us(clo, dense_work(dense, 1, True), layers))
+    # again with the side and copy streams at the highest priority: with hit heads no longer scored (7f4fd07),
+    # the side stream's chain is what the speculative pipeline waits for
+    high = [torch.cuda.Stream(DEV, priority=-100) for _ in "sc"]  # clamped to the highest the device has
+    with setting(clo, "side", high[0]), setting(clo, "copy", high[1]):
+        for mode in PERSIST_QUERIES:
+            with setting(clo.cfg, "persist_query", mode):
+                for case in CASES:
+                    out[f"{mode}_priority_{case}"] = forced(
+                        stores, case, lambda: pipeline_us(clo, dense_work(dense, 1, True), layers))
     return out
 
 
