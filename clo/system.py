@@ -194,14 +194,14 @@ class CLO(KVOffloadSystem):
             return
         selected = self._ahead(layer, q_spec)
         self.pending[layer] = True
-        self.persist_sel[layer] = selected[2] if selected is not None else None
+        self.persist_sel[layer] = selected[2]
         # q_spec was allocated on the compute stream and is read on the side stream, the selection on the side
         # stream and read on the copy stream: freed now, their memory could be handed to their stream's next
         # kernel while the other stream still reads it (the lookups then see another tensor's bytes). Held
         # until decode has joined the copy stream.
         self.side_inputs[layer] = (q_spec, selected)
 
-    def _ahead(self, layer: int, q_spec: torch.Tensor) -> tuple | None:
+    def _ahead(self, layer: int, q_spec: torch.Tensor) -> tuple:
         """_select on the side stream, behind the compute stream's work so far, and _move on the copy stream
         behind it; ready[layer] marks the end. Returns the selection (its memory is the side stream's)."""
         self.side.wait_stream(torch.cuda.current_stream())
@@ -218,17 +218,18 @@ class CLO(KVOffloadSystem):
         into their slots (all on the current stream). Returns _select's persistent selection."""
         selected = self._select(layer, qp)
         self._move(layer, selected)
-        return selected[2] if selected is not None else None
+        return selected[2]
 
-    def _select(self, layer: int, qp: torch.Tensor) -> tuple | None:
+    def _select(self, layer: int, qp: torch.Tensor) -> tuple:
         """(miss [B, nc], idx [B, nc, k], persist_idx [B, Hp, k] or None): which cached heads missed qp (labels
         updated) and the missed heads' top-k for qp (on CUDA a head that hit is not scored: its rows of idx are
         unset, and only missed heads' are read); with persist_query=speculative also the persistent heads' top-k,
-        scored and selected in the same launches. None when there is nothing to select."""
+        scored and selected in the same launches. (None, None, None) when there is nothing to select; miss is None
+        for a store without cached heads."""
         st = self.stores[layer]
         with_persist = self.cfg["persist_query"] == "speculative" and st.persist is not None
         if not st.k or not (st.nc or with_persist):
-            return None
+            return None, None, None
         miss = None
         if st.nc:
             qc = qp.view(qp.shape[0], -1, st.group, qp.shape[-1])[:, : st.nc]
@@ -239,9 +240,9 @@ class CLO(KVOffloadSystem):
             idx = st.retrieve(self.retriever, layer, qp, st.every_head if with_persist else st.cached, miss)
         return miss, idx[:, : st.nc], idx[:, st.nc:] if with_persist else None
 
-    def _move(self, layer: int, selected: tuple | None) -> None:
+    def _move(self, layer: int, selected: tuple) -> None:
         """The missed heads' rows into their slots, and the bookkeeping of what moved."""
-        if selected is None or selected[0] is None:
+        if selected[0] is None:
             return
         st, (miss, idx, _) = self.stores[layer], selected
         with self.phase("transfer_exposed"):

@@ -127,20 +127,21 @@ def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
     then: the priorities, an SM carveout of the GEMVs, and the dense work waiting for the next layer's selection;
     results/history/f73ec52_contention/, c6305d4_dense_waits/.)"""
     stores = [clo.stores[i] for i in layers]
-    out = {"dense": round(replay_ms(dense_work(dense, 1, True), reps=10) * 1e3, 1)}
-    for mode in PERSIST_QUERIES:
-        with setting(clo.cfg, "persist_query", mode):
-            for case in CASES:
-                out[f"{mode}_{case}"] = forced(stores, case, lambda: pipeline_us(clo, dense_work(dense, 1, True), layers))
+    dense_step = dense_work(dense, 1, True)
+    out = {"dense": round(replay_ms(dense_step, reps=10) * 1e3, 1)}
+
+    def sweep(tag: str = "") -> None:  # every persist_query and case, as out["<mode><tag>_<case>"]
+        for mode in PERSIST_QUERIES:
+            with setting(clo.cfg, "persist_query", mode):
+                for case in CASES:
+                    out[f"{mode}{tag}_{case}"] = forced(stores, case, lambda: pipeline_us(clo, dense_step, layers))
+
+    sweep()
     # again with the side and copy streams at the highest priority: with hit heads no longer scored (7f4fd07),
     # the side stream's chain is what the speculative pipeline waits for
     high = [torch.cuda.Stream(DEV, priority=-100) for _ in "sc"]  # clamped to the highest the device has
     with setting(clo, "side", high[0]), setting(clo, "copy", high[1]):
-        for mode in PERSIST_QUERIES:
-            with setting(clo.cfg, "persist_query", mode):
-                for case in CASES:
-                    out[f"{mode}_priority_{case}"] = forced(
-                        stores, case, lambda: pipeline_us(clo, dense_work(dense, 1, True), layers))
+        sweep("_priority")
     return out
 
 

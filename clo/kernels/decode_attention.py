@@ -53,6 +53,14 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
 if triton is not None:
 
     @triton.jit
+    def _query_head(QHeads, kvh, MAPPED: tl.constexpr):
+        """The KV head of q whose queries KV head kvh of the buffers serves (itself unless MAPPED)."""
+        qh = kvh
+        if MAPPED:
+            qh = tl.load(QHeads + kvh)
+        return qh
+
+    @triton.jit
     def _split_kernel(Q, QHeads, K, V, Lens, K2, V2, Lens2, PK, PV, Idx, NC, H0, NH, Out, M, L, sm_scale,
                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                       stride_k2b, stride_k2t, stride_k2h, stride_v2b, stride_v2t, stride_v2h,
@@ -96,9 +104,7 @@ if triton is not None:
                         indexed_end = length
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
-        qh = kvh
-        if MAPPED:
-            qh = tl.load(QHeads + kvh)
+        qh = _query_head(QHeads, kvh, MAPPED)
         q = tl.load(Q + b * stride_qb + (qh * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
                     other=0.0)
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -153,9 +159,7 @@ if triton is not None:
             part = tl.load(Out + ((bh * SPLITS + sc) * G + g)[:, None] * D + d[None, :], mask=(sc < SPLITS)[:, None],
                            other=0.0)
             acc += tl.sum(part * wc[:, None], 0)
-        qh = kvh
-        if MAPPED:
-            qh = tl.load(QHeads + kvh)
+        qh = _query_head(QHeads, kvh, MAPPED)
         tl.store(O + b * stride_ob + (qh * G + g) * stride_oh + d, (acc / l_all).to(O.dtype.element_ty))
         tl.store(Lse + (b * HKV + qh) * G + g, m_safe + tl.log(l_all))
 
