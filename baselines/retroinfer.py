@@ -35,7 +35,7 @@ from baselines.wave_index import WaveRetriever
 from clo.errors import ConfigError
 from clo.kv.interface import KVSpec, MemoryEstimate
 from clo.layout import split_prompt
-from clo.retrieval import RETRIEVERS, make_retriever, select_topk
+from clo.retrieval import RETRIEVERS, make_retriever, select_topk, topk_work
 
 
 # block: whole blocks are retrieved, scored by their best token (RetroInfer retrieves whole clusters, so a miss
@@ -145,14 +145,18 @@ class RetroInfer(OffloadedBaseline):
         rows, cap = cache.shape[:2]
         d, dev = spec.head_dim, spec.device
         with self.phase("retrieval"):
-            scores = self.retriever.scores(layer, q, self.heads)
+            # as CLO's: the hash scores' kernel counts the token select's first pass while it writes the scores
+            # (other retrievers would count it in torch, slower than the pass itself)
+            work = topk_work(self.topk, rows, dev) if self.selection == "token" and self.retriever_kind == "hash" \
+                else None
+            scores = self.retriever.scores(layer, q, self.heads, hist=work)
             if self.selection == "block":  # the best token of each full block scores the block
                 full = scores.shape[-1] // bs
                 blocks = select_topk(scores[..., : full * bs].unflatten(-1, (full, bs)).amax(-1), k_sel // bs, 0,
                                      method=self.topk)
                 idx = (blocks[..., None] * bs + torch.arange(bs, device=dev)).view(rows, k_sel)
             else:
-                idx = select_topk(scores, k_sel, 0, method=self.topk).view(rows, k_sel)
+                idx = select_topk(scores, k_sel, 0, method=self.topk, work=work).view(rows, k_sel)
             ublock, uid = distinct_sorted(idx // bs, lru.n_blocks)
         with self.phase("launch_sync"):
             ublock_host = ublock.to(torch.int32).cpu()  # a blocking copy: the launch thread waits for the device

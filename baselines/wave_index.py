@@ -67,12 +67,19 @@ class WaveRetriever:
         self.pos_cluster[layer] = labels.gather(1, perm).view(b, hkv, n)
         self.centroids[layer] = cent.view(b, hkv, -1, d)
 
-    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        """q [B, H, D], heads [h] -> [B, h, N] float32: each position scored by its cluster's centroid."""
+    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor, miss: torch.Tensor | None = None,
+               hist: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, D], heads [h] -> [B, h, N] float32: each position scored by its cluster's centroid. miss, hist:
+        as clo.retrieval's (every row is scored; the radix select's first pass is counted in torch)."""
+        from clo.kernels.radix_topk import count_first_pass_ref
+
         cent = self.centroids[layer][:, heads]
         b, hkv, _, d = self.centroids[layer].shape
         per_cluster = torch.einsum("bkgd,bkcd->bkc", q.view(b, hkv, -1, d)[:, heads].float(), cent)
-        return per_cluster.gather(2, self.pos_cluster[layer][:, heads])
+        scores = per_cluster.gather(2, self.pos_cluster[layer][:, heads])
+        if hist is not None:
+            count_first_pass_ref(scores, hist)
+        return scores
 
     def metadata_bytes(self) -> int:
         """Device bytes: centroids and each position's cluster id (the permutation is used once, at prefill)."""

@@ -93,10 +93,11 @@ class LayerStore:
         """Absolute token indices [B, h, k] of the top-k middle tokens of `heads` (permuted order) for qp, in no
         order (attention and the gathers do not need one). miss [B, nc], the lookup's: on CUDA the cached heads
         that hit are neither scored nor selected (their rows are unset: only missed heads' indices are read)."""
-        from clo.retrieval import select_topk
+        from clo.retrieval import select_topk, topk_work
 
-        scores = retriever.scores(layer, qp, heads, miss)
-        return select_topk(scores, self.k, self.sink, ascending=False, method=self.topk, miss=miss)
+        work = topk_work(self.topk, qp.shape[0] * heads.shape[0], qp.device)
+        scores = retriever.scores(layer, qp, heads, miss, hist=work)
+        return select_topk(scores, self.k, self.sink, ascending=False, method=self.topk, miss=miss, work=work)
 
     def select_persistent(self, qp: torch.Tensor, retriever, layer: int) -> torch.Tensor | None:
         """Token indices [B, Hp, k] of the persistent heads' top-k middle tokens for the real query (None without

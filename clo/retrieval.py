@@ -39,13 +39,19 @@ class ExactRetriever:
         """keys [B, Hkv, T, D]: the candidates of this layer (kept on the device)."""
         self.keys[layer] = keys
 
-    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor, miss: torch.Tensor | None = None):
-        """q [B, H, D], heads [h] (KV heads to score) -> [B, h, T] float32. miss: HashRetriever's (every row is
-        scored here)."""
+    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor, miss: torch.Tensor | None = None,
+               hist: torch.Tensor | None = None):
+        """q [B, H, D], heads [h] (KV heads to score) -> [B, h, T] float32. miss, hist: HashRetriever's (every
+        row is scored here; the radix select's first pass is counted in torch)."""
+        from clo.kernels.radix_topk import count_first_pass_ref
+
         keys = self.keys[layer][:, heads]
         b, hkv, t, d = self.keys[layer].shape
         qg = q.view(b, hkv, -1, d)[:, heads].float()
-        return torch.einsum("bkgd,bktd->bkt", qg, keys.float())
+        scores = torch.einsum("bkgd,bktd->bkt", qg, keys.float())
+        if hist is not None:
+            count_first_pass_ref(scores, hist)
+        return scores
 
     def metadata_bytes(self) -> int:
         return sum(k.nbytes for k in self.keys if k is not None)  # the oracle keeps every candidate key
@@ -88,13 +94,15 @@ class HashRetriever:
                                        q.shape[1] // hkv)
         return self.encode(layer, q.view(b, hkv, -1, d))[:, heads]
 
-    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor, miss: torch.Tensor | None = None):
+    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor, miss: torch.Tensor | None = None,
+               hist: torch.Tensor | None = None):
         """miss [B, nc]: on CUDA the first nc heads are scored only where they missed (a hit reuses its cached
-        rows), their other rows left unset."""
+        rows), their other rows left unset. hist: topk_work's; the scores' kernel also counts the radix select's
+        first pass into it."""
         from clo.kernels.hash_score import hash_scores  # Triton on CUDA, the torch reference elsewhere
 
         qc = self.encode_query(layer, q, heads)
-        return hash_scores(self.codes[layer], self.norms[layer], qc, self.rbit, heads, miss)
+        return hash_scores(self.codes[layer], self.norms[layer], qc, self.rbit, heads, miss, hist)
 
     def metadata_bytes(self) -> int:
         return sum(c.nbytes + n.nbytes for c, n in zip(self.codes, self.norms) if c is not None)
@@ -109,20 +117,30 @@ def make_retriever(kind: str, num_layers: int, num_kv_heads: int, head_dim: int,
     raise ConfigError(f"retriever={kind!r}; valid: {', '.join(RETRIEVERS)}")
 
 
+def topk_work(method: str, rows: int, device: torch.device) -> torch.Tensor | None:
+    """Where select_topk(method=) runs the radix select: its scratch, for the retriever's scores(hist=) to count
+    the select's first pass into while it writes the scores (one pass over them fewer); None elsewhere."""
+    from clo.kernels.radix_topk import radix_runs, radix_work
+
+    return radix_work(rows, device) if method == "radix" and radix_runs(device) else None
+
+
 def check_topk_method(method: str) -> None:
     if method not in TOPK_METHODS:
         raise ConfigError(f"topk={method!r}; valid: {', '.join(TOPK_METHODS)}")
 
 
 def select_topk(scores: torch.Tensor, k: int, offset: int, ascending: bool = True,
-                method: str = "radix", miss: torch.Tensor | None = None) -> torch.Tensor:
+                method: str = "radix", miss: torch.Tensor | None = None,
+                work: torch.Tensor | None = None) -> torch.Tensor:
     """scores [B, Hkv, T] over candidates starting at token `offset` -> absolute indices [B, Hkv, k], ascending
     unless `ascending=False`: attention and the gathers do not need the order, and at 128K sorting the
     indices costs more than the top-k itself (96 us per layer on the H200; torch.topk 65 us, the radix select
     of clo/kernels/radix_topk.py that CUDA uses 31 us; results/bench/clo_layer.json). torch.topk elsewhere, or everywhere
     with method="torch" (one launch instead of six: possibly cheaper where the step is launched eagerly). miss
-    [B, nc]: the radix select's rows of the first nc heads that hit are left unset (HashRetriever.scores)."""
+    [B, nc]: the radix select's rows of the first nc heads that hit are left unset (HashRetriever.scores). work:
+    topk_work's, its first pass counted by the retriever's scores(hist=)."""
     from clo.kernels.radix_topk import topk_indices, topk_ref
 
-    idx = topk_indices(scores, k, offset, miss) if method == "radix" else topk_ref(scores, k, offset)
+    idx = topk_indices(scores, k, offset, miss, work) if method == "radix" else topk_ref(scores, k, offset)
     return idx.sort(dim=-1).values if ascending else idx

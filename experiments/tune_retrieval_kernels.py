@@ -1,7 +1,8 @@
 """Launch parameters of the retrieval kernels on the critical path of a CLO layer, timed at Llama-3-8B shape,
 128K (BSZ 1): the query encoding (CHUNK of head_dim per step), the hash scores (tokens per program, warps) and
 the radix top-k (keys per program, warps), each for the 6 cached and 2 persistent KV heads of a median layer.
-The defaults in clo/kernels/ are chosen from this table; the kernels' correctness is tests/test_clo_kernels.py's.
+The scores and the select are also timed together, with the select's first pass counted by
+the scores' kernel or by a pass of its own. The defaults in clo/kernels/ are chosen from this table; the kernels' correctness is tests/test_clo_kernels.py's.
 
     python -m experiments.tune_retrieval_kernels --out results/bench/retrieval_tuning.json
 """
@@ -14,7 +15,7 @@ import torch
 
 from clo.bench.bandwidth import copy_bandwidth_gb_s, replay_ms
 from clo.kernels.hash_score import encode_query_triton, hash_scores_triton
-from clo.kernels.radix_topk import radix_topk
+from clo.kernels.radix_topk import radix_topk, radix_work
 from clo.paths import write_json_atomic
 from experiments.bench_clo import DEV, LLAMA3
 from experiments.records import environment
@@ -52,6 +53,15 @@ def main() -> None:
                 timed("hash_scores", h, h * t * (rbit // 8 + 4 + 4),
                       lambda: hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t, warps),
                       block_t=block_t, num_warps=warps)
+        # scores then select, the select's first pass counted by the scores' kernel (CLO's) or by its own pass
+        for block_t in (256, 1024):
+            for counted in (False, True):
+                def scores_then_select():
+                    work = radix_work(h, codes.device) if counted else None
+                    s = hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t, hist=work)[0]
+                    return radix_topk(s, k, work=work)
+                timed("hash_scores + radix_topk", h, h * t * (rbit // 8 + 4 + 4 + 4 * (5 - counted)) + h * k * 8,
+                      scores_then_select, block_t=block_t, first_pass_counted=counted)
         scores = hash_scores_triton(codes, norms, qcodes, rbit, heads)[0]  # [h, T]: one row per head
         for block in (2048, 4096, 8192, 16384):
             for warps in (4, 8, 16):

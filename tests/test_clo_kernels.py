@@ -11,6 +11,7 @@ import torch
 
 from clo.kernels.hash_score import hash_scores_ref
 from clo.kernels.head_cache import lookup_and_update_ref
+from clo.kernels.radix_topk import count_first_pass_ref, radix_work
 from clo.kernels.uva_gather import uva_gather_ref
 from clo.retrieval import HashRetriever, pack_signs
 
@@ -120,8 +121,17 @@ def check_hash_scores(device, b, hk, h, t, g_, rbit, use_heads, block_t=256):
     miss = torch.rand(b, nc, generator=torch.Generator().manual_seed(7)) < 0.5
     miss[0, 0], miss[-1, -1] = True, False
     need = torch.cat([miss, torch.ones(b, 1, dtype=torch.bool)], 1)
-    got = hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t=block_t, miss=miss.to(device)).cpu()
+    hist = radix_work(b * got.shape[1], device)
+    got = hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t=block_t, miss=miss.to(device),
+                             hist=hist).cpu()
     torch.testing.assert_close(got[need], want[need], rtol=1e-6, atol=1e-5)
+    # the radix select's first pass, counted beside the scores: exactly torch's count of the scored rows
+    counted = radix_work(b * got.shape[1], "cpu")
+    count_first_pass_ref(got, counted)
+    rows = need.flatten()
+    first = lambda w: w[: rows.numel() * 256].view(-1, 256)
+    assert torch.equal(first(hist.cpu())[rows], first(counted)[rows]) and first(hist.cpu())[rows].sum() > 0
+    assert not hist.cpu()[rows.numel() * 256:].any()  # the later passes' histograms and the counters untouched
 
 
 def check_lookup(device, b, hc, g_, d, dtype, aggregation):
@@ -159,8 +169,11 @@ def check_radix_topk(device, r, t, k, kind, block):
     # rows as one sequence of r heads; with `miss`, the first r - 1 only where they missed (CLO's hits are not
     # selected: their rows stay as they were)
     miss = torch.arange(r - 1)[None] % 2 == 0
-    for m in (None, miss):
-        got = radix_topk(scores.to(device), k, offset=5, miss=None if m is None else m.to(device), **launch).cpu() - 5
+    counted = radix_work(r, device)  # the first pass counted before (as hash_scores(hist=) does), three left
+    count_first_pass_ref(scores.to(device), counted)
+    for m, work in ((None, None), (miss, None), (None, counted.clone()), (miss, counted)):
+        got = radix_topk(scores.to(device), k, offset=5, miss=None if m is None else m.to(device), work=work,
+                         **launch).cpu() - 5
         assert got.shape == (r, k)
         for row, idx in enumerate(got):
             if m is not None and row < r - 1 and not m[0, row]:

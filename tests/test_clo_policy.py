@@ -94,6 +94,26 @@ def test_hash_scores_formula_and_exact_scores():
     assert idx.shape == (b, hkv, 4) and (idx >= 10).all() and (idx.diff(dim=-1) > 0).all()
 
 
+def test_first_radix_pass_counted_beside_the_scores():
+    """count_first_pass_ref bins a score by the top byte of its order-preserving key (sign flipped up, negatives
+    inverted), and each retriever's scores(hist=) adds exactly that count of what it returns."""
+    from clo.kernels.radix_topk import count_first_pass_ref, radix_work
+
+    work = radix_work(2, torch.device("cpu"))
+    count_first_pass_ref(torch.tensor([[1.0, 1.5, -1.0], [0.0, -0.0, float("inf")]]), work)
+    # 1.0 = 0x3F800000 -> 0xBF800000; -1.0 = 0xBF800000 -> 0x407FFFFF; 0.0 -> 0x80000000; -0.0 -> 0x7FFFFFFF
+    assert work[:256].nonzero().flatten().tolist() == [0x40, 0xBF] and work[0xBF] == 2
+    assert work[256:512].nonzero().flatten().tolist() == [0x7F, 0x80, 0xFF] and not work[512:].any()
+    g = torch.Generator().manual_seed(4)
+    keys, q = torch.randn(2, 3, 50, 16, generator=g), torch.randn(2, 6, 16, generator=g)
+    for retriever in (HashRetriever(1, 3, 16, torch.device("cpu"), rbit=64), ExactRetriever(1, 3, 16, "cpu")):
+        retriever.index(0, keys)
+        heads = torch.tensor([2, 0])
+        got, want = radix_work(4, torch.device("cpu")), radix_work(4, torch.device("cpu"))
+        count_first_pass_ref(retriever.scores(0, q, heads, hist=got), want)
+        assert torch.equal(got, want) and got.sum() == 4 * 50
+
+
 def test_hash_ranking_tracks_exact_ranking():
     """Random projections with 256 bits recover a good part of the true top-10%: the retriever works."""
     g = torch.Generator().manual_seed(2)

@@ -8,6 +8,9 @@
   miss    [B, nc] bool, optional     CLO's lookup result for the first nc scored heads: a head that hit reuses
                                      its cached rows, so the kernel neither reads its codes nor writes its
                                      scores (left unset); heads nc.. are always scored
+  hist    [>= B*h*256] int32, optional  zeroed (radix_topk.radix_work): the kernel also counts the first pass
+                                     of the radix select over the scores it writes (their keys' top byte, row
+                                     b*h + j), so that the select does not read them once more for it
   -> scores [B, h, T] fp32 = (G - 2 * sum_g popcount(qcode_g XOR code) / rbit) * norm
 
 `hash_scores_ref` is the specification (the arithmetic of `HashRetriever.scores`); `hash_scores` picks the
@@ -60,11 +63,18 @@ if triton is not None:
         return (j >= NC) | (tl.load(Miss + b * NC + j, mask=j < NC, other=1) != 0)
 
     @triton.jit
-    def _hash_score_kernel(Codes, Norms, QCodes, Heads, Miss, NC, Out, T, inv_rbit,
+    def _order_key(x):
+        """fp32 -> uint32 whose unsigned order is the float order (negatives flipped, positives above them)."""
+        u = x.to(tl.uint32, bitcast=True)
+        return tl.where((u >> 31) != 0, ~u, u | 0x80000000)
+
+    @triton.jit
+    def _hash_score_kernel(Codes, Norms, QCodes, Heads, Miss, NC, Out, Hist, T, inv_rbit,
                            stride_cb, stride_ch, stride_ct, stride_nb, stride_nh, stride_qb, stride_qh, stride_qg,
                            stride_ob, stride_oh,
                            H: tl.constexpr, G: tl.constexpr, NW: tl.constexpr, NW_PAD: tl.constexpr,
-                           BLOCK_T: tl.constexpr, NATIVE: tl.constexpr, HAS_MISS: tl.constexpr):
+                           BLOCK_T: tl.constexpr, NATIVE: tl.constexpr, HAS_MISS: tl.constexpr,
+                           COUNT: tl.constexpr):
         bj = tl.program_id(0)
         b = (bj // H).to(tl.int64)
         j = bj % H
@@ -85,6 +95,9 @@ if triton is not None:
         norm = tl.load(Norms + b * stride_nb + head * stride_nh + t, mask=tmask, other=0.0)
         score = (G - 2.0 * ham.to(tl.float32) * inv_rbit) * norm
         tl.store(Out + b * stride_ob + j * stride_oh + t, score, mask=tmask)
+        if COUNT:  # the radix select's first pass (_histogram_kernel with P = 0), from the scores in registers
+            counts = tl.histogram((_order_key(score) >> 24).to(tl.int32), 256, mask=tmask)
+            tl.atomic_add(Hist + bj * 256 + tl.arange(0, 256), counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
     def _encode_query_kernel(Q, W, Heads, Out, stride_qb, stride_qh, stride_wh, stride_wd, stride_ob, stride_oh,
@@ -140,7 +153,7 @@ def _words(x: torch.Tensor) -> torch.Tensor:
 
 def hash_scores_triton(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int,
                        heads: torch.Tensor | None = None, block_t: int = 256, num_warps: int = 4,
-                       miss: torch.Tensor | None = None) -> torch.Tensor:
+                       miss: torch.Tensor | None = None, hist: torch.Tensor | None = None) -> torch.Tensor:
     b, hk, t, nbytes = codes.shape
     g = qcodes.shape[2]
     assert rbit % 32 == 0 and nbytes * 8 == rbit == qcodes.shape[3] * 8, "the kernel reads 32-bit words"
@@ -156,12 +169,14 @@ def hash_scores_triton(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.T
     nw = rbit // 32
     grid = (b * h, triton.cdiv(t, block_t))
     miss_u8, nc = miss_rows(miss, b, norms)
-    _hash_score_kernel[grid](kw, norms, qw, heads.contiguous(), miss_u8, nc, out, t, 1.0 / rbit,
+    assert hist is None or (hist.dtype == torch.int32 and hist.numel() >= b * h * 256), "hist: radix_work's"
+    _hash_score_kernel[grid](kw, norms, qw, heads.contiguous(), miss_u8, nc, out, hist if hist is not None else out,
+                             t, 1.0 / rbit,
                              kw.stride(0), kw.stride(1), kw.stride(2), norms.stride(0), norms.stride(1),
                              qw.stride(0), qw.stride(1), qw.stride(2), out.stride(0), out.stride(1),
                              H=h, G=g, NW=nw, NW_PAD=triton.next_power_of_2(nw), BLOCK_T=block_t,
                              NATIVE=os.environ.get("TRITON_INTERPRET") != "1", HAS_MISS=miss is not None,
-                             num_warps=num_warps)
+                             COUNT=hist is not None, num_warps=num_warps)
     return out
 
 
@@ -175,8 +190,15 @@ def miss_rows(miss: torch.Tensor | None, batch: int, unread: torch.Tensor) -> tu
 
 
 def hash_scores(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int,
-                heads: torch.Tensor | None = None, miss: torch.Tensor | None = None) -> torch.Tensor:
-    """miss: the kernel's (rows of hit heads left unset); the reference scores every row."""
+                heads: torch.Tensor | None = None, miss: torch.Tensor | None = None,
+                hist: torch.Tensor | None = None) -> torch.Tensor:
+    """miss: the kernel's (rows of hit heads left unset); the reference scores every row. hist: the kernel's (the
+    reference counts it in torch)."""
     if codes.is_cuda and triton is not None and rbit % 32 == 0:
-        return hash_scores_triton(codes, norms, qcodes, rbit, heads, miss=miss)
-    return hash_scores_ref(codes, norms, qcodes, rbit, heads)
+        return hash_scores_triton(codes, norms, qcodes, rbit, heads, miss=miss, hist=hist)
+    scores = hash_scores_ref(codes, norms, qcodes, rbit, heads)
+    if hist is not None:
+        from clo.kernels.radix_topk import count_first_pass_ref
+
+        count_first_pass_ref(scores, hist)
+    return scores

@@ -22,7 +22,7 @@ try:
     import triton
     import triton.language as tl
 
-    from clo.kernels.hash_score import _needed, miss_rows
+    from clo.kernels.hash_score import _needed, _order_key, miss_rows
 except ImportError:  # CPU machines: the reference is used
     triton = None
 
@@ -33,14 +33,28 @@ def topk_ref(scores: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
     return scores.topk(k, dim=-1, sorted=False).indices + offset
 
 
+def radix_work(rows: int, device: torch.device) -> torch.Tensor:
+    """The select's zeroed scratch: the four passes' histograms [PASSES, rows, BINS], then two counters per row.
+    A producer of the scores may count the first pass into it (hash_scores(..., hist=)); radix_topk(work=)
+    then starts at the second."""
+    return torch.zeros(PASSES * rows * BINS + 2 * rows, dtype=torch.int32, device=device)
+
+
+def count_first_pass_ref(scores: torch.Tensor, work: torch.Tensor) -> None:
+    """Adds the first pass's histogram of scores [..., T] (rows flattened) to `work`, in torch: the top byte of
+    each score's order-preserving key (what _histogram_kernel counts with P = 0)."""
+    u = scores.reshape(-1, scores.shape[-1]).float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    key = torch.where(u >= 2**31, u ^ 0xFFFFFFFF, u | 2**31)
+    rows = torch.arange(key.shape[0], device=key.device)[:, None]
+    counts = torch.bincount((rows * BINS + (key >> 24)).flatten(), minlength=key.shape[0] * BINS)
+    work[: counts.numel()] += counts.to(work.device, torch.int32)
+
+
 if triton is not None:
 
     @triton.jit
     def _keys(Scores, row, t, mask, stride_r):
-        """fp32 -> uint32 whose unsigned order is the float order (negatives flipped, positives above them)."""
-        x = tl.load(Scores + row.to(tl.int64) * stride_r + t, mask=mask, other=0.0)
-        u = x.to(tl.uint32, bitcast=True)
-        return tl.where((u >> 31) != 0, ~u, u | 0x80000000)
+        return _order_key(tl.load(Scores + row.to(tl.int64) * stride_r + t, mask=mask, other=0.0))
 
     @triton.jit
     def _descend(Hist, row, R, K, DONE: tl.constexpr):
@@ -95,24 +109,26 @@ if triton is not None:
 
 
 def radix_topk(scores: torch.Tensor, k: int, offset: int = 0, block: int = 2048, num_warps: int = 4,
-               miss: torch.Tensor | None = None) -> torch.Tensor:
+               miss: torch.Tensor | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
     """2048 keys per program, 4 warps: 31 us for 6 rows of 128K on the H200 (4096 and 8 warps: 40 us;
     results/bench/retrieval_tuning.json). miss [B, nc] bool (hash_scores's): the rows are B sequences of h heads
     each, and the first nc heads of a sequence are selected only where they missed (the others' indices are
-    left unset)."""
+    left unset). work: radix_work(R) with the first pass already counted; three passes then remain."""
     r, t = scores.shape
     assert scores.dtype == torch.float32 and 0 <= k <= t, (scores.dtype, k, t)
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
     out = torch.empty(r, k, dtype=torch.long, device=scores.device)
     if not (r and k):
         return out
-    work = torch.zeros(PASSES * r * BINS + 2 * r, dtype=torch.int32, device=scores.device)
+    counted = work is not None
+    assert not counted or work.shape == (PASSES * r * BINS + 2 * r,), "work: radix_work(rows of scores)"
+    work = work if counted else radix_work(r, scores.device)
     hist, count = work[: PASSES * r * BINS], work[PASSES * r * BINS:]
     grid = (r, triton.cdiv(t, block))
     heads = r // miss.shape[0] if miss is not None else r  # per sequence
     assert miss is None or heads * miss.shape[0] == r, (miss.shape, r)
     miss_u8, nc = miss_rows(miss, r // heads, scores)
-    for p in range(PASSES):
+    for p in range(int(counted), PASSES):
         _histogram_kernel[grid](scores, hist, t, k, r, scores.stride(0), miss_u8, nc, heads, P=p, BLOCK=block,
                                 HAS_MISS=miss is not None, num_warps=num_warps)
     _compact_kernel[grid](scores, hist, count, out, t, k, r, offset, scores.stride(0), out.stride(0), miss_u8, nc,
@@ -120,9 +136,16 @@ def radix_topk(scores: torch.Tensor, k: int, offset: int = 0, block: int = 2048,
     return out
 
 
-def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, miss: torch.Tensor | None = None) -> torch.Tensor:
-    """scores [..., T] -> offset + indices [..., k] of the k largest along the last dim, in no order. miss: as
-    radix_topk's, for scores [B, h, T] (the reference selects every row)."""
-    if scores.is_cuda and triton is not None and scores.dtype == torch.float32:
-        return radix_topk(scores.reshape(-1, scores.shape[-1]), k, offset, miss=miss).view(*scores.shape[:-1], k)
+def radix_runs(device: torch.device) -> bool:
+    """Whether topk_indices selects fp32 scores on `device` with the radix kernels (else torch.topk)."""
+    return device.type == "cuda" and triton is not None
+
+
+def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, miss: torch.Tensor | None = None,
+                 work: torch.Tensor | None = None) -> torch.Tensor:
+    """scores [..., T] -> offset + indices [..., k] of the k largest along the last dim, in no order. miss, work:
+    as radix_topk's, for scores [B, h, T] (the reference selects every row and needs no work)."""
+    if radix_runs(scores.device) and scores.dtype == torch.float32:
+        return radix_topk(scores.reshape(-1, scores.shape[-1]), k, offset, miss=miss,
+                          work=work).view(*scores.shape[:-1], k)
     return topk_ref(scores, k, offset)
