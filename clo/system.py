@@ -298,7 +298,7 @@ class CLO(KVOffloadSystem):
         with self.phase("attention"):
             parts.split(st.nc, parts.hkv, st.persist_rows(persist_idx))
             compute.wait_stream(self.attn_stream)  # the buffers and q are freed on this stream, after the join
-            return parts.result()[0]
+            return parts.merge()[0]
 
     def end_step(self):
         stats = super().end_step()

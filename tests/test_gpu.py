@@ -154,8 +154,8 @@ def test_clo_side_stream_reads_its_own_query():
 def test_clo_persistent_heads_overlapped_attention(tmp_path, mode):
     """With a persistent and a cached KV head per layer (a profile that makes one head hard, a link too slow to
     prefetch it), decode's overlapped attention (the cached head's part on its own stream while the persistent
-    head's top-k is selected; each head merged by its last split) equals one launch over every head, and graph
-    replay gives the eager tokens; also with the persistent head selected one layer ahead (persist_query=speculative)."""
+    head's top-k is selected, then one merge) equals one launch over every head, and graph replay gives the
+    eager tokens; also with the persistent head selected one layer ahead (persist_query=speculative)."""
     from clo.generate import generate
     from clo.model.weights import synthetic_decoder
     from clo.system import CLO

@@ -1,7 +1,6 @@
 """Decode attention over a token-major KV buffer whose valid length per sequence is read from the device, so
 one launch serves every step and can be replayed from a CUDA graph (flash-decoding: split the keys over
-many programs, then merge the partial softmaxes; the last program of a head to finish merges them, so there is
-no second launch).
+many programs, then merge the partial softmaxes).
 
   q        [B, H, D]
   k, v     [B, T, Hkv, D]   (T = buffer capacity; only the first lengths[b] tokens are attended)
@@ -12,8 +11,8 @@ no second launch).
 kernel on CUDA and the reference elsewhere. With return_lse, each also returns the log-sum-exp of the scores
 [B, H] (fp32), so that attention over several buffers can be computed per buffer and merged exactly
 (`merge_attention`). `hybrid_attention` is CLO's: its window, its cache slots and its persistent heads' rows at
-their top-k indices, each read where it lies, in one launch. `SplitAttention` launches the split per range of
-KV heads, so that parts can run on different streams.
+their top-k indices, each read where it lies, in one split launch and one merge. `SplitAttention` launches the
+split per range of KV heads, so that parts can run on different streams before the one merge.
 """
 from __future__ import annotations
 
@@ -62,48 +61,19 @@ if triton is not None:
         return qh
 
     @triton.jit
-    def _merge_query_head(Out, M, L, O, Lse, bh, g, b, qh, stride_ob, stride_oh, HKV: tl.constexpr, G: tl.constexpr,
-                          D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr):
-        """Query head g of KV head bh from its splits' partials: all their maxima and sums in one load, so the
-        merge is a few loads deep, not one chain of loads per split (a serial loop over ~70 splits took 14 us on
-        the H200). The partials were written by other programs: read past L1 (.cg), which may hold stale copies."""
-        s = tl.arange(0, SPLITS_PAD)
-        rows = (bh * SPLITS + s) * G + g
-        m = tl.load(M + rows, mask=s < SPLITS, other=float("-inf"), cache_modifier=".cg")
-        m_all = tl.max(m, 0)
-        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-        w = tl.exp(m - m_safe)  # empty splits: exp(-inf) = 0
-        l_all = tl.sum(tl.load(L + rows, mask=s < SPLITS, other=0.0, cache_modifier=".cg") * w, 0)
-        d = tl.arange(0, D)
-        c = tl.arange(0, CHUNK)
-        acc = tl.zeros([D], tl.float32)
-        for s0 in range(0, SPLITS, CHUNK):
-            sc = s0 + c
-            wc = tl.exp(tl.load(M + (bh * SPLITS + sc) * G + g, mask=sc < SPLITS, other=float("-inf"),
-                                cache_modifier=".cg") - m_safe)
-            part = tl.load(Out + ((bh * SPLITS + sc) * G + g)[:, None] * D + d[None, :], mask=(sc < SPLITS)[:, None],
-                           other=0.0, cache_modifier=".cg")
-            acc += tl.sum(part * wc[:, None], 0)
-        tl.store(O + b * stride_ob + (qh * G + g) * stride_oh + d, (acc / l_all).to(O.dtype.element_ty))
-        tl.store(Lse + (b * HKV + qh) * G + g, m_safe + tl.log(l_all))
-
-    @triton.jit
-    def _split_kernel(Q, QHeads, K, V, Lens, K2, V2, Lens2, PK, PV, Idx, NC, H0, NH, Out, M, L, Tickets, O, Lse,
-                      sm_scale, stride_ob, stride_oh,
+    def _split_kernel(Q, QHeads, K, V, Lens, K2, V2, Lens2, PK, PV, Idx, NC, H0, NH, Out, M, L, sm_scale,
                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                       stride_k2b, stride_k2t, stride_k2h, stride_v2b, stride_v2t, stride_v2h,
                       stride_pkb, stride_pkt, stride_pkh, stride_pvb, stride_pvt, stride_pvh, stride_ib, stride_ih,
                       HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS1: tl.constexpr,
                       SPLIT_LEN2: tl.constexpr, TWO: tl.constexpr, INDIRECT: tl.constexpr, MAPPED: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_N: tl.constexpr):
         """Splits 0..SPLITS1-1 cover the first buffer, the rest (TWO) the second: one launch for both. With
         INDIRECT, KV heads NC.. take the second buffer's rows from PK/PV (their head kvh - NC) at the token indices
         Idx: a persistent head's selected rows are read where they lie, not gathered first. A launch covers KV
         heads H0..H0+NH-1 (SplitAttention.split). With MAPPED, KV head kvh of the buffers reads the queries of
-        head QHeads[kvh] of Q (the merge writes its output there): no permuted copy of the queries.
-        The last of a KV head's splits to finish merges them all (no merge launch): Tickets[bh] counts arrivals
-        and is left at 0 for the next launch."""
+        head QHeads[kvh] of Q (the merge writes its output there): no permuted copy of the queries."""
         split = tl.program_id(1)
         b = tl.program_id(0) // NH
         kvh = H0 + tl.program_id(0) % NH
@@ -161,13 +131,38 @@ if triton is not None:
         tl.store(Out + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
         tl.store(M + row, m_i, mask=g < G)
         tl.store(L + row, l_i, mask=g < G)
-        tl.debug_barrier()  # every thread's partial stored before one thread counts the arrival (a release)
-        ticket = tl.atomic_add(Tickets + bh, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLITS - 1:  # the other splits' partials are visible to this program (the acquire)
-            tl.store(Tickets + bh, 0)
-            for gi in tl.static_range(G):
-                _merge_query_head(Out, M, L, O, Lse, bh, gi, b, qh, stride_ob, stride_oh, HKV, G, D, SPLITS,
-                                  SPLITS_PAD, CHUNK)
+
+    @triton.jit
+    def _merge_kernel(Out, M, L, O, Lse, QHeads, stride_ob, stride_oh,
+                      HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+                      SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, MAPPED: tl.constexpr):
+        """One program per query head, all its splits' maxima and sums in one load: the merge is a few loads
+        deep, not one chain of loads per split (a serial loop over ~70 splits took 14 us on the H200)."""
+        bhg = tl.program_id(0)
+        bh = bhg // G
+        g = bhg % G
+        b = bh // HKV
+        kvh = bh % HKV
+        s = tl.arange(0, SPLITS_PAD)
+        rows = (bh * SPLITS + s) * G + g
+        m = tl.load(M + rows, mask=s < SPLITS, other=float("-inf"))
+        m_all = tl.max(m, 0)
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        w = tl.exp(m - m_safe)  # empty splits: exp(-inf) = 0
+        l_all = tl.sum(tl.load(L + rows, mask=s < SPLITS, other=0.0) * w, 0)
+        d = tl.arange(0, D)
+        c = tl.arange(0, CHUNK)
+        acc = tl.zeros([D], tl.float32)
+        for s0 in range(0, SPLITS, CHUNK):
+            sc = s0 + c
+            wc = tl.exp(tl.load(M + (bh * SPLITS + sc) * G + g, mask=sc < SPLITS, other=float("-inf")) - m_safe)
+            part = tl.load(Out + ((bh * SPLITS + sc) * G + g)[:, None] * D + d[None, :], mask=(sc < SPLITS)[:, None],
+                           other=0.0)
+            acc += tl.sum(part * wc[:, None], 0)
+        qh = _query_head(QHeads, kvh, MAPPED)
+        tl.store(O + b * stride_ob + (qh * G + g) * stride_oh + d, (acc / l_all).to(O.dtype.element_ty))
+        tl.store(Lse + (b * HKV + qh) * G + g, m_safe + tl.log(l_all))
+
 
 def _splits(batch_kv_heads: int, capacity: int, block_n: int, programs: int = 512) -> tuple[int, int]:
     """About `programs` programs (the default: ~4 per SM on 132 SMs), each at least one block long."""
@@ -176,24 +171,11 @@ def _splits(batch_kv_heads: int, capacity: int, block_n: int, programs: int = 51
     return triton.cdiv(capacity, split_len), split_len
 
 
-_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, rows: int) -> torch.Tensor:
-    """Zeroed arrival counters, one per (sequence, KV head): the split kernel leaves them at zero, so one buffer
-    serves every launch, and a graph replays no zero fill. Launches of one size share it: two launches that may
-    overlap (streams) must cover different KV heads (SplitAttention's parts do)."""
-    key = (device, rows)
-    if key not in _TICKETS:
-        _TICKETS[key] = torch.zeros(rows, dtype=torch.int32, device=device)
-    return _TICKETS[key]
-
-
 class SplitAttention:
-    """decode_attention_triton in parts: split(h0, h1) launches the split kernel for KV heads h0..h1-1; the last
-    split of each KV head merges its splits. Parts may run on different streams (CLO: the cached heads' part
-    while the persistent heads' top-k is still being selected); the caller orders every part before it reads
-    result(), and keeps the inputs and this object alive until every part has run.
+    """decode_attention_triton in parts: split(h0, h1) launches the split kernel for KV heads h0..h1-1, merge()
+    combines every head's splits. Parts may run on different streams (CLO: the cached heads' part while the
+    persistent heads' top-k is still being selected), ordered before merge() by the caller, who also keeps the
+    inputs and this object alive until every part has run.
 
     `second` = (k2, v2, lengths2): attention over the union of both buffers. indexed_heads > 0: the last
     indexed_heads KV heads take their second-buffer rows from pk/pv at idx (split's `indexed`, hybrid_attention's
@@ -224,7 +206,6 @@ class SplitAttention:
         self.l_ = torch.empty_like(self.m)
         self.out = torch.empty_like(q)
         self.lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
-        self.tickets = _tickets(q.device, b * hkv)
         self.block_n, self.num_warps = block_n, num_warps
         assert q_heads is None or (q_heads.shape == (hkv,) and q_heads.device == q.device)
         self.q_heads = q_heads
@@ -244,22 +225,24 @@ class SplitAttention:
             check_offsets(pk, pv)
         _split_kernel[(b * (h1 - h0), self.splits)](
             q, self._heads(), k, v, lengths, k2, v2, lengths2, pk, pv, idx, self.nc, h0, h1 - h0, self.part, self.m,
-            self.l_, self.tickets, self.out, self.lse, 1.0 / math.sqrt(d), self.out.stride(0), self.out.stride(1),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+            self.l_, 1.0 / math.sqrt(d), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
             v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2), v2.stride(0), v2.stride(1),
             v2.stride(2), pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
             idx.stride(0), idx.stride(1), HKV=self.hkv, G=self.g,
             G_PAD=max(16, triton.next_power_of_2(self.g)),  # tl.dot needs at least 16 rows; G of them are stored
             D=d, SPLITS=self.splits, SPLIT_LEN=self.split_len, SPLITS1=self.splits1, SPLIT_LEN2=self.split_len2,
             TWO=self.two, INDIRECT=indexed is not None, MAPPED=self.q_heads is not None, BLOCK_N=self.block_n,
-            SPLITS_PAD=triton.next_power_of_2(self.splits), CHUNK=min(32, triton.next_power_of_2(self.splits)),
             num_warps=self.num_warps)
 
     def _heads(self) -> torch.Tensor:
         return self.q_heads if self.q_heads is not None else self.lse  # unread without MAPPED
 
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out [B, H, D], lse [B, H]): written by the splits' last programs, once every part has run."""
+    def merge(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b, h, d = self.out.shape
+        splits_pad = triton.next_power_of_2(self.splits)
+        _merge_kernel[(b * h,)](self.part, self.m, self.l_, self.out, self.lse, self._heads(), self.out.stride(0),
+                                self.out.stride(1), HKV=self.hkv, G=self.g, D=d, SPLITS=self.splits,
+                                SPLITS_PAD=splits_pad, CHUNK=min(32, splits_pad), MAPPED=self.q_heads is not None)
         return self.out, self.lse
 
 
@@ -274,11 +257,11 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
                             second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                             indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                             q_heads: torch.Tensor | None = None, programs: int = 512):
-    """Every head in one split launch, which merges its splits (SplitAttention's arguments)."""
+    """Every head in one split launch and one merge (SplitAttention's arguments)."""
     parts = SplitAttention(q, k, v, lengths, second, indexed[2].shape[1] if indexed is not None else 0,
                            block_n, num_warps, q_heads, programs)
     parts.split(0, parts.hkv, indexed)
-    out, lse = parts.result()
+    out, lse = parts.merge()
     return (out, lse) if return_lse else out
 
 
@@ -307,7 +290,7 @@ def hybrid_attention(q: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor, t
     read where they lie (spec 2.7). `indexed` = (pk, pv, idx): the last Hp KV heads' second-buffer rows are
     pk/pv [B, T, Hp, D] at the token indices idx [B, Hp, k] (CLO's persistent heads: their full KV on the
     device, read at their top-k); `second` then holds the other heads. On CUDA one split kernel covers both
-    and merges them; the specification is the indexed rows gathered (`gather_indexed`), then
+    and one merge combines them; the specification is the indexed rows gathered (`gather_indexed`), then
     per-buffer attention merged by log-sum-exp (`merge_attention`). q_heads: as SplitAttention's (the
     specification permutes q's head groups, attends, and puts the output back in q's order)."""
     empty = first[0].shape[1] == 0 or second[0].shape[1] == 0  # no rows at all: the kernel needs both buffers
