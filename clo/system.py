@@ -245,11 +245,8 @@ class CLO(KVOffloadSystem):
         if selected[0] is None:
             return
         st, (miss, idx, _) = self.stores[layer], selected
-        with self.phase("transfer_exposed"):
-            self.transfer.fill(st.host, st.cached, idx, miss, st.slots)
-        # two kernels of bookkeeping: they come after the gather, so the layer waits for them
-        torch.where(miss[..., None], idx, st.slot_idx, out=st.slot_idx)
-        st.misses += miss  # end_step makes hits and moved bytes of it
+        with self.phase("transfer_exposed"):  # the bookkeeping of what moved in the gather kernel itself
+            self.transfer.fill(st.host, st.cached, idx, miss, st.slots, record=(st.slot_idx, st.misses))
         if self.trace is not None:
             self.trace.append((layer, miss.clone()))  # per cached head, in the store's order
 

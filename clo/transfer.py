@@ -51,17 +51,22 @@ class TransferEngine:
         self.host_syncs = 0
 
     def fill(self, host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
-             slots: torch.Tensor) -> None:
-        """slots[b, h] := host rows idx[b, h] wherever miss[b, h]. slots [B, h, k, 2, D] on the device."""
-        if self.device.type != "cuda":
-            slots.copy_(torch.where(miss[..., None, None, None], gather_rows_ref(host, heads, idx), slots))
-            return
-        if self.kind == "uva":
+             slots: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """slots[b, h] := host rows idx[b, h] wherever miss[b, h]. slots [B, h, k, 2, D] on the device. record:
+        (slot_idx, misses), uva_gather's bookkeeping of what moved (the uva kernel does it itself)."""
+        from clo.kernels.uva_gather import record_moves_ref
+
+        if self.device.type == "cuda" and self.kind == "uva":
             from clo.kernels.uva_gather import uva_gather
 
-            uva_gather(host, heads, idx, miss, slots, programs=self.uva_programs, num_warps=self.uva_warps)
+            uva_gather(host, heads, idx, miss, slots, programs=self.uva_programs, num_warps=self.uva_warps,
+                       record=record)
             return
-        self._cpu_gather(host, heads, idx, miss, slots)
+        if self.device.type != "cuda":
+            slots.copy_(torch.where(miss[..., None, None, None], gather_rows_ref(host, heads, idx), slots))
+        else:
+            self._cpu_gather(host, heads, idx, miss, slots)
+        record_moves_ref(idx, miss, record)
 
     def _cpu_gather(self, host, heads, idx, miss, slots) -> None:
         idx_h, miss_h = idx.cpu(), miss.cpu()  # waits for retrieval: the CPU-centric sync

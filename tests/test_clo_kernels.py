@@ -96,9 +96,14 @@ def check_uva_gather(device, b, hkv, t, d, h, k, dtype, block=16, programs=1 << 
 
     host, heads, idx, miss, slots = gather_case(b, hkv, t, d, h, k, dtype, device)
     before = slots.clone()
-    uva_gather(host, heads, idx, miss, slots, block=block, programs=programs)
-    want = before.cpu().clone()
-    uva_gather_ref(host, heads.cpu(), idx.cpu(), miss.cpu(), want)
+    # the bookkeeping of what moved, from a state where some heads have moved before
+    slot_idx, misses = torch.randint(0, t, idx.shape).to(device), torch.randint(0, 3, miss.shape, dtype=torch.int32)
+    record = (slot_idx.clone(), misses.clone().to(device))
+    uva_gather(host, heads, idx, miss, slots, block=block, programs=programs, record=record)
+    want, want_record = before.cpu().clone(), (slot_idx.cpu(), misses.clone())
+    uva_gather_ref(host, heads.cpu(), idx.cpu(), miss.cpu(), want, want_record)
+    assert torch.equal(record[0].cpu(), want_record[0]) and torch.equal(record[1].cpu(), want_record[1])
+    assert torch.equal(want_record[1] - misses, miss.cpu().int())  # one more move for each missed head
     got = slots.cpu()
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bit-exact, NaN-safe
     hit = ~miss.cpu()

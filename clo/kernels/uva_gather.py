@@ -5,6 +5,10 @@
   idx    [B, h, k] long     token indices to fetch (device)
   miss   [B, h] bool        which slots to refill (device)
   slots  [B, h, k, 2, D]    device; slots[b, j] := host[b, heads[j], idx[b, j]] wherever miss[b, j]
+  record optional (slot_idx [B, h, k] long, misses [B, h] int32): the bookkeeping of what moved, where
+         miss[b, j]: slot_idx[b, j] := idx[b, j] and misses[b, j] += 1 (CLO's stores). The kernel does it
+         beside the rows, so nothing is launched after the gather (two torch kernels were, on the chain that
+         the next layer's attention waits for)
 
 The kernel reads the host rows through their pointer (UVA: a pinned allocation is mapped into the device's
 address space), so there is no CPU gather, no staging buffer and no host sync; the grid depends only on
@@ -23,20 +27,29 @@ except ImportError:  # CPU machines: the reference is used
 
 
 def uva_gather_ref(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
-                   slots: torch.Tensor) -> None:
+                   slots: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     from clo.transfer import gather_rows_ref
 
     rows = gather_rows_ref(host, heads.to(host.device), idx.to(host.device)).to(slots.device)
     slots.copy_(torch.where(miss[..., None, None, None], rows, slots))
+    record_moves_ref(idx, miss, record)
+
+
+def record_moves_ref(idx: torch.Tensor, miss: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    if record is not None:
+        slot_idx, misses = record
+        torch.where(miss[..., None], idx, slot_idx, out=slot_idx)
+        misses += miss
 
 
 if triton is not None:
 
     @triton.jit
-    def _uva_gather_kernel(Host, Heads, Idx, Miss, Slots, K, BH, TILES_PER_HEAD,
+    def _uva_gather_kernel(Host, Heads, Idx, Miss, Slots, SlotIdx, Misses, K, BH, TILES_PER_HEAD,
                            stride_hb, stride_hh, stride_ht, stride_ib, stride_ih,
-                           stride_sb, stride_sh, stride_sk,
-                           H: tl.constexpr, ROW: tl.constexpr, ROW_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                           stride_sb, stride_sh, stride_sk, stride_xb, stride_xh, stride_mb,
+                           H: tl.constexpr, ROW: tl.constexpr, ROW_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                           RECORD: tl.constexpr):
         c = tl.arange(0, ROW_PAD)
         r = tl.arange(0, BLOCK)
         for bj in range(BH):
@@ -44,6 +57,10 @@ if triton is not None:
                 b = bj // H
                 j = bj % H
                 head = tl.load(Heads + j)
+                if RECORD:
+                    if tl.program_id(0) == 0:  # one program counts the move: no atomics
+                        at = Misses + b * stride_mb + j
+                        tl.store(at, tl.load(at) + 1)
                 # grid-stride over the head's tiles (BLOCK rows each): a capped number of programs keeps the
                 # link busy without holding every SM while it waits on the link
                 for tile in range(tl.program_id(0), TILES_PER_HEAD, tl.num_programs(0)):
@@ -58,17 +75,20 @@ if triton is not None:
                     dst = Slots + (b.to(tl.int64) * stride_sb + j * stride_sh + i.to(tl.int64) * stride_sk)[:, None] \
                         + c[None, :]
                     tl.store(dst, rows, mask=mask)
+                    if RECORD:
+                        tl.store(SlotIdx + b.to(tl.int64) * stride_xb + j * stride_xh + i, tok, mask=rmask)
 
 
 def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
                slots: torch.Tensor, block: int | None = None, programs: int | None = None,
-               num_warps: int = 4) -> None:
+               num_warps: int = 4, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """In place on `slots`. `host` must be pinned when the others live on a GPU (Triton's launcher refuses
     an unmapped host pointer); in the Triton interpreter every tensor is a CPU tensor. `block` rows per
     program: by default ~16 KB, which keeps the link full (any 4..64 did on the H200). `programs` caps the
     grid (None: as many programs as a head has tiles, so one per tile when one head is moved); each program
     loops over the missed heads and, in each, over its share of the head's tiles. A few dozen programs keep
-    the link full and leave the SMs to work that overlaps the transfer (CLO's `uva_programs`)."""
+    the link full and leave the SMs to work that overlaps the transfer (CLO's `uva_programs`). record: see the
+    module's docstring."""
     b, h, k = idx.shape
     d = host.shape[-1]
     assert host.shape[3] == 2 and slots.shape == (b, h, k, 2, d) and heads.shape == (h,) and miss.shape == (b, h)
@@ -78,12 +98,16 @@ def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss:
     if not (b and h and k):
         return
     idx = idx if idx.stride(2) == 1 else idx.contiguous()
+    slot_idx, misses = record if record is not None else (idx, miss)  # unread without RECORD
+    assert record is None or (slot_idx.shape == idx.shape and slot_idx.stride(2) == 1 and slot_idx.dtype == idx.dtype
+                              and misses.shape == miss.shape and misses.stride(1) == 1), "record: [B, h, k], [B, h]"
     miss = miss.contiguous().view(torch.uint8)
     block = block or min(64, max(4, triton.next_power_of_2(16384 // (2 * d * host.element_size()))))
     tiles_per_head = triton.cdiv(k, block)
     grid = (min(tiles_per_head, programs or tiles_per_head),)
-    _uva_gather_kernel[grid](host, heads.contiguous(), idx, miss, slots, k, b * h, tiles_per_head,
+    _uva_gather_kernel[grid](host, heads.contiguous(), idx, miss, slots, slot_idx, misses, k, b * h, tiles_per_head,
                              host.stride(0), host.stride(1), host.stride(2), idx.stride(0), idx.stride(1),
-                             slots.stride(0), slots.stride(1), slots.stride(2),
+                             slots.stride(0), slots.stride(1), slots.stride(2), slot_idx.stride(0),
+                             slot_idx.stride(1), misses.stride(0),
                              H=h, ROW=2 * d, ROW_PAD=triton.next_power_of_2(2 * d), BLOCK=block,
-                             num_warps=num_warps)
+                             RECORD=record is not None, num_warps=num_warps)
