@@ -49,7 +49,7 @@ class DecodeStep:
         if mode == "graph":
             kv.use_static_shapes()
         if mode != "eager":
-            self.stream = torch.cuda.Stream(device)
+            self.stream = step_stream(device)
 
     def _step(self) -> torch.Tensor:
         return self.model.decode(self.token, self.kv.position, self.kv).argmax(-1)
@@ -78,6 +78,14 @@ class DecodeStep:
             return self.graph(self.token).argmax(-1)
         self.graph.replay()
         return self.out.clone()
+
+
+def step_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream a decode step is captured on, at the device's highest priority (-100 is clamped to it): graph
+    nodes keep their stream's priority, so a system's helper streams (CLO's side and copy streams, default
+    priority) take SMs only where the step's own kernels leave them free, and the step's short kernels do not
+    queue behind a helper kernel's blocks."""
+    return torch.cuda.Stream(device, priority=-100)
 
 
 def _sync(device: torch.device) -> None:

@@ -141,8 +141,9 @@ class CLO(KVOffloadSystem):
         # layer's rows while the side stream already selects the next layer's
         self.side = torch.cuda.Stream(spec.device) if cuda and self.wants_speculative_query else None
         self.copy = torch.cuda.Stream(spec.device) if self.side is not None else None
-        # the cached heads' attention runs here while the compute stream selects the persistent heads' rows
-        self.attn_stream = torch.cuda.Stream(spec.device) if cuda else None
+        # the cached heads' attention runs here while the compute stream selects the persistent heads' rows: on the
+        # layer's critical path, so at the highest priority (-100 is clamped to it), as the runner's decode step
+        self.attn_stream = torch.cuda.Stream(spec.device, priority=-100) if cuda else None
         self.ready = [torch.cuda.Event() if self.side is not None else None for _ in range(spec.num_layers)]
         self.pending = [False] * spec.num_layers
         self.side_inputs: list[tuple | None] = [None] * spec.num_layers

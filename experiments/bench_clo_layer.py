@@ -96,12 +96,13 @@ def setting(target, name: str, value):
         put(name, old)
 
 
-def pipeline_us(clo: CLO, dense_step, layers: list[int]) -> float:
+def pipeline_us(clo: CLO, dense_step, layers: list[int], stream: torch.cuda.Stream | None = None) -> float:
     """Per-layer µs of consecutive sparse layers run as a decode step runs them: prepare(l + 1) (side and copy
     streams), decode(l) (waits for l's rows, attends), then the dense work; all in one graph. The marginal time
     per layer between all of `layers` and their first half, so that the first layer's exposed prepare cancels."""
     n = len(layers)
-    full, half = (replay_ms(pipeline_step(clo, dense_step, layers[:m]), reps=5) * 1e3 for m in (n, n // 2))
+    full, half = (replay_ms(pipeline_step(clo, dense_step, layers[:m]), reps=5, stream=stream) * 1e3
+                  for m in (n, n // 2))
     return round((full - half) / (n - n // 2), 1)
 
 
@@ -121,27 +122,26 @@ def pipeline_step(clo: CLO, dense_step, layers: list[int]):
 
 
 def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
-    """The pipeline (pipeline_us) for each persist_query, with CLO's streams and with the side and copy streams at
-    the highest priority (kernel nodes keep their stream's priority in a graph: PyTorch instantiates with
-    cudaGraphInstantiateFlagUseNodePriority), and the dense work alone. (Tried at f73ec52 and c6305d4, no gain
-    then: the priorities, an SM carveout of the GEMVs, and the dense work waiting for the next layer's selection;
-    results/history/f73ec52_contention/, c6305d4_dense_waits/.)"""
+    """The pipeline (pipeline_us) for each persist_query as the runner runs it (the step captured on a stream at
+    the highest priority, CLO's attention stream too; kernel nodes keep their stream's priority in a graph:
+    PyTorch instantiates with cudaGraphInstantiateFlagUseNodePriority), again with every stream at the default
+    priority (the runner before it set them), and the dense work alone. (Tried at f73ec52, c6305d4 and ebdd5f6, no gain then:
+    the side and copy streams at the highest priority, an SM carveout of the GEMVs, and the dense work waiting
+    for the next layer's selection; results/history/.)"""
     stores = [clo.stores[i] for i in layers]
     dense_step = dense_work(dense, 1, True)
     out = {"dense": round(replay_ms(dense_step, reps=10) * 1e3, 1)}
 
-    def sweep(tag: str = "") -> None:  # every persist_query and case, as out["<mode><tag>_<case>"]
+    def sweep(tag: str = "", stream: torch.cuda.Stream | None = None) -> None:  # as out["<mode><tag>_<case>"]
         for mode in PERSIST_QUERIES:
             with setting(clo.cfg, "persist_query", mode):
                 for case in CASES:
-                    out[f"{mode}{tag}_{case}"] = forced(stores, case, lambda: pipeline_us(clo, dense_step, layers))
+                    out[f"{mode}{tag}_{case}"] = forced(stores, case,
+                                                        lambda: pipeline_us(clo, dense_step, layers, stream))
 
     sweep()
-    # again with the side and copy streams at the highest priority: with hit heads no longer scored (7f4fd07),
-    # the side stream's chain is what the speculative pipeline waits for
-    high = [torch.cuda.Stream(DEV, priority=-100) for _ in "sc"]  # clamped to the highest the device has
-    with setting(clo, "side", high[0]), setting(clo, "copy", high[1]):
-        sweep("_priority")
+    with setting(clo, "attn_stream", torch.cuda.Stream(DEV)):
+        sweep("_default_priority", torch.cuda.Stream(DEV))
     return out
 
 

@@ -55,18 +55,21 @@ def link_gb_s(device: torch.device) -> float:
     return pinned_h2d_gb_s(device) if device.type == "cuda" else CPU_LINK_GB_S
 
 
-def replay_ms(fn, reps: int = 20, iters: int = 10) -> float:
+def replay_ms(fn, reps: int = 20, iters: int = 10, stream: torch.cuda.Stream | None = None) -> float:
     """Per-call milliseconds of `fn` replayed `reps` times from one CUDA graph: the GPU's own time, without the
     host launch overhead that an eager call (or a per-call event pair) would add."""
-    return median_ms(capture(fn, reps).replay, torch.device("cuda"), iters, warmup=0) / reps
+    return median_ms(capture(fn, reps, stream).replay, torch.device("cuda"), iters, warmup=0) / reps
 
 
-def capture(fn, reps: int = 1) -> torch.cuda.CUDAGraph:
-    """`fn` called `reps` times, captured in one CUDA graph (after one eager call, which creates lazy state)."""
+def capture(fn, reps: int = 1, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+    """`fn` called `reps` times, captured in one CUDA graph (after one eager call, which creates lazy state) on
+    `stream`, by default on one like the runner's decode step (clo.generate.step_stream: highest priority)."""
+    from clo.generate import step_stream
+
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream or step_stream(torch.device("cuda"))):
         for _ in range(reps):
             fn()
     return graph
