@@ -125,9 +125,9 @@ def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
     """The pipeline (pipeline_us) for each persist_query as the runner runs it (the step captured on a stream at
     the highest priority, CLO's attention stream too; kernel nodes keep their stream's priority in a graph:
     PyTorch instantiates with cudaGraphInstantiateFlagUseNodePriority), again with every stream at the default
-    priority (the runner before it set them), and the dense work alone. (Tried at f73ec52, c6305d4 and ebdd5f6, no gain then:
-    the side and copy streams at the highest priority, an SM carveout of the GEMVs, and the dense work waiting
-    for the next layer's selection; results/history/.)"""
+    priority (the runner before it set them), and the dense work alone. (Tried at f73ec52, c6305d4 and ebdd5f6,
+    no gain then: the side and copy streams at the highest priority, an SM carveout of the GEMVs, and the dense
+    work waiting for the next layer's selection; results/history/.)"""
     stores = [clo.stores[i] for i in layers]
     dense_step = dense_work(dense, 1, True)
     out = {"dense": round(replay_ms(dense_step, reps=10) * 1e3, 1)}

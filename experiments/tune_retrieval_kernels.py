@@ -1,8 +1,9 @@
 """Launch parameters of the retrieval kernels on the critical path of a CLO layer, timed at Llama-3-8B shape,
 128K (BSZ 1): the query encoding (CHUNK of head_dim per step), the hash scores (tokens per program, warps) and
 the radix top-k (keys per program, warps), each for the 6 cached and 2 persistent KV heads of a median layer.
-The scores and the select are also timed together, with the select's first pass counted by
-the scores' kernel or by a pass of its own. The defaults in clo/kernels/ are chosen from this table; the kernels' correctness is tests/test_clo_kernels.py's.
+The scores and the select are also timed together, with the select's first pass counted by the scores' kernel or
+by a pass of its own. The defaults in clo/kernels/ are chosen from this table; the kernels' correctness is
+tests/test_clo_kernels.py's.
 
     python -m experiments.tune_retrieval_kernels --out results/bench/retrieval_tuning.json
 """
