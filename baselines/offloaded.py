@@ -6,7 +6,7 @@ import torch
 
 from clo.bench.bandwidth import link_gb_s
 from clo.errors import ConfigError
-from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
+from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate, split_host
 from clo.layout import check_budget, select_budget, split_prompt
 from clo.retrieval import check_topk_method
 from clo.transfer import TransferEngine, cpu_threads as resolve_threads
@@ -127,11 +127,6 @@ class OffloadedBaseline(KVOffloadSystem):
 
     def memory_held(self) -> MemoryEstimate:
         return split_host(self.memory_parts())
-
-
-def split_host(parts: dict[str, int]) -> MemoryEstimate:
-    host = parts["host"] + parts.get("host_metadata", 0)
-    return MemoryEstimate(device_bytes=sum(parts.values()) - host, host_bytes=host)
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from baselines.wave_index import WaveRetriever
 from clo.errors import ConfigError
 from clo.kv.interface import KVSpec, MemoryEstimate
 from clo.layout import split_prompt
-from clo.retrieval import RETRIEVERS, make_retriever, select_topk, topk_work
+from clo.retrieval import RETRIEVERS, make_retriever, metadata_bytes_per_token, select_topk, topk_work
 
 
 # block: whole blocks are retrieved, scored by their best token (RetroInfer retrieves whole clusters, so a miss
@@ -102,8 +102,8 @@ class RetroInfer(OffloadedBaseline):
         if self.retriever_kind == "wave":
             meta = self.wave.estimate_bytes(heads, n_mid, spec.head_dim)
         else:
-            per_token = (self.rbit // 8 + 4) if self.retriever_kind == "hash" else spec.head_dim * spec.dtype_bytes
-            meta = heads * n_mid * per_token
+            meta = heads * n_mid * metadata_bytes_per_token(self.retriever_kind, self.rbit, spec.head_dim,
+                                                            spec.dtype_bytes)
         return {**self.common_estimate(spec, t0),
                 "cache": sparse * heads * cap * self.block_size * self.row_bytes(spec),
                 "metadata": sparse * meta,

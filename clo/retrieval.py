@@ -108,6 +108,12 @@ class HashRetriever:
         return sum(c.nbytes + n.nbytes for c, n in zip(self.codes, self.norms) if c is not None)
 
 
+def metadata_bytes_per_token(kind: str, rbit: int, head_dim: int, dtype_bytes: int) -> int:
+    """Device bytes a retriever keeps per candidate token and KV head: the hash codes and the key norm, or the
+    oracle's keys (what metadata_bytes() counts once allocated)."""
+    return rbit // 8 + 4 if kind == "hash" else head_dim * dtype_bytes
+
+
 def make_retriever(kind: str, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device,
                    rbit: int, seed: int):
     if kind == "hash":

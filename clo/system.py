@@ -18,11 +18,11 @@ from clo.bench.bandwidth import link_gb_s
 from clo.errors import ConfigError
 from clo.kernels.decode_attention import decode_attention
 from clo.kernels.head_cache import lookup_and_update
-from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
+from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate, split_host
 from clo.layout import LayerStore, check_budget, select_budget, split_prompt
 from clo.policy.persistent import HeadPlan, heads_per_layer_time, load_profile, plan_persistent_heads
 from clo.policy.thresholds import AGGREGATIONS, load_importance, thresholds
-from clo.retrieval import RETRIEVERS, check_topk_method, make_retriever
+from clo.retrieval import RETRIEVERS, check_topk_method, make_retriever, metadata_bytes_per_token
 from clo.transfer import TransferEngine
 
 # which query selects a persistent head's top-k rows: the layer's real query, on the critical path (spec 2.3:
@@ -101,8 +101,7 @@ class CLO(KVOffloadSystem):
     def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
         """memory_parts() from the shapes alone, for the spec's prompt length (max_len when it is not given), with
         the persistent heads as planned."""
-        parts = self.estimate_parts(spec)
-        return MemoryEstimate(device_bytes=sum(v for k, v in parts.items() if k != "host"), host_bytes=parts["host"])
+        return split_host(self.estimate_parts(spec))
 
     def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
         if not hasattr(self, "plan"):
@@ -110,10 +109,7 @@ class CLO(KVOffloadSystem):
         c, row, t0, b, hkv = self.cfg, self._row_bytes(spec), spec.prompt_tokens, spec.batch, spec.num_kv_heads
         sink, recent, n_mid = split_prompt(t0, c["sink"], c["recent"])
         k, g = self._k_select(t0), spec.group_size
-        if c["retriever"] == "hash":
-            meta_per_token = c["rbit"] // 8 + 4  # codes + key norm
-        else:
-            meta_per_token = spec.head_dim * spec.dtype_bytes  # the oracle keeps the keys
+        meta_per_token = metadata_bytes_per_token(c["retriever"], c["rbit"], spec.head_dim, spec.dtype_bytes)
         dense = min(c["dense_layers"], spec.num_layers)
         parts = {"slots": 0, "labels": 0, "persistent": 0, "window": 0, "metadata": 0,
                  "dense_layers": b * dense * hkv * spec.max_len * row, "host": 0}
@@ -334,8 +330,7 @@ class CLO(KVOffloadSystem):
         return parts
 
     def memory_held(self) -> MemoryEstimate:
-        parts = self.memory_parts()
-        return MemoryEstimate(device_bytes=sum(v for k, v in parts.items() if k != "host"), host_bytes=parts["host"])
+        return split_host(self.memory_parts())
 
     def step_device_bytes(self) -> int:
         """Per step: the attended rows (window, selected rows, dense layers), the labels, and the retrieval

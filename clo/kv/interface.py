@@ -61,6 +61,12 @@ class MemoryEstimate:
     host_bytes: int  # pinned or plain host memory
 
 
+def split_host(parts: dict[str, int]) -> MemoryEstimate:
+    """A system's memory parts (bytes by name) -> device and host totals: "host" and "host_metadata" are host."""
+    host = parts["host"] + parts.get("host_metadata", 0)
+    return MemoryEstimate(device_bytes=sum(parts.values()) - host, host_bytes=host)
+
+
 @dataclass
 class StepStats:
     """Counters of one decode step. Systems add to them; the runner averages them over the run."""
