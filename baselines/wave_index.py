@@ -76,10 +76,7 @@ class WaveRetriever:
         cent = self.centroids[layer][:, heads]
         b, hkv, _, d = self.centroids[layer].shape
         per_cluster = torch.einsum("bkgd,bkcd->bkc", q.view(b, hkv, -1, d)[:, heads].float(), cent)
-        scores = per_cluster.gather(2, self.pos_cluster[layer][:, heads])
-        if hist is not None:
-            count_first_pass_ref(scores, hist)
-        return scores
+        return count_first_pass_ref(per_cluster.gather(2, self.pos_cluster[layer][:, heads]), hist)
 
     def metadata_bytes(self) -> int:
         """Device bytes: centroids and each position's cluster id (the permutation is used once, at prefill)."""

@@ -48,10 +48,7 @@ class ExactRetriever:
         keys = self.keys[layer][:, heads]
         b, hkv, t, d = self.keys[layer].shape
         qg = q.view(b, hkv, -1, d)[:, heads].float()
-        scores = torch.einsum("bkgd,bktd->bkt", qg, keys.float())
-        if hist is not None:
-            count_first_pass_ref(scores, hist)
-        return scores
+        return count_first_pass_ref(torch.einsum("bkgd,bktd->bkt", qg, keys.float()), hist)
 
     def metadata_bytes(self) -> int:
         return sum(k.nbytes for k in self.keys if k is not None)  # the oracle keeps every candidate key

@@ -54,11 +54,9 @@ class TransferEngine:
              slots: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """slots[b, h] := host rows idx[b, h] wherever miss[b, h]. slots [B, h, k, 2, D] on the device. record:
         (slot_idx, misses), uva_gather's bookkeeping of what moved (the uva kernel does it itself)."""
-        from clo.kernels.uva_gather import record_moves_ref
+        from clo.kernels.uva_gather import record_moves_ref, uva_gather  # (Triton's kernel only on CUDA)
 
         if self.device.type == "cuda" and self.kind == "uva":
-            from clo.kernels.uva_gather import uva_gather
-
             uva_gather(host, heads, idx, miss, slots, programs=self.uva_programs, num_warps=self.uva_warps,
                        record=record)
             return

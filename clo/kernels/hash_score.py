@@ -196,9 +196,6 @@ def hash_scores(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, 
     reference counts it in torch)."""
     if codes.is_cuda and triton is not None and rbit % 32 == 0:
         return hash_scores_triton(codes, norms, qcodes, rbit, heads, miss=miss, hist=hist)
-    scores = hash_scores_ref(codes, norms, qcodes, rbit, heads)
-    if hist is not None:
-        from clo.kernels.radix_topk import count_first_pass_ref
+    from clo.kernels.radix_topk import count_first_pass_ref
 
-        count_first_pass_ref(scores, hist)
-    return scores
+    return count_first_pass_ref(hash_scores_ref(codes, norms, qcodes, rbit, heads), hist)

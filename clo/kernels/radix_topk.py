@@ -40,14 +40,18 @@ def radix_work(rows: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(PASSES * rows * BINS + 2 * rows, dtype=torch.int32, device=device)
 
 
-def count_first_pass_ref(scores: torch.Tensor, work: torch.Tensor) -> None:
+def count_first_pass_ref(scores: torch.Tensor, work: torch.Tensor | None) -> torch.Tensor:
     """Adds the first pass's histogram of scores [..., T] (rows flattened) to `work`, in torch: the top byte of
-    each score's order-preserving key (what _histogram_kernel counts with P = 0)."""
+    each score's order-preserving key (what _histogram_kernel counts with P = 0). Returns scores; with work None
+    there is nothing to count (a retriever's scores(hist=None))."""
+    if work is None:
+        return scores
     u = scores.reshape(-1, scores.shape[-1]).float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
     key = torch.where(u >= 2**31, u ^ 0xFFFFFFFF, u | 2**31)
     rows = torch.arange(key.shape[0], device=key.device)[:, None]
     counts = torch.bincount((rows * BINS + (key >> 24)).flatten(), minlength=key.shape[0] * BINS)
     work[: counts.numel()] += counts.to(work.device, torch.int32)
+    return scores
 
 
 if triton is not None:
