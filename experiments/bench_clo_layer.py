@@ -23,9 +23,8 @@ metadata). The parts:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 from pathlib import Path
+from unittest.mock import patch  # a setting changed for one block, restored after
 
 import torch
 import torch.nn.functional as F
@@ -83,19 +82,6 @@ def forced(stores, case: str, fn):
             st.tau.copy_(tau)
 
 
-@contextlib.contextmanager
-def setting(target, name: str, value):
-    """target.name (target[name] for a dict) set to `value` inside the block, its old value back after."""
-    keyed = isinstance(target, dict)
-    old = target[name] if keyed else getattr(target, name)
-    put = target.__setitem__ if keyed else functools.partial(setattr, target)
-    put(name, value)
-    try:
-        yield
-    finally:
-        put(name, old)
-
-
 def pipeline_us(clo: CLO, dense_step, layers: list[int], stream: torch.cuda.Stream | None = None) -> float:
     """Per-layer µs of consecutive sparse layers run as a decode step runs them: prepare(l + 1) (side and copy
     streams), decode(l) (waits for l's rows, attends), then the dense work; all in one graph. The marginal time
@@ -134,13 +120,13 @@ def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
 
     def sweep(tag: str = "", stream: torch.cuda.Stream | None = None) -> None:  # as out["<mode><tag>_<case>"]
         for mode in PERSIST_QUERIES:
-            with setting(clo.cfg, "persist_query", mode):
+            with patch.dict(clo.cfg, persist_query=mode):
                 for case in CASES:
                     out[f"{mode}{tag}_{case}"] = forced(stores, case,
                                                         lambda: pipeline_us(clo, dense_step, layers, stream))
 
     sweep()
-    with setting(clo, "attn_stream", torch.cuda.Stream(DEV)):
+    with patch.object(clo, "attn_stream", torch.cuda.Stream(DEV)):
         sweep("_default_priority", torch.cuda.Stream(DEV))
     return out
 
@@ -220,16 +206,16 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     }
     # the variants the defaults were chosen from: torch.topk, and caps on the UVA gather's grid
     variants = {}
-    with setting(st, "topk", "torch"):
+    with patch.object(st, "topk", "torch"):
         variants["torch_topk"] = layer_parts()
     for mode in PERSIST_QUERIES:  # the persistent heads' top-k on the critical path, or one layer ahead
-        with setting(clo.cfg, "persist_query", mode):
+        with patch.dict(clo.cfg, persist_query=mode):
             variants[f"persist_query_{mode}"] = layer_parts()
     for cap in uva_programs:
-        with setting(clo.transfer, "uva_programs", cap):
+        with patch.object(clo.transfer, "uva_programs", cap):
             variants[f"uva_programs_{cap}"] = layer_parts()
     for warps in (1, 2):  # a lighter gather leaves more of each SM it shares to the dense GEMVs
-        with setting(clo.transfer, "uva_warps", warps):
+        with patch.object(clo.transfer, "uva_warps", warps):
             variants[f"uva_warps_{warps}"] = layer_parts()
     out["variants"] = variants
     out["attention_variants"] = attention_variants(st, q, clo.win_len, persist_idx, timed)
