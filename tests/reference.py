@@ -4,6 +4,11 @@ import math
 import torch
 
 
+def randn(*shape, seed=0, dtype=torch.bfloat16, device="cpu"):
+    """Seeded normal samples made on the CPU (the same values on every device), then cast and moved."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+
+
 def topk_middle(qs: torch.Tensor, keys: torch.Tensor, sink: int, recent: int, k_sel: int) -> torch.Tensor:
     """One KV head: the k_sel middle tokens with the largest sum over the query group of q_j . k."""
     mid = torch.arange(sink, keys.shape[0] - recent)

@@ -9,14 +9,11 @@ import torch.nn.functional as F
 
 from clo.kernels.dense_ops import rms_norm_ref, rope_ref, silu_mul_ref
 from clo.model.rope import apply_rotary, cos_sin
+from tests.reference import randn
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernels on the CPU")
 gpu = pytest.mark.gpu
-
-
-def randn(*shape, seed=0, dtype=torch.bfloat16, device="cpu"):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
 
 
 # ---- the references ----------------------------------------------------------------------------------------

@@ -6,14 +6,11 @@ import pytest
 import torch
 
 from clo.kernels.gemv import linear, linear_pair, linear_pair_ref, linear_ref, linear_silu_mul, linear_silu_mul_ref
+from tests.reference import randn
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernels on the CPU")
 gpu = pytest.mark.gpu
-
-
-def randn(*shape, seed=0, dtype=torch.bfloat16, device="cpu"):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
 
 
 def check(device, n, k, dtype, bias, gated, params=None):
