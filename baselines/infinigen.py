@@ -6,7 +6,7 @@ Speculation. InfiniGen skews each head's query/key space with an orthogonal matr
 unchanged and a few channels carry most of it), keeps a "partial key" = the keys on `channel_fraction` of the
 skewed channels, and scores the speculative query (layer l's query from layer l-1's input) on those channels.
 InfiniGen computes the skewing matrix offline from a real model's activations: `skew=<file>` loads ours
-(`python -m baselines.infinigen_skew`: right singular vectors of real queries per KV head; SmolLM2's is
+(`python -m experiments.infinigen_skew`: right singular vectors of real queries per KV head; SmolLM2's is
 committed). The fallback for models without one (synthetic weights) computes it at prefill from each sequence's
 own prompt keys, per KV head: the right singular vectors of the middle keys (eigenvectors of K^T K), the top
 `channel_fraction` of them by singular value. Scores are summed over
@@ -17,7 +17,7 @@ Per sparse layer l of a step:
   prepare(l, q_spec)  retrieval         partial scores and top-k on the device
                       launch_sync       the indices go to the host (the launch thread waits: a host sync)
                       transfer_exposed  CPU threads gather the rows into pinned staging, one async copy into a
-                                        device buffer (clo.transfer's cpu_gather path, on a copy stream on CUDA)
+                                        device buffer (kvoffload.offload.transfer's cpu_gather path, on a copy stream on CUDA)
   decode(l)           launch_sync       wait for that copy (a host sync, as InfiniGen's synchronise)
                       attention         window + the fetched rows
 With `oracle_query` the real query and exact q.k scores replace the speculation (the test's oracle); decode then
@@ -28,11 +28,11 @@ from __future__ import annotations
 import torch
 
 from baselines.offloaded import OffloadedBaseline
-from clo.errors import ConfigError
-from clo.kv.interface import KVSpec
-from clo.layout import split_prompt
-from clo.paths import repo_path
-from clo.retrieval import ExactRetriever, select_topk
+from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import KVSpec
+from kvoffload.offload.budget import split_prompt
+from kvoffload.paths import repo_path
+from kvoffload.offload.retrieval import ExactRetriever, select_topk
 
 
 class InfiniGen(OffloadedBaseline):
@@ -80,12 +80,12 @@ class InfiniGen(OffloadedBaseline):
         self.offline = self._load_skew(spec)
 
     def _load_skew(self, spec: KVSpec) -> torch.Tensor | None:
-        """The offline skew bases ([L, Hkv, D, D], by `python -m baselines.infinigen_skew`), or None (prefill)."""
+        """The offline skew bases ([L, Hkv, D, D], by `python -m experiments.infinigen_skew`), or None (prefill)."""
         if self.skew == "prefill" or self.oracle_query:
             return None
         path = repo_path(self.skew)
         if not path.is_file():
-            raise ConfigError(f"skew={self.skew!r}: no such file (make it with python -m baselines.infinigen_skew, "
+            raise ConfigError(f"skew={self.skew!r}: no such file (make it with python -m experiments.infinigen_skew, "
                               f"or use skew=prefill)")
         bases = torch.load(path)
         want = (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.head_dim)

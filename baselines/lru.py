@@ -35,7 +35,7 @@ import numba
 import torch
 
 from baselines import lru_native
-from clo.errors import ConfigError
+from kvoffload.errors import ConfigError
 
 
 @dataclass

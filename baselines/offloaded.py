@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from clo.bench.bandwidth import link_gb_s
-from clo.errors import ConfigError
-from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate, split_host
-from clo.layout import check_budget, select_budget, split_prompt
-from clo.retrieval import check_topk_method
-from clo.transfer import TransferEngine, cpu_threads as resolve_threads
+from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate, split_host
+from kvoffload.offload.budget import check_budget, select_budget, split_prompt
+from kvoffload.offload.retrieval import check_topk_method
+from kvoffload.offload.transfer import TransferEngine, cpu_threads as resolve_threads
 
 
 class OffloadedBaseline(KVOffloadSystem):
@@ -47,7 +46,7 @@ class OffloadedBaseline(KVOffloadSystem):
         self.host: list[torch.Tensor | None] = [None] * L
         self.heads = torch.arange(spec.num_kv_heads, device=spec.device)
         self.t0 = 0
-        self.link_gb_s = link_gb_s(spec.device)  # what the system floor divides the moved bytes by, as CLO's
+        self.link_gb_s = spec.link_bytes_per_s / 1e9  # what the system floor divides the moved bytes by, as CLO's
 
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         spec = self.spec

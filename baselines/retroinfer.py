@@ -32,10 +32,10 @@ import torch
 from baselines.lru import BlockLRU, distinct_sorted
 from baselines.offloaded import OffloadedBaseline
 from baselines.wave_index import WaveRetriever
-from clo.errors import ConfigError
-from clo.kv.interface import KVSpec, MemoryEstimate
-from clo.layout import split_prompt
-from clo.retrieval import RETRIEVERS, make_retriever, metadata_bytes_per_token, select_topk, topk_work
+from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import KVSpec, MemoryEstimate
+from kvoffload.offload.budget import split_prompt
+from kvoffload.offload.retrieval import RETRIEVERS, make_retriever, metadata_bytes_per_token, select_topk, topk_work
 
 
 # block: whole blocks are retrieved, scored by their best token (RetroInfer retrieves whole clusters, so a miss

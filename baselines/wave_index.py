@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from clo.errors import ConfigError
+from kvoffload.errors import ConfigError
 
 
 def segmented_kmeans(keys: torch.Tensor, cluster_size: int, segment: int, iters: int) -> tuple[torch.Tensor,
@@ -42,7 +42,7 @@ def segmented_kmeans(keys: torch.Tensor, cluster_size: int, segment: int, iters:
 
 
 class WaveRetriever:
-    """The retriever interface of clo.retrieval (index, scores, metadata_bytes) over a cluster-ordered layout:
+    """The retriever interface of kvoffload.offload.retrieval (index, scores, metadata_bytes) over a cluster-ordered layout:
     scores are per position of the permuted store, and `perm[layer]` says which token each position holds."""
 
     name = "wave"
@@ -70,8 +70,8 @@ class WaveRetriever:
     def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor, miss: torch.Tensor | None = None,
                hist: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, D], heads [h] -> [B, h, N] float32: each position scored by its cluster's centroid. miss, hist:
-        as clo.retrieval's (every row is scored; the radix select's first pass is counted in torch)."""
-        from clo.kernels.radix_topk import count_first_pass_ref
+        as kvoffload.offload.retrieval's (every row is scored; the radix select's first pass is counted in torch)."""
+        from kvoffload.kernels.radix_keys import count_first_pass_ref
 
         cent = self.centroids[layer][:, heads]
         b, hkv, _, d = self.centroids[layer].shape

@@ -8,22 +8,23 @@ the device):
   slots   per cached KV head, the top-k middle rows selected for its query label (device)
   persist the full prompt KV of the layer's persistent heads (device)
 A decode step attends, per KV head, over window + (slots, or top-k of its persistent KV), reading each buffer
-where it lies (clo/layout.py).
+where it lies (clo/store.py).
 """
 from __future__ import annotations
 
 import torch
 
-from clo.bench.bandwidth import link_gb_s
-from clo.errors import ConfigError
-from clo.kernels.decode_attention import decode_attention
-from clo.kernels.head_cache import lookup_and_update
-from clo.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate, split_host
-from clo.layout import LayerStore, check_budget, select_budget, split_prompt
+from kvoffload.errors import ConfigError
+from kvoffload.kernels.decode_attention import decode_attention
+from kvoffload.kernels.head_cache import lookup_and_update
+from kvoffload.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate, split_host
+from clo.store import LayerStore
+from kvoffload.offload.budget import check_budget, select_budget, split_prompt
 from clo.policy.persistent import HeadPlan, heads_per_layer_time, load_profile, plan_persistent_heads
-from clo.policy.thresholds import AGGREGATIONS, load_importance, thresholds
-from clo.retrieval import RETRIEVERS, check_topk_method, make_retriever, metadata_bytes_per_token
-from clo.transfer import TransferEngine
+from clo.policy.thresholds import load_importance, thresholds
+from kvoffload.kernels.head_cache import AGGREGATIONS
+from kvoffload.offload.retrieval import RETRIEVERS, check_topk_method, make_retriever, metadata_bytes_per_token
+from kvoffload.offload.transfer import TransferEngine
 
 # which query selects a persistent head's top-k rows: the layer's real query, on the critical path (spec 2.3:
 # persistent heads "run top-k there"), or the speculative one, one layer ahead with the other heads' selection
@@ -89,7 +90,7 @@ class CLO(KVOffloadSystem):
             self.plan = HeadPlan([[] for _ in range(L)], [[] for _ in range(L)], n_p)
 
     def _link_bandwidth(self, spec: KVSpec) -> float:
-        return (self.cfg["link_gb_s"] if self.cfg["link_gb_s"] is not None else link_gb_s(spec.device)) * 1e9
+        return self.cfg["link_gb_s"] * 1e9 if self.cfg["link_gb_s"] is not None else spec.link_bytes_per_s
 
     @staticmethod
     def _row_bytes(spec: KVSpec) -> int:
@@ -278,7 +279,7 @@ class CLO(KVOffloadSystem):
                     persist_idx = st.select_persistent(st.permute_q(q), self.retriever, layer)
             with self.phase("attention"):
                 return st.attend(q, self.win_len, persist_idx)
-        from clo.kernels.decode_attention import SplitAttention
+        from kvoffload.kernels.decode_attention import SplitAttention
 
         compute = torch.cuda.current_stream()
         with self.phase("attention"):

@@ -17,15 +17,16 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from clo.bench.bandwidth import copy_bandwidth_gb_s, layer_time_s, replay_ms
-from clo.kernels.hash_score import hash_scores
-from clo.kernels.head_cache import lookup_and_update
-from clo.kernels.radix_topk import topk_indices, topk_ref
-from clo.kernels.uva_gather import uva_gather
-from clo.model.config import ModelConfig
-from clo.model.decoder import Layer
-from clo.paths import ROOT, write_json_atomic
-from clo.transfer import TransferEngine, gather_rows_ref
+from experiments.timing import copy_bandwidth_gb_s, layer_time_s, replay_ms
+from kvoffload.kernels.hash_score import hash_scores
+from kvoffload.kernels.head_cache import lookup_and_update
+from kvoffload.kernels.radix_topk import topk_indices, topk_ref
+from kvoffload.kernels.uva_gather import uva_gather
+from kvoffload.model.config import ModelConfig
+from kvoffload.model.decoder import Layer
+from kvoffload.paths import ROOT, write_json_atomic
+from kvoffload.kernels.uva_gather import gather_rows_ref
+from kvoffload.offload.transfer import TransferEngine
 from experiments.bench_decode_attention import time_ms
 from experiments.records import environment
 

@@ -29,16 +29,17 @@ from unittest.mock import patch  # a setting changed for one block, restored aft
 import torch
 import torch.nn.functional as F
 
-from clo.bench.bandwidth import capture, copy_bandwidth_gb_s, dense_work, layer_time_s, pinned_h2d_gb_s, replay_ms
-from clo.kernels import radix_topk
-from clo.kernels.decode_attention import decode_attention_triton
-from clo.kernels.dense_ops import silu_mul
-from clo.kernels.gemv import linear, linear_pair, linear_silu_mul
-from clo.kernels.head_cache import lookup_and_update
-from clo.kv.interface import KVSpec
-from clo.kv.timer import PhaseTimer
-from clo.model.decoder import Layer
-from clo.paths import ROOT, write_json_atomic
+from experiments import timing
+from experiments.timing import capture, copy_bandwidth_gb_s, dense_work, layer_time_s, pinned_h2d_gb_s, replay_ms
+from kvoffload.kernels import radix_topk
+from kvoffload.kernels.decode_attention import decode_attention_triton
+from kvoffload.kernels.dense_ops import silu_mul
+from kvoffload.kernels.gemv import linear, linear_pair, linear_silu_mul
+from kvoffload.kernels.head_cache import lookup_and_update
+from kvoffload.kv.interface import KVSpec
+from kvoffload.kv.timer import PhaseTimer
+from kvoffload.model.decoder import Layer
+from kvoffload.paths import ROOT, write_json_atomic
 from clo.system import CLO, PERSIST_QUERIES
 from experiments.bench_clo import DEV, LLAMA3, UVA_PROGRAMS
 from experiments.records import environment
@@ -51,7 +52,7 @@ def build(seqlen: int, layers: list[int], persist_query: str = "real", layer_tim
     dense = Layer(cfg).to(DEV, torch.bfloat16)
 
     spec = KVSpec(cfg.num_layers, 1, seqlen + 16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
-                  DEV, layer_time_s=layer_time_s(dense, 1))
+                  DEV, layer_time_s=layer_time_s(dense, 1), link_gb_s=timing.link_gb_s(DEV))
     clo = CLO(importance="Llama-3-8B-Instruct-Gradient-1048k",
               profile=str(ROOT / "data/profiles/llama3-from-smollm2.json"), persist_query=persist_query,
               layer_time_ms=layer_time_ms, link_gb_s=link_gb_s)
@@ -180,7 +181,7 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
 
     def layer_parts() -> dict:  # the parts that depend on the top-k and the gather's grid
         out = {"retrieval": timed(lambda: st.retrieve(clo.retriever, layer, qp, st.cached)),
-               "transfer": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, all_miss, st.slots)),
+               "transfer": timed(lambda: kvoffload.offload.transfer.fill(st.host, st.cached, idx, all_miss, st.slots)),
                "persistent": timed(lambda: st.select_persistent(qp, clo.retriever, layer))}
         for case in CASES:
             out[f"side_{case}"] = forced(st, case, lambda: timed(lambda: clo._refresh(layer, qp)))
@@ -196,7 +197,7 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
                                                   "mean")),
         "attention": timed(lambda: st.attend(q, clo.win_len, persist_idx)),  # one launch, every head
         "persistent_and_attention": timed(lambda: clo._attend(layer, q, None)),  # as decode runs them
-        "transfer_no_miss": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots)),
+        "transfer_no_miss": timed(lambda: kvoffload.offload.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots)),
         # the retrieval's own parts, to see which one the layer waits for
         "retrieval.encode_query": timed(lambda: clo.retriever.encode_query(layer, qp, st.cached)),
         "retrieval.scores": timed(lambda: clo.retriever.scores(layer, qp, st.cached)),
@@ -212,10 +213,10 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         with patch.dict(clo.cfg, persist_query=mode):
             variants[f"persist_query_{mode}"] = layer_parts()
     for cap in uva_programs:
-        with patch.object(clo.transfer, "uva_programs", cap):
+        with patch.object(kvoffload.offload.transfer, "uva_programs", cap):
             variants[f"uva_programs_{cap}"] = layer_parts()
     for warps in (1, 2):  # a lighter gather leaves more of each SM it shares to the dense GEMVs
-        with patch.object(clo.transfer, "uva_warps", warps):
+        with patch.object(kvoffload.offload.transfer, "uva_warps", warps):
             variants[f"uva_warps_{warps}"] = layer_parts()
     out["variants"] = variants
     out["attention_variants"] = attention_variants(st, q, clo.win_len, persist_idx, timed)

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from baselines.fullattn import dense_decode_attention
-from clo.bench.bandwidth import copy_bandwidth_gb_s, median_ms
-from clo.kernels.decode_attention import decode_attention_triton
-from clo.paths import write_json_atomic
+from experiments.timing import copy_bandwidth_gb_s, median_ms
+from kvoffload.kernels.decode_attention import decode_attention_triton
+from kvoffload.paths import write_json_atomic
 from experiments.preflight import parse_tokens
 from experiments.records import environment
 

@@ -12,13 +12,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from clo.bench.bandwidth import copy_bandwidth_gb_s, layer_time_s
-from clo.errors import ConfigError
-from clo.generate import Generation, generate
-from clo.kv.interface import GB, KVOffloadSystem, KVSpec
-from clo.kv.timer import PHASES, PhaseTimer
-from clo.model.config import ModelConfig
-from clo.model.weights import build_decoder
+from experiments.timing import copy_bandwidth_gb_s, layer_time_s, link_gb_s
+from kvoffload.errors import ConfigError
+from kvoffload.generate import Generation, generate
+from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
+from kvoffload.kv.timer import PHASES, PhaseTimer
+from kvoffload.model.config import ModelConfig
+from kvoffload.model.weights import build_decoder
 from experiments import preflight
 from experiments.records import environment
 from experiments.workloads import PROMPTS, build_prompt
@@ -33,7 +33,7 @@ def load_tokenizer(source: str, model_cfg: DictConfig):
         return None
     from transformers import AutoTokenizer
 
-    from clo.model.weights import smollm2_folder
+    from kvoffload.model.weights import smollm2_folder
 
     folder = smollm2_folder() if source == "smollm2-gguf" else Path(model_cfg.path)
     try:
@@ -56,7 +56,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     source = weights_source(cfg.model)
     system: KVOffloadSystem = instantiate(cfg.system)
     spec = KVSpec(model_cfg.num_layers, batch, seqlen + gen_tokens, model_cfg.num_heads, model_cfg.num_kv_heads,
-                  model_cfg.head_dim, dtype, device, prompt_len=seqlen)
+                  model_cfg.head_dim, dtype, device, prompt_len=seqlen, link_gb_s=link_gb_s(device))
     plan = preflight.plan_memory(model_cfg, system, spec, seqlen)
     what = f"system={system_name} model={model_cfg.name} seqlen={seqlen} batch={batch}"
     budget = preflight.check_memory(plan, device, cfg.hardware.gpu_mem_gb, what)
@@ -65,7 +65,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         raise ConfigError(f"workload.prompt={cfg.workload.prompt!r}; valid: {', '.join(PROMPTS)}")
     query_process = None
     if cfg.workload.query_process != "model":  # loads and checks its profile now
-        from clo.query_process import ProfileQueryProcess
+        from experiments.query_process import ProfileQueryProcess
 
         query_process = ProfileQueryProcess.from_profile(
             cfg.workload.query_process, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.group_size, device)

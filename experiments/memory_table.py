@@ -14,9 +14,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from clo.kv.interface import GB, KVSpec
-from clo.model.config import ModelConfig
-from clo.paths import ROOT, write_json_atomic
+from kvoffload.kv.interface import GB, KVSpec
+from kvoffload.model.config import ModelConfig
+from kvoffload.paths import ROOT, write_json_atomic
 from experiments.preflight import parse_tokens
 from experiments.records import environment
 

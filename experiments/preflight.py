@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from clo.errors import ConfigError
-from clo.generate import DECODE_MODES
-from clo.kv.interface import GB, KVOffloadSystem, KVSpec
-from clo.model.config import ModelConfig
+from kvoffload.errors import ConfigError
+from kvoffload.generate import DECODE_MODES
+from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
+from kvoffload.model.config import ModelConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
@@ -86,7 +86,7 @@ class MemoryPlan:
 def activation_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: int) -> int:
     """Peak transient memory of prefill: the residual stream, q/k/v/attention output of one layer, one MLP chunk
     (8192 tokens) and the final logits. A generous estimate, not a measurement."""
-    from clo.model.decoder import PREFILL_CHUNK
+    from kvoffload.model.decoder import PREFILL_CHUNK
 
     t = batch * seqlen
     per_token = cfg.hidden_size * 3 + (cfg.num_heads * 2 + cfg.num_kv_heads * 2) * cfg.head_dim

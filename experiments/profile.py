@@ -13,15 +13,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.fullattn import FullAttn
-from clo.errors import ConfigError
-from clo.generate import generate
-from clo.kv.interface import KVSpec
-from clo.model.config import ModelConfig
-from clo.model.weights import build_decoder
-from clo.paths import ROOT
+from kvoffload.errors import ConfigError
+from kvoffload.generate import generate
+from kvoffload.kv.interface import KVSpec
+from kvoffload.model.config import ModelConfig
+from kvoffload.model.weights import build_decoder
+from kvoffload.paths import ROOT
 from experiments import preflight
 from experiments.execute import load_tokenizer, weights_source
 from experiments.records import environment, write_measurement
+from experiments.timing import link_gb_s
 from experiments.workloads import build_prompt
 
 
@@ -69,7 +70,7 @@ def decode_real(cfg: DictConfig, make_kv, min_steps: int = 3) -> tuple[ModelConf
                           model_cfg.vocab_size, float(cfg.workload.needle_depth))
     kv = make_kv(model_cfg, seqlen)
     kv.allocate(KVSpec(model_cfg.num_layers, int(cfg.batch), seqlen + gen, model_cfg.num_heads,
-                       model_cfg.num_kv_heads, model_cfg.head_dim, dtype, device))
+                       model_cfg.num_kv_heads, model_cfg.head_dim, dtype, device, link_gb_s=link_gb_s(device)))
     generate(model, kv, prompt.tokens.to(device), gen)  # no early stop: every step is a sample
     desc = f"{weights_desc}; {prompt.kind} prompt of {seqlen} tokens, {gen} greedy steps, batch {cfg.batch}"
     return model_cfg, kv, desc

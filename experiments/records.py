@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from clo.errors import ConfigError
-from clo.paths import ROOT, write_json_atomic
+from kvoffload.errors import ConfigError
+from kvoffload.paths import ROOT, write_json_atomic
 
 # Overrides that change where or how a run is reported, not what it measures.
 NOT_IDENTITY = ("results_dir", "force", "wandb.", "hydra.")

@@ -13,8 +13,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from clo.errors import ConfigError
-from clo.paths import write_json_atomic
+from kvoffload.errors import ConfigError
+from kvoffload.paths import write_json_atomic
 from experiments.records import finished, record_path
 
 

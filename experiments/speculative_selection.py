@@ -25,13 +25,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.fullattn import FullAttn
-from clo.errors import ConfigError
-from clo.layout import select_budget, split_prompt
-from clo.model.config import ModelConfig
-from clo.paths import ROOT
+from kvoffload.errors import ConfigError
+from kvoffload.offload.budget import select_budget, split_prompt
+from kvoffload.model.config import ModelConfig
+from kvoffload.paths import ROOT
 from clo.policy.persistent import load_profile
 from clo.policy.thresholds import load_importance, thresholds
-from clo.retrieval import ExactRetriever, HashRetriever, select_topk
+from kvoffload.offload.retrieval import ExactRetriever, HashRetriever, select_topk
 from experiments import preflight
 from experiments.profile import decode_real
 from experiments.records import environment, write_measurement

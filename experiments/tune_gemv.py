@@ -1,8 +1,8 @@
-"""Launch parameters of the decode-step GEMV (clo/kernels/gemv.py) at Llama-3-8B shapes, BSZ 1, against cuBLAS
+"""Launch parameters of the decode-step GEMV (kvoffload/kernels/gemv.py) at Llama-3-8B shapes, BSZ 1, against cuBLAS
 (torch's F.linear) in the same run: each projection, every (rows per program, K per load, warps) of the sweep,
 replayed from a CUDA graph over enough copies of the weight that none is read from L2 (50 MB on the H200).
 Bandwidth = weight bytes / time; the ratio is against the device copy measured in the run. The kernel's
-correctness is tests/test_gemv.py's; clo.kernels.gemv.launch_params is chosen from this table.
+correctness is tests/test_gemv.py's; kvoffload.kernels.gemv.launch_params is chosen from this table.
 
     python -m experiments.tune_gemv --out results/bench/gemv_tuning.json
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from clo.bench.bandwidth import copy_bandwidth_gb_s, replay_ms
-from clo.kernels.dense_ops import silu_mul
-from clo.kernels.gemv import gemv_triton, launch_params
-from clo.paths import write_json_atomic
+from experiments.timing import copy_bandwidth_gb_s, replay_ms
+from kvoffload.kernels.dense_ops import silu_mul
+from kvoffload.kernels.gemv import gemv_triton, launch_params
+from kvoffload.paths import write_json_atomic
 from experiments.bench_clo import DEV, LLAMA3
 from experiments.records import environment
 

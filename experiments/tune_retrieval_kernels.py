@@ -2,7 +2,7 @@
 128K (BSZ 1): the query encoding (CHUNK of head_dim per step), the hash scores (tokens per program, warps) and
 the radix top-k (keys per program, warps), each for the 6 cached and 2 persistent KV heads of a median layer.
 The scores and the select are also timed together, with the select's first pass counted by the scores' kernel or
-by a pass of its own. The defaults in clo/kernels/ are chosen from this table; the kernels' correctness is
+by a pass of its own. The defaults in kvoffload/kernels/ are chosen from this table; the kernels' correctness is
 tests/test_clo_kernels.py's.
 
     python -m experiments.tune_retrieval_kernels --out results/bench/retrieval_tuning.json
@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from clo.bench.bandwidth import copy_bandwidth_gb_s, replay_ms
-from clo.kernels.hash_score import encode_query_triton, hash_scores_triton
-from clo.kernels.radix_topk import radix_topk, radix_work
-from clo.paths import write_json_atomic
+from experiments.timing import copy_bandwidth_gb_s, replay_ms
+from kvoffload.kernels.hash_score import encode_query_triton, hash_scores_triton
+from kvoffload.kernels.radix_keys import radix_work
+from kvoffload.kernels.radix_topk import radix_topk
+from kvoffload.paths import write_json_atomic
 from experiments.bench_clo import DEV, LLAMA3
 from experiments.records import environment
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from clo.errors import ConfigError
+from kvoffload.errors import ConfigError
 
 PROMPTS = ("auto", "needle", "random")
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")

@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from clo.kv.timer import PHASES  # noqa: E402
+from kvoffload.kv.timer import PHASES  # noqa: E402
 from plots.records import load_records, save, stacked_phases  # noqa: E402
 
 

@@ -21,6 +21,6 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2_folder():
-    from clo.model.weights import smollm2_folder
+    from kvoffload.model.weights import smollm2_folder
 
     return smollm2_folder()

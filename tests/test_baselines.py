@@ -18,8 +18,8 @@ import baselines.lru
 from baselines.infinigen import InfiniGen
 from baselines.lru import BlockLRU
 from baselines.retroinfer import RetroInfer
-from clo.errors import ConfigError
-from clo.kv.interface import KVSpec
+from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import KVSpec
 from clo.system import CLO
 from tests.reference import exact_topk_attention, topk_middle
 
@@ -345,9 +345,9 @@ def test_real_smollm2_needle_answers_equal_fullattn(smollm2_folder):
     from transformers import AutoTokenizer
 
     from baselines.fullattn import FullAttn
-    from clo.generate import generate
-    from clo.model.config import ModelConfig
-    from clo.model.weights import hf_decoder
+    from kvoffload.generate import generate
+    from kvoffload.model.config import ModelConfig
+    from kvoffload.model.weights import hf_decoder
     from experiments.workloads import build_prompt
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):

@@ -6,10 +6,10 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from baselines.fullattn import FullAttn
-from clo.generate import generate
-from clo.kv.interface import KVSpec
-from clo.model.config import ModelConfig
-from clo.model.weights import hf_decoder, synthetic_decoder
+from kvoffload.generate import generate
+from kvoffload.kv.interface import KVSpec
+from kvoffload.model.config import ModelConfig
+from kvoffload.model.weights import hf_decoder, synthetic_decoder
 from clo.system import CLO
 from tests.reference import write_profile
 from tests.test_config import CONF

@@ -9,11 +9,12 @@ import os
 import pytest
 import torch
 
-from clo.kernels.hash_score import hash_scores_ref
-from clo.kernels.head_cache import lookup_and_update_ref
-from clo.kernels.radix_topk import count_first_pass_ref, radix_work
-from clo.kernels.uva_gather import uva_gather_ref
-from clo.retrieval import HashRetriever, pack_signs
+from kvoffload.kernels.hash_score import hash_scores_ref
+from kvoffload.kernels.head_cache import lookup_and_update_ref
+from kvoffload.kernels.radix_keys import count_first_pass_ref, radix_work
+from kvoffload.kernels.uva_gather import uva_gather_ref
+from kvoffload.kernels.hash_score import pack_signs
+from kvoffload.offload.retrieval import HashRetriever
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernels on the CPU")
@@ -92,7 +93,7 @@ def test_hash_scores_ref_matches_retriever():
 
 # ---- the Triton kernels against the references (shared by the interpreter and the GPU tests) ----------------
 def check_uva_gather(device, b, hkv, t, d, h, k, dtype, block=16, programs=1 << 20):
-    from clo.kernels.uva_gather import uva_gather
+    from kvoffload.kernels.uva_gather import uva_gather
 
     host, heads, idx, miss, slots = gather_case(b, hkv, t, d, h, k, dtype, device)
     before = slots.clone()
@@ -113,7 +114,7 @@ def check_uva_gather(device, b, hkv, t, d, h, k, dtype, block=16, programs=1 << 
 
 
 def check_hash_scores(device, b, hk, h, t, g_, rbit, use_heads, block_t=256):
-    from clo.kernels.hash_score import hash_scores_triton
+    from kvoffload.kernels.hash_score import hash_scores_triton
 
     codes, norms, qcodes, heads = hash_case(b, hk, h if use_heads else hk, t, g_, rbit, device)
     heads = heads if use_heads else None
@@ -140,7 +141,7 @@ def check_hash_scores(device, b, hk, h, t, g_, rbit, use_heads, block_t=256):
 
 
 def check_lookup(device, b, hc, g_, d, dtype, aggregation):
-    from clo.kernels.head_cache import lookup_and_update_triton
+    from kvoffload.kernels.head_cache import lookup_and_update_triton
 
     args = lookup_case(b, hc, g_, d, dtype, device)
     ref_args = tuple(x.cpu().clone() for x in args)
@@ -161,7 +162,7 @@ def test_uva_gather_interpreted(d, block, programs):
 
 
 def check_radix_topk(device, r, t, k, kind, block):
-    from clo.kernels.radix_topk import radix_topk, topk_ref
+    from kvoffload.kernels.radix_topk import radix_topk, topk_ref
 
     gen = torch.Generator().manual_seed(r * t + k)
     scores = {"randn": lambda: torch.randn(r, t, generator=gen),
@@ -209,7 +210,7 @@ def test_radix_topk_triton_matches_ref(r, t, k, kind, block):
 def check_encode_query(device, b, hkv, g_, d, rbit, dtype, chunk=None):
     """The kernel's codes are HashRetriever.encode's, except for signs of projections within float rounding
     of zero (the kernel sums in another order)."""
-    from clo.kernels.hash_score import encode_query_triton
+    from kvoffload.kernels.hash_score import encode_query_triton
 
     hr = HashRetriever(2, hkv, d, torch.device(device), rbit=rbit, seed=3)
     gen = torch.Generator().manual_seed(b * hkv + g_)
@@ -284,10 +285,10 @@ def test_lookup_triton_matches_ref(aggregation, g_, d, dtype):
 def test_kernels_replay_in_a_cuda_graph():
     """The four kernels are captured once and replayed on new inputs: no host sync inside."""
     pytest.importorskip("triton")
-    from clo.kernels.hash_score import hash_scores
-    from clo.kernels.head_cache import lookup_and_update
-    from clo.kernels.radix_topk import topk_indices
-    from clo.kernels.uva_gather import uva_gather
+    from kvoffload.kernels.hash_score import hash_scores
+    from kvoffload.kernels.head_cache import lookup_and_update
+    from kvoffload.kernels.radix_topk import topk_indices
+    from kvoffload.kernels.uva_gather import uva_gather
 
     host, heads, idx, miss, slots = gather_case(1, 8, 3000, 128, 8, 300, torch.bfloat16, "cuda")
     codes, norms, qcodes, _ = hash_case(1, 8, 8, 3000, 4, 256, "cuda")
@@ -322,7 +323,7 @@ def test_kernels_replay_in_a_cuda_graph():
 
 
 def check_append_kv(device, b, hkv, t, d, dtype):
-    from clo.kernels.append_kv import append_kv_ref, append_kv_triton
+    from kvoffload.kernels.append_kv import append_kv_ref, append_kv_triton
 
     gen = torch.Generator().manual_seed(4)
     k, v = (torch.randn(b, hkv, d, generator=gen).to(dtype) for _ in "kv")

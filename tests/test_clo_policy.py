@@ -5,10 +5,12 @@ import math
 import pytest
 import torch
 
-from clo.errors import ConfigError
+from kvoffload.errors import ConfigError
 from clo.policy.persistent import heads_per_layer_time, load_profile, plan_persistent_heads
-from clo.policy.thresholds import aggregate_similarity, load_importance, thresholds
-from clo.retrieval import ExactRetriever, HashRetriever, hamming, pack_signs, select_topk
+from clo.policy.thresholds import load_importance, thresholds
+from kvoffload.kernels.head_cache import aggregate_similarity
+from kvoffload.kernels.hash_score import hamming, pack_signs
+from kvoffload.offload.retrieval import ExactRetriever, HashRetriever, select_topk
 
 
 def test_thresholds_endpoints_and_monotone():
@@ -97,7 +99,7 @@ def test_hash_scores_formula_and_exact_scores():
 def test_first_radix_pass_counted_beside_the_scores():
     """count_first_pass_ref bins a score by the top byte of its order-preserving key (sign flipped up, negatives
     inverted), and each retriever's scores(hist=) adds exactly that count of what it returns."""
-    from clo.kernels.radix_topk import count_first_pass_ref, radix_work
+    from kvoffload.kernels.radix_keys import count_first_pass_ref, radix_work
 
     work = radix_work(2, torch.device("cpu"))
     count_first_pass_ref(torch.tensor([[1.0, 1.5, -1.0], [0.0, -0.0, float("inf")]]), work)

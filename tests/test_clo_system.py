@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from baselines.fullattn import FullAttn
-from clo.errors import ConfigError
-from clo.kv.interface import KVSpec
+from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import KVSpec
 from clo.system import CLO
 from tests.reference import exact_topk_attention, first_head_hard, write_profile
 

@@ -5,9 +5,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from clo.errors import ConfigError
-from clo.kv.interface import KVOffloadSystem
-from clo.model.config import ModelConfig
+from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import KVOffloadSystem
+from kvoffload.model.config import ModelConfig
 from experiments.preflight import parse_tokens
 
 CONF = Path(__file__).resolve().parent.parent / "conf"

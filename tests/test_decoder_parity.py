@@ -7,11 +7,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from baselines.fullattn import FullAttn
-from clo.generate import generate
-from clo.kv.interface import KVSpec
-from clo.model.config import ModelConfig
-from clo.model.decoder import Decoder
-from clo.model.weights import hf_decoder
+from kvoffload.generate import generate
+from kvoffload.kv.interface import KVSpec
+from kvoffload.model.config import ModelConfig
+from kvoffload.model.decoder import Decoder
+from kvoffload.model.weights import hf_decoder
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
              num_key_value_heads=2, vocab_size=300, max_position_embeddings=4096, rms_norm_eps=1e-5)
@@ -49,7 +49,7 @@ def check_prefill_and_decode(ref, ours: Decoder, seq: int = 40, batch: int = 2, 
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}])
 @pytest.mark.parametrize("chunk", [8192, 7])  # 7: the prompt's projections and norms in chunks, as at 512K
 def test_llama_random_matches_transformers(rope_scaling, chunk, monkeypatch):
-    monkeypatch.setattr("clo.model.decoder.PREFILL_CHUNK", chunk)
+    monkeypatch.setattr("kvoffload.model.decoder.PREFILL_CHUNK", chunk)
     torch.manual_seed(0)
     hf_cfg = LlamaConfig(**SMALL, rope_theta=500000.0, rope_scaling=rope_scaling)
     ref = LlamaForCausalLM(hf_cfg).eval()
@@ -72,7 +72,7 @@ def test_qwen2_random_matches_transformers():
 
 def test_llama3_scaling_changes_frequencies():
     """Guards the rope-scaling test above against a scaling that does nothing."""
-    from clo.model.rope import inverse_frequencies
+    from kvoffload.model.rope import inverse_frequencies
 
     base = ModelConfig.from_hf({**SMALL, "rope_theta": 500000.0})
     scaled = ModelConfig.from_hf({**SMALL, "rope_theta": 500000.0, "rope_scaling": {
@@ -118,7 +118,7 @@ def test_real_smollm2_greedy_matches_generate(smollm2_folder):
 
 
 def test_hf_projections_fuse_in_order_and_incomplete_groups_stay():
-    from clo.model.decoder import fuse_hf_state
+    from kvoffload.model.decoder import fuse_hf_state
 
     p = "model.layers.2."
     state = {p + "self_attn.q_proj.weight": torch.full((4, 3), 1.0), p + "self_attn.k_proj.weight": torch.full((2, 3), 2.0),

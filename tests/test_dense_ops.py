@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clo.kernels.dense_ops import rms_norm_ref, rope_ref, silu_mul_ref
-from clo.model.rope import apply_rotary, cos_sin
+from kvoffload.kernels.dense_ops import rms_norm_ref, rope_ref, silu_mul_ref
+from kvoffload.kernels.dense_ops import apply_rotary, cos_sin
 from tests.reference import randn
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -51,7 +51,7 @@ def close(got, want, device, atol=None):
 
 
 def check_rms_norm(device, rows, n, dtype, with_add):
-    from clo.kernels.dense_ops import rms_norm_triton
+    from kvoffload.kernels.dense_ops import rms_norm_triton
 
     x, w = randn(rows, 1, n, seed=0, dtype=dtype, device=device), randn(n, seed=1, dtype=dtype, device=device)
     add = randn(rows, 1, n, seed=2, dtype=dtype, device=device) if with_add else None
@@ -70,9 +70,9 @@ def check_rms_norm(device, rows, n, dtype, with_add):
 
 
 def check_rope(device, b, total, heads, d, dtype, position):
-    from clo.kernels.dense_ops import rope_triton
-    from clo.model.config import ModelConfig
-    from clo.model.rope import inverse_frequencies
+    from kvoffload.kernels.dense_ops import rope_triton
+    from kvoffload.model.config import ModelConfig
+    from kvoffload.model.rope import inverse_frequencies
 
     cfg = ModelConfig("t", "llama", 64, 128, 1, 4, 1, d, 10, 500000.0, 1e-5, 8192, rope_scaling={
         "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
@@ -86,7 +86,7 @@ def check_rope(device, b, total, heads, d, dtype, position):
 
 
 def check_silu_mul(device, rows, inter, dtype):
-    from clo.kernels.dense_ops import silu_mul_triton
+    from kvoffload.kernels.dense_ops import silu_mul_triton
 
     gu = randn(rows, 1, 2 * inter, dtype=dtype, device=device) * 3
     got = silu_mul_triton(gu).cpu()
@@ -133,8 +133,8 @@ def test_silu_mul_triton_matches_ref(dtype):
 def separate_inputs(layer, nxt, x, add, position, inv_freq):
     """Layer.decode_inputs's results made one kernel (or torch op) at a time: the layer's norm, q/k/v and RoPE,
     then the next layer's norm of the same sum, its q rows and RoPE (the speculative query, spec 2.3)."""
-    from clo.kernels.dense_ops import rms_norm, rope
-    from clo.kernels.gemv import linear
+    from kvoffload.kernels.dense_ops import rms_norm, rope
+    from kvoffload.kernels.gemv import linear
 
     h, x = layer.input_layernorm.add_and_norm(x, add)
     q, k, v = layer.self_attn.decode_qkv(h, position, inv_freq)
@@ -148,9 +148,9 @@ def separate_inputs(layer, nxt, x, add, position, inv_freq):
 def test_decode_inputs_pairs_the_speculative_query_exactly(device, family):
     """Both norms in one kernel, both projections in one GEMV, one RoPE: the same values as made apart (bit for
     bit: every element is computed by the same arithmetic), with and without the previous MLP's output to add."""
-    from clo.model.config import ModelConfig
-    from clo.model.rope import inverse_frequencies
-    from clo.model.weights import synthetic_decoder
+    from kvoffload.model.config import ModelConfig
+    from kvoffload.model.rope import inverse_frequencies
+    from kvoffload.model.weights import synthetic_decoder
 
     cfg = ModelConfig(name="t", family=family, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=64, vocab_size=100, rope_theta=1e4, rms_norm_eps=1e-5,

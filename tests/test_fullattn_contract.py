@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from baselines.fullattn import FullAttn, dense_decode_attention
-from clo.errors import ConfigError
-from clo.kv.interface import KVSpec
-from clo.kv.timer import PHASES, PhaseTimer
+from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import KVSpec
+from kvoffload.kv.timer import PHASES, PhaseTimer
 
 B, H, HKV, D, L = 2, 8, 2, 16, 3
 

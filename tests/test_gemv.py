@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from clo.kernels.gemv import linear, linear_pair, linear_pair_ref, linear_ref, linear_silu_mul, linear_silu_mul_ref
+from kvoffload.kernels.gemv import linear, linear_pair, linear_pair_ref, linear_ref, linear_silu_mul, linear_silu_mul_ref
 from tests.reference import randn
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -18,7 +18,7 @@ def check(device, n, k, dtype, bias, gated, params=None):
     sums round once (a bf16 step of outputs of size ~sqrt(k)). Gated: against the reference's own roundings
     (the projections, SiLU, the product): a step in one of them moves the result by up to three steps, more where
     the interpreter truncates instead of rounding."""
-    from clo.kernels.gemv import gemv_triton
+    from kvoffload.kernels.gemv import gemv_triton
 
     x, w = randn(1, 1, k, seed=1, dtype=dtype, device=device), randn(n, k, seed=2, dtype=dtype, device=device)
     b = randn(n, seed=3, dtype=dtype, device=device) if bias else None
@@ -33,7 +33,7 @@ def check(device, n, k, dtype, bias, gated, params=None):
 def check_pair(device, n1, k1, n2, k2, dtype, bias):
     """Two projections written into one buffer: each part equals the kernel's own output for it, bit for bit,
     and the reference within check's tolerance."""
-    from clo.kernels.gemv import gemv_triton, linear_pair_triton
+    from kvoffload.kernels.gemv import gemv_triton, linear_pair_triton
 
     x1, x2 = randn(1, 1, k1, seed=1, dtype=dtype, device=device), randn(1, 1, k2, seed=2, dtype=dtype, device=device)
     w1, w2 = randn(n1, k1, seed=3, dtype=dtype, device=device), randn(n2, k2, seed=4, dtype=dtype, device=device)
@@ -109,6 +109,6 @@ def test_dispatch_on_cpu_is_the_reference():
 
 
 def test_shape_mismatch_is_a_clear_error():
-    from clo.kernels.gemv import gemv_triton
+    from kvoffload.kernels.gemv import gemv_triton
     with pytest.raises(ValueError, match="gemv"):
         gemv_triton(randn(1, 1, 32), randn(8, 16))

@@ -4,16 +4,22 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from baselines.fullattn import FullAttn, dense_decode_attention
-from clo.kv.interface import KVSpec
-from clo.kv.timer import PhaseTimer
-from clo.model.config import ModelConfig
-from clo.model.decoder import Decoder
+from experiments.timing import link_gb_s
+from kvoffload.kv.interface import KVSpec
+from kvoffload.kv.timer import PhaseTimer
+from kvoffload.model.config import ModelConfig
+from kvoffload.model.decoder import Decoder
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 TINY = ModelConfig(name="tiny", family="llama", hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
                    num_kv_heads=2, head_dim=64, vocab_size=2000, rope_theta=1e4, rms_norm_eps=1e-5,
                    max_position_embeddings=4096)
+
+
+def cuda_spec(*shape_and_dtype) -> KVSpec:
+    """A CUDA KVSpec with the link measured, as the runner hands it to a system."""
+    return KVSpec(*shape_and_dtype, CUDA, link_gb_s=link_gb_s(CUDA))
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flashinfer"])
@@ -24,7 +30,7 @@ def test_fullattn_decode_matches_reference(backend, length):
     b, h, hkv, d, layers = 2, 32, 8, 128, 2
     g = torch.Generator(device=CUDA).manual_seed(0)
     kv = FullAttn(attention_backend=backend)
-    kv.allocate(KVSpec(layers, b, length + 1, h, hkv, d, torch.bfloat16, CUDA), PhaseTimer(CUDA))
+    kv.allocate(cuda_spec(layers, b, length + 1, h, hkv, d, torch.bfloat16), PhaseTimer(CUDA))
     k = torch.randn(layers, b, hkv, length, d, device=CUDA, dtype=torch.bfloat16, generator=g)
     v = torch.randn_like(k)
     for layer in range(layers):
@@ -55,7 +61,7 @@ def test_decoder_on_cuda_matches_transformers():
     with torch.no_grad():
         want = ref(ids).logits
     kv = FullAttn()
-    kv.allocate(KVSpec(4, 2, 301, 8, 2, 32, torch.float32, CUDA), PhaseTimer(CUDA))
+    kv.allocate(cuda_spec(4, 2, 301, 8, 2, 32, torch.float32), PhaseTimer(CUDA))
     got = ours.prefill(ids[:, :299].to(CUDA), kv, all_logits=True).cpu()
     torch.testing.assert_close(got, want[:, :299], atol=2e-3, rtol=1e-3)
     kv.begin_step()
@@ -65,15 +71,15 @@ def test_decoder_on_cuda_matches_transformers():
 
 
 def test_cuda_graph_decode_generates_the_eager_tokens():
-    from clo.generate import generate
-    from clo.model.weights import synthetic_decoder
+    from kvoffload.generate import generate
+    from kvoffload.model.weights import synthetic_decoder
 
     model = synthetic_decoder(TINY, 0, CUDA, torch.float32)
     prompt = torch.randint(0, 2000, (2, 500), device=CUDA)
     runs = []
     for graph in (False, True):
         kv = FullAttn()
-        kv.allocate(KVSpec(4, 2, 540, 8, 2, 64, torch.float32, CUDA), PhaseTimer(CUDA, enabled=not graph))
+        kv.allocate(cuda_spec(4, 2, 540, 8, 2, 64, torch.float32), PhaseTimer(CUDA, enabled=not graph))
         runs.append(generate(model, kv, prompt, 40, decode_mode="graph" if graph else "eager").tokens)
     assert torch.equal(runs[0], runs[1])
 
@@ -84,8 +90,8 @@ def test_piecewise_graphs_generate_the_eager_tokens(system):
     for a system that is capturable whole, one with a speculative query and two that sync with the host."""
     from baselines.infinigen import InfiniGen
     from baselines.retroinfer import RetroInfer
-    from clo.generate import generate
-    from clo.model.weights import synthetic_decoder
+    from kvoffload.generate import generate
+    from kvoffload.model.weights import synthetic_decoder
     from clo.system import CLO
 
     make = {"fullattn": FullAttn, "clo": lambda: CLO(dense_layers=1, layer_time_ms=0.1),
@@ -95,7 +101,7 @@ def test_piecewise_graphs_generate_the_eager_tokens(system):
     runs = []
     for mode in ("eager", "piecewise"):
         kv = make()
-        kv.allocate(KVSpec(4, 2, 1040, 8, 2, 64, torch.float32, CUDA), PhaseTimer(CUDA))
+        kv.allocate(cuda_spec(4, 2, 1040, 8, 2, 64, torch.float32), PhaseTimer(CUDA))
         gen = generate(model, kv, prompt, 24, decode_mode=mode)
         runs.append(gen.tokens)
     assert torch.equal(runs[0], runs[1])
@@ -106,8 +112,8 @@ def test_piecewise_graphs_generate_the_eager_tokens(system):
 def test_clo_graph_replay_generates_the_eager_tokens(topk_ratio):
     """The whole CLO step (lookup, retrieval, UVA transfer on the side stream, hybrid attention) replayed from a
     CUDA graph gives the eager tokens; at top-k 100% both give FullAttn's; no host sync inside a step."""
-    from clo.generate import generate
-    from clo.model.weights import synthetic_decoder
+    from kvoffload.generate import generate
+    from kvoffload.model.weights import synthetic_decoder
     from clo.system import CLO
 
     model = synthetic_decoder(TINY, 0, CUDA, torch.bfloat16)
@@ -115,7 +121,7 @@ def test_clo_graph_replay_generates_the_eager_tokens(topk_ratio):
     runs, stats = [], []
     for graph in (False, True):
         kv = CLO(topk_ratio=topk_ratio, dense_layers=1, layer_time_ms=0.1)
-        kv.allocate(KVSpec(4, 2, 1040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA, enabled=not graph))
+        kv.allocate(cuda_spec(4, 2, 1040, 8, 2, 64, torch.bfloat16), PhaseTimer(CUDA, enabled=not graph))
         gen = generate(model, kv, prompt, 40, decode_mode="graph" if graph else "eager")
         runs.append(gen.tokens)
         stats.append(gen.steps)
@@ -124,7 +130,7 @@ def test_clo_graph_replay_generates_the_eager_tokens(topk_ratio):
     if topk_ratio == 1.0:  # one teacher-forced step of each: bf16 logits agree to rounding
         logits = []
         for kv in (CLO(topk_ratio=1.0, dense_layers=1, layer_time_ms=0.1), FullAttn()):
-            kv.allocate(KVSpec(4, 2, 1040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA))
+            kv.allocate(cuda_spec(4, 2, 1040, 8, 2, 64, torch.bfloat16), PhaseTimer(CUDA))
             model.prefill(prompt, kv)
             kv.begin_step()
             logits.append(model.decode(prompt[:, -1], kv.position, kv).float())
@@ -136,16 +142,16 @@ def test_clo_side_stream_reads_its_own_query():
     """Queries that never change (a query process with rho = 1) hit every lookup after the first step, in a
     replayed graph too: the side stream's lookups read the speculative query they were given, not memory the
     compute stream has since reused (a race that cost 6 points of hit rate at 128K)."""
-    from clo.generate import generate
-    from clo.model.weights import synthetic_decoder
-    from clo.query_process import ProfileQueryProcess
+    from kvoffload.generate import generate
+    from kvoffload.model.weights import synthetic_decoder
+    from experiments.query_process import ProfileQueryProcess
     from clo.system import CLO
 
     model = synthetic_decoder(TINY, 0, CUDA, torch.bfloat16)
     model.query_process = ProfileQueryProcess(torch.ones(4, 2), 4, CUDA, "rho = 1")
     prompt = torch.randint(0, 2000, (1, 30000), device=CUDA)
     kv = CLO(dense_layers=1, layer_time_ms=0.1)
-    kv.allocate(KVSpec(4, 1, 30040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA, enabled=False))
+    kv.allocate(cuda_spec(4, 1, 30040, 8, 2, 64, torch.bfloat16), PhaseTimer(CUDA, enabled=False))
     steps = generate(model, kv, prompt, 24, decode_mode="graph").steps
     assert steps[0].hits == 0 and all(s.lookups > 0 and s.hits == s.lookups for s in steps[1:])
 
@@ -156,8 +162,8 @@ def test_clo_persistent_heads_overlapped_attention(tmp_path, mode):
     prefetch it), decode's overlapped attention (the cached head's part on its own stream while the persistent
     head's top-k is selected, then one merge) equals one launch over every head, and graph replay gives the
     eager tokens; also with the persistent head selected one layer ahead (persist_query=speculative)."""
-    from clo.generate import generate
-    from clo.model.weights import synthetic_decoder
+    from kvoffload.generate import generate
+    from kvoffload.model.weights import synthetic_decoder
     from clo.system import CLO
     from tests.reference import first_head_hard, write_profile
 
@@ -172,7 +178,7 @@ def test_clo_persistent_heads_overlapped_attention(tmp_path, mode):
         # step 4 of 24 with it: results/history/6b386b6_radix_order/)
         kv = CLO(dense_layers=1, profile=profile, layer_time_ms=0.1, link_gb_s=1e-3, topk="torch",
                  persist_query="speculative" if mode == "speculative" else "real")
-        kv.allocate(KVSpec(4, 2, 3040, 8, 2, 64, torch.bfloat16, CUDA), PhaseTimer(CUDA, enabled=not graph))
+        kv.allocate(cuda_spec(4, 2, 3040, 8, 2, 64, torch.bfloat16), PhaseTimer(CUDA, enabled=not graph))
         if mode == "one_launch":
             kv.attn_stream = None  # every head in one launch after the top-k
         runs.append(generate(model, kv, prompt, 24, decode_mode="graph" if graph else "eager").tokens)

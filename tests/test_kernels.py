@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from clo.kernels.decode_attention import decode_attention_ref, merge_attention
+from kvoffload.kernels.decode_attention import decode_attention_ref, merge_attention
 
 
 def explicit(q, k, v, n):
@@ -44,7 +44,7 @@ def test_merge_of_disjoint_parts_is_attention_over_their_union():
                                    (3, 9, 3, 64, 777)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_attention_triton_matches_ref(shape, dtype):
-    from clo.kernels.decode_attention import decode_attention_triton
+    from kvoffload.kernels.decode_attention import decode_attention_triton
 
     b, h, hkv, d, cap = shape
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -64,7 +64,7 @@ def test_decode_attention_triton_matches_ref(shape, dtype):
 @pytest.mark.gpu
 def test_decode_attention_triton_broadcast_lengths_and_fp32():
     """A stride-0 (expanded) lengths tensor, as FullAttn passes it, and fp32 inputs."""
-    from clo.kernels.decode_attention import decode_attention_triton
+    from kvoffload.kernels.decode_attention import decode_attention_triton
 
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(3, 8, 64, device="cuda", generator=g)
@@ -81,7 +81,7 @@ def check_hybrid_attention(device, b, hkv, g_, d, caps, dtype, n_indexed=0, pers
     n_indexed, the last heads' second-buffer rows are those of a third buffer (persist_len tokens) at random
     distinct indices, as CLO's persistent heads. permuted: the queries come in another head order, q_heads maps
     the buffers' heads to it (as CLO's stores)."""
-    from clo.kernels.decode_attention import hybrid_attention
+    from kvoffload.kernels.decode_attention import hybrid_attention
 
     attention = attention or hybrid_attention
     gen = torch.Generator().manual_seed(sum(caps) + n_indexed)
@@ -125,7 +125,7 @@ def test_hybrid_attention_reference(n_indexed, permuted):
                                         ((150, 3000), ([0, 150], [3000, 1]))])
 def test_hybrid_attention_interpreted(caps, lens):
     pytest.importorskip("triton")
-    from clo.kernels import decode_attention as da
+    from kvoffload.kernels import decode_attention as da
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 16, generator=gen)
@@ -148,7 +148,7 @@ def test_hybrid_attention_indexed_interpreted(hkv, n_indexed, in_parts, permuted
     """One split launch for every head, or (in_parts, as CLO overlaps them) one for the heads read in place and
     one for the indexed heads, then the merge; the queries in the buffers' head order or mapped (q_heads)."""
     pytest.importorskip("triton")
-    from clo.kernels.decode_attention import SplitAttention, decode_attention_triton
+    from kvoffload.kernels.decode_attention import SplitAttention, decode_attention_triton
 
     def kernel(q, first, second, indexed, q_heads=None):
         if not in_parts:
@@ -174,7 +174,7 @@ def test_hybrid_attention_triton_matches_ref(caps, dtype, n_indexed):
 def test_hybrid_attention_with_an_empty_buffer():
     """A buffer with no valid rows for a sequence, or no rows at all, adds nothing (no NaN from softmax over
     nothing)."""
-    from clo.kernels.decode_attention import hybrid_attention
+    from kvoffload.kernels.decode_attention import hybrid_attention
 
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 16, generator=gen)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from clo.query_process import ProfileQueryProcess, map_profile
+from experiments.query_process import ProfileQueryProcess, map_profile
 
 
 def test_adjacent_similarity_follows_rho():
@@ -53,7 +53,7 @@ def test_the_process_advances_when_replayed_from_a_cuda_graph():
 
 def test_profile_command_measures_adjacent_similarity():
     """The profile command's s_hat: the group-mean cosine of each query head's query to its previous one."""
-    from baselines.infinigen_skew import skew_bases  # noqa: F401  (the skew command records queries the same way)
+    from experiments.infinigen_skew import skew_bases  # noqa: F401  (the skew command records queries the same way)
     from experiments.profile import adjacent_similarity
 
     q = torch.randn(1, 4, 8)  # [B, H, D], H = 2 KV heads x group 2

@@ -3,9 +3,9 @@ layer l's query computed from layer l-1's input, before layer l-1's attention ru
 import torch
 
 from baselines.fullattn import FullAttn
-from clo.kv.interface import KVSpec
-from clo.model.config import ModelConfig
-from clo.model.weights import synthetic_decoder
+from kvoffload.kv.interface import KVSpec
+from kvoffload.model.config import ModelConfig
+from kvoffload.model.weights import synthetic_decoder
 
 
 class Recorder(FullAttn):

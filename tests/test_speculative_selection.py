@@ -4,7 +4,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from clo.errors import ConfigError
+from kvoffload.errors import ConfigError
 from experiments.speculative_selection import measure
 from tests.test_config import CONF
 

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from clo.errors import ConfigError
-from clo.transfer import TransferEngine, gather_rows_ref
+from kvoffload.errors import ConfigError
+from kvoffload.kernels.uva_gather import gather_rows_ref
+from kvoffload.offload.transfer import TransferEngine
 
 
 @pytest.mark.parametrize("threads", [1, 4])

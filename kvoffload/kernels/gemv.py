@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from clo.kernels.dense_ops import silu_mul_ref
+from kvoffload.kernels.dense_ops import silu_mul_ref
 
 try:
     import triton

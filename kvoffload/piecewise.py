@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from clo.kv.interface import KVOffloadSystem
-from clo.model.decoder import Decoder
+from kvoffload.kv.interface import KVOffloadSystem
+from kvoffload.model.decoder import Decoder
 
 
 class PiecewiseDecode:

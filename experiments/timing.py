@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from kvoffload.kv.interface import CPU_LINK_GB_S
+
 
 def median_ms(fn, device: torch.device, repeats: int = 5, warmup: int = 1) -> float:
     """Median milliseconds of fn(): CUDA events on a GPU, a clock on a CPU."""
@@ -44,10 +46,6 @@ def pinned_h2d_gb_s(device: torch.device, nbytes: int = 256 << 20, repeats: int 
     return nbytes / median_ms(lambda: dst.copy_(src, non_blocking=True), device, repeats) / 1e6
 
 
-# hardware.md: the UVA gather of scattered rows on the H200 machine; the link a CPU run plans and reports with
-CPU_LINK_GB_S = 49.6
-
-
 @functools.cache
 def link_gb_s(device: torch.device) -> float:
     """The host->device link that every system plans with and divides its moved bytes by: on CUDA a pinned copy,
@@ -63,8 +61,8 @@ def replay_ms(fn, reps: int = 20, iters: int = 10, stream: torch.cuda.Stream | N
 
 def capture(fn, reps: int = 1, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
     """`fn` called `reps` times, captured in one CUDA graph (after one eager call, which creates lazy state) on
-    `stream`, by default on one like the runner's decode step (clo.generate.step_stream: highest priority)."""
-    from clo.generate import step_stream
+    `stream`, by default on one like the runner's decode step (kvoffload.generate.step_stream: highest priority)."""
+    from kvoffload.generate import step_stream
 
     fn()
     torch.cuda.synchronize()

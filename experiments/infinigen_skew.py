@@ -4,7 +4,7 @@ the head's group, by decreasing eigenvalue (= right singular vectors of Q). The 
 on the first channel_fraction of them. Writes data/skew/<model>.pt ([layers, kv_heads, D, D], fp16, columns
 ordered) with its provenance beside it.
 
-    python -m baselines.infinigen_skew model=smollm2 seqlen=3k workload.gen_tokens=64 workload.stop_at_eos=false
+    python -m experiments.infinigen_skew model=smollm2 seqlen=3k workload.gen_tokens=64 workload.stop_at_eos=false
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from clo.errors import ConfigError
-from clo.paths import ROOT
+from kvoffload.errors import ConfigError
+from kvoffload.paths import ROOT
 from experiments.profile import record_queries
 
 

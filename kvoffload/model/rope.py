@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from clo.model.config import ModelConfig
+from kvoffload.kernels.dense_ops import apply_rotary, cos_sin  # noqa: F401 (the decoder's RoPE, re-exported)
+from kvoffload.model.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -31,20 +32,3 @@ class Rotary:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return cos_sin(positions, self.inv_freq, dtype)
-
-
-def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [T] int -> cos, sin: [T, head_dim] in `dtype` (computed in fp32, as HF does)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., T, head_dim]; cos/sin broadcast over the leading dims."""
-    return x * cos + rotate_half(x) * sin

@@ -15,10 +15,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from clo.errors import ConfigError
-from clo.kv.timer import PhaseTimer
+from kvoffload.errors import ConfigError
+from kvoffload.kv.timer import PhaseTimer
 
 GB = 1024**3
+# the link a CPU run plans and reports with: hardware.md's UVA gather of scattered rows on the H200 machine
+CPU_LINK_GB_S = 49.6
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,22 @@ class KVSpec:
     # the prompt's length when known: memory estimates then count the generated tokens a system keeps on the
     # device; None assumes a prompt of max_len tokens (no generated rows)
     prompt_len: int | None = None
+    # host->device bandwidth (GB/s = 1e9 B/s) that systems plan with and divide their moved bytes by, measured by
+    # the runner (experiments.timing.link_gb_s); None: CPU_LINK_GB_S on a CPU run, refused on CUDA
+    link_gb_s: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
         return self.max_len if self.prompt_len is None else self.prompt_len
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        if self.link_gb_s is not None:
+            return self.link_gb_s * 1e9
+        if self.device.type == "cuda":
+            raise ConfigError("KVSpec.link_gb_s is not set: on CUDA the runner measures the link "
+                              "(experiments.timing.link_gb_s) and hands it to the system")
+        return CPU_LINK_GB_S * 1e9
 
     @property
     def group_size(self) -> int:

@@ -9,24 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from clo.errors import ConfigError
+from kvoffload.errors import ConfigError
+from kvoffload.kernels.hash_score import pack_signs
+from kvoffload.kernels.radix_keys import count_first_pass_ref
 
 RETRIEVERS = ("hash", "exact")
 TOPK_METHODS = ("radix", "torch")  # select_topk's: the radix select on CUDA | torch.topk everywhere
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
 
-
-def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """[..., rbit] float -> [..., rbit / 8] uint8, bit i of byte j = (x[8j + i] > 0)."""
-    bits = (x > 0).to(torch.uint8).unflatten(-1, (-1, 8))
-    weights = (1 << torch.arange(8, device=x.device, dtype=torch.uint8))
-    return (bits * weights).sum(-1, dtype=torch.uint8)
-
-
-def hamming(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Popcount of a XOR b over the last dim (uint8 bytes) -> int32."""
-    table = _POPCOUNT.to(a.device)
-    return table[(a ^ b).long()].sum(-1, dtype=torch.int32)
 
 
 class ExactRetriever:
@@ -43,8 +32,6 @@ class ExactRetriever:
                hist: torch.Tensor | None = None):
         """q [B, H, D], heads [h] (KV heads to score) -> [B, h, T] float32. miss, hist: HashRetriever's (every
         row is scored here; the radix select's first pass is counted in torch)."""
-        from clo.kernels.radix_topk import count_first_pass_ref
-
         keys = self.keys[layer][:, heads]
         b, hkv, t, d = self.keys[layer].shape
         qg = q.view(b, hkv, -1, d)[:, heads].float()
@@ -82,7 +69,7 @@ class HashRetriever:
 
     def encode_query(self, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """q [B, H, D] -> codes of each scored KV head's query group [B, h, G, rbit / 8]."""
-        from clo.kernels.hash_score import encode_query_triton, triton
+        from kvoffload.kernels.hash_score import encode_query_triton, triton
 
         b, hkv = self.codes[layer].shape[:2]
         d = q.shape[-1]
@@ -96,7 +83,7 @@ class HashRetriever:
         """miss [B, nc]: on CUDA the first nc heads are scored only where they missed (a hit reuses its cached
         rows), their other rows left unset. hist: topk_work's; the scores' kernel also counts the radix select's
         first pass into it."""
-        from clo.kernels.hash_score import hash_scores  # Triton on CUDA, the torch reference elsewhere
+        from kvoffload.kernels.hash_score import hash_scores  # Triton on CUDA, the torch reference elsewhere
 
         qc = self.encode_query(layer, q, heads)
         return hash_scores(self.codes[layer], self.norms[layer], qc, self.rbit, heads, miss, hist)
@@ -123,7 +110,8 @@ def make_retriever(kind: str, num_layers: int, num_kv_heads: int, head_dim: int,
 def topk_work(method: str, rows: int, device: torch.device) -> torch.Tensor | None:
     """Where select_topk(method=) runs the radix select: its scratch, for the retriever's scores(hist=) to count
     the select's first pass into while it writes the scores (one pass over them fewer); None elsewhere."""
-    from clo.kernels.radix_topk import radix_runs, radix_work
+    from kvoffload.kernels.radix_keys import radix_work
+    from kvoffload.kernels.radix_topk import radix_runs
 
     return radix_work(rows, device) if method == "radix" and radix_runs(device) else None
 
@@ -139,11 +127,11 @@ def select_topk(scores: torch.Tensor, k: int, offset: int, ascending: bool = Tru
     """scores [B, Hkv, T] over candidates starting at token `offset` -> absolute indices [B, Hkv, k], ascending
     unless `ascending=False`: attention and the gathers do not need the order, and at 128K sorting the
     indices costs more than the top-k itself (96 us per layer on the H200; torch.topk 65 us, the radix select
-    of clo/kernels/radix_topk.py that CUDA uses 31 us; results/bench/clo_layer.json). torch.topk elsewhere, or everywhere
+    of kvoffload/kernels/radix_topk.py that CUDA uses 31 us; results/bench/clo_layer.json). torch.topk elsewhere, or everywhere
     with method="torch" (one launch instead of six: possibly cheaper where the step is launched eagerly). miss
     [B, nc]: the radix select's rows of the first nc heads that hit are left unset (HashRetriever.scores). work:
     topk_work's, its first pass counted by the retriever's scores(hist=)."""
-    from clo.kernels.radix_topk import topk_indices, topk_ref
+    from kvoffload.kernels.radix_topk import topk_indices, topk_ref
 
     idx = topk_indices(scores, k, offset, miss, work) if method == "radix" else topk_ref(scores, k, offset)
     return idx.sort(dim=-1).values if ascending else idx

@@ -17,14 +17,27 @@ from __future__ import annotations
 
 import torch
 
-from clo.errors import ConfigError
-from clo.policy.thresholds import AGGREGATIONS, aggregate_similarity
+from kvoffload.errors import ConfigError
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU machines: the reference is used
     triton = None
+
+
+AGGREGATIONS = ("mean", "min")
+
+
+def aggregate_similarity(cos: torch.Tensor, weights: torch.Tensor, how: str) -> torch.Tensor:
+    """cos [B, Hkv, G] per query head -> one similarity per KV head [B, Hkv].
+    mean: importance-weighted mean (Eq. 10); min: the conservative ablation."""
+    if how == "mean":
+        w = weights.clamp_min(1e-6)  # all-zero importance in a group: a plain mean
+        return (cos * w).sum(-1) / w.sum(-1)
+    if how == "min":
+        return cos.amin(-1)
+    raise ConfigError(f"gqa_aggregation={how!r}; valid: {', '.join(AGGREGATIONS)}")
 
 
 def lookup_and_update_ref(q: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, tau: torch.Tensor,

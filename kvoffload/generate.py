@@ -9,9 +9,9 @@ from typing import Callable
 
 import torch
 
-from clo.kv.interface import KVOffloadSystem, StepStats
-from clo.model.decoder import Decoder
-from clo.piecewise import PiecewiseDecode
+from kvoffload.kv.interface import KVOffloadSystem, StepStats
+from kvoffload.model.decoder import Decoder
+from kvoffload.piecewise import PiecewiseDecode
 
 
 @dataclass
@@ -33,7 +33,7 @@ DECODE_MODES = ("eager", "graph", "piecewise")
 
 class DecodeStep:
     """token [B] -> next token [B] through model.decode. mode graph: the whole step is captured in one CUDA graph;
-    piecewise: only the model's dense work between attention calls is (clo.piecewise), for systems that talk to
+    piecewise: only the model's dense work between attention calls is (kvoffload.piecewise), for systems that talk to
     the host inside a step; eager: no graph. With a graph the first `warmup` calls run eagerly (on the capture
     stream, so that lazily created library state exists before capture), then the graph is captured and every
     call from then on replays it. Inputs and output live in static buffers."""

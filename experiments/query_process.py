@@ -6,7 +6,7 @@ rho, the head's s_hat from a profile measured on a real model (data/profiles/*.j
 keeps its norm. One value per layer and step: the speculative query of the one-layer-ahead hook and the
 layer's query are the same (perfect speculation), which every record states.
 
-    python -m clo.query_process data/profiles/smollm2.json --layers 32 --kv-heads 8 \\
+    python -m experiments.query_process data/profiles/smollm2.json --layers 32 --kv-heads 8 \\
         --out data/profiles/llama3-from-smollm2.json     # a profile at another model's shape
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from clo.errors import ConfigError
-from clo.paths import repo_path, write_json_atomic
+from kvoffload.errors import ConfigError
+from kvoffload.paths import repo_path, write_json_atomic
 from clo.policy.persistent import load_profile
 
 

@@ -18,47 +18,26 @@ from __future__ import annotations
 
 import torch
 
+from kvoffload.kernels.radix_keys import BINS, PASSES, miss_rows, radix_work
+
 try:
     import triton
     import triton.language as tl
 
-    from clo.kernels.hash_score import _needed, _order_key, miss_rows
+    from kvoffload.kernels.radix_keys import needed, order_key
 except ImportError:  # CPU machines: the reference is used
     triton = None
-
-PASSES, BINS = 4, 256  # one pass per byte of the key (the kernels are written for these)
 
 
 def topk_ref(scores: torch.Tensor, k: int, offset: int = 0) -> torch.Tensor:
     return scores.topk(k, dim=-1, sorted=False).indices + offset
 
 
-def radix_work(rows: int, device: torch.device) -> torch.Tensor:
-    """The select's zeroed scratch: the four passes' histograms [PASSES, rows, BINS], then two counters per row.
-    A producer of the scores may count the first pass into it (hash_scores(..., hist=)); radix_topk(work=)
-    then starts at the second."""
-    return torch.zeros(PASSES * rows * BINS + 2 * rows, dtype=torch.int32, device=device)
-
-
-def count_first_pass_ref(scores: torch.Tensor, work: torch.Tensor | None) -> torch.Tensor:
-    """Adds the first pass's histogram of scores [..., T] (rows flattened) to `work`, in torch: the top byte of
-    each score's order-preserving key (what _histogram_kernel counts with P = 0). Returns scores; with work None
-    there is nothing to count (a retriever's scores(hist=None))."""
-    if work is None:
-        return scores
-    u = scores.reshape(-1, scores.shape[-1]).float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
-    key = torch.where(u >= 2**31, u ^ 0xFFFFFFFF, u | 2**31)
-    rows = torch.arange(key.shape[0], device=key.device)[:, None]
-    counts = torch.bincount((rows * BINS + (key >> 24)).flatten(), minlength=key.shape[0] * BINS)
-    work[: counts.numel()] += counts.to(work.device, torch.int32)
-    return scores
-
-
 if triton is not None:
 
     @triton.jit
     def _keys(Scores, row, t, mask, stride_r):
-        return _order_key(tl.load(Scores + row.to(tl.int64) * stride_r + t, mask=mask, other=0.0))
+        return order_key(tl.load(Scores + row.to(tl.int64) * stride_r + t, mask=mask, other=0.0))
 
     @triton.jit
     def _descend(Hist, row, R, K, DONE: tl.constexpr):
@@ -82,7 +61,7 @@ if triton is not None:
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < T
         if HAS_MISS:  # row = b * H + j
-            mask = tl.where(_needed(Miss, row // H, row % H, NC), mask, False)
+            mask = tl.where(needed(Miss, row // H, row % H, NC), mask, False)
         key = _keys(Scores, row, t, mask, stride_r)
         if P > 0:
             prefix, need = _descend(Hist, row, R, K, P)
@@ -98,7 +77,7 @@ if triton is not None:
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < T
         if HAS_MISS:
-            mask = tl.where(_needed(Miss, row // H, row % H, NC), mask, False)
+            mask = tl.where(needed(Miss, row // H, row % H, NC), mask, False)
         key = _keys(Scores, row, t, mask, stride_r)
         kth, need = _descend(Hist, row, R, K, 4)  # kth: the k-th largest key itself
         above = (mask & (key > kth)).to(tl.int32)

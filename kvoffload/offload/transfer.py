@@ -16,15 +16,11 @@ import os
 
 import torch
 
-from clo.errors import ConfigError
+from kvoffload.errors import ConfigError
+from kvoffload.kernels import uva_gather as uva_kernel
+from kvoffload.kernels.uva_gather import gather_rows_ref, record_moves_ref, uva_gather
 
 TRANSFERS = ("uva", "cpu_gather")
-
-
-def gather_rows_ref(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """host [B, Hkv, T, 2, D]; heads [h]; idx [B, h, k] token indices -> rows [B, h, k, 2, D]."""
-    b = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
-    return host[b, heads.to(idx.device)[None, :, None], idx]
 
 
 def cpu_threads(threads: int | str) -> int:
@@ -41,8 +37,8 @@ class TransferEngine:
         if kind not in TRANSFERS:
             raise ConfigError(f"transfer={kind!r}; valid: {', '.join(TRANSFERS)}")
         threads = cpu_threads(threads)
-        if kind == "uva" and device.type == "cuda":
-            from clo.kernels import uva_gather  # noqa: F401  (Triton; fails loudly where it is missing)
+        if kind == "uva" and device.type == "cuda" and uva_kernel.triton is None:
+            raise ConfigError("transfer=uva needs Triton on CUDA; use transfer=cpu_gather")
         self.kind, self.threads, self.device = kind, threads, device
         if uva_programs is not None and uva_programs < 1:
             raise ConfigError(f"uva_programs={uva_programs} must be at least 1, or null (one per tile of a head)")
@@ -54,8 +50,6 @@ class TransferEngine:
              slots: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """slots[b, h] := host rows idx[b, h] wherever miss[b, h]. slots [B, h, k, 2, D] on the device. record:
         (slot_idx, misses), uva_gather's bookkeeping of what moved (the uva kernel does it itself)."""
-        from clo.kernels.uva_gather import record_moves_ref, uva_gather  # (Triton's kernel only on CUDA)
-
         if self.device.type == "cuda" and self.kind == "uva":
             uva_gather(host, heads, idx, miss, slots, programs=self.uva_programs, num_warps=self.uva_warps,
                        record=record)

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clo.kernels.dense_ops import rms_norm, rms_norm_pair, rope, silu_mul
-from clo.kernels.gemv import linear, linear_pair, linear_silu_mul
-from clo.kv.interface import KVOffloadSystem
-from clo.model.config import ModelConfig
-from clo.model.rope import Rotary, apply_rotary
+from kvoffload.kernels.dense_ops import rms_norm, rms_norm_pair, rope, silu_mul
+from kvoffload.kernels.gemv import linear, linear_pair, linear_silu_mul
+from kvoffload.kv.interface import KVOffloadSystem
+from kvoffload.model.config import ModelConfig
+from kvoffload.model.rope import Rotary, apply_rotary
 
 # Prefill runs the MLP (and lm_head) over at most this many tokens at a time: at 128K tokens an unchunked
 # Llama-3-8B MLP intermediate alone is 3.7 GB.
@@ -157,7 +157,7 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rotary: Rotary | None = None
-        # Optional synthetic query process (clo.query_process) replacing the queries the KV system sees.
+        # Optional synthetic query process (experiments.query_process) replacing the queries the KV system sees.
         self.query_process = None
         # a HF checkpoint's state dict loads as it is: its q/k/v and gate/up projections are fused on the way in
         self.register_load_state_dict_pre_hook(lambda module, state, *_: fuse_hf_state(state))

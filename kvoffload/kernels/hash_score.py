@@ -26,14 +26,32 @@ import os
 
 import torch
 
-from clo.retrieval import hamming
+from kvoffload.kernels.radix_keys import count_first_pass_ref, miss_rows
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from kvoffload.kernels.radix_keys import needed, order_key
 except ImportError:  # CPU machines: the reference is used
     triton = None
+
+
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """[..., rbit] float -> [..., rbit / 8] uint8, bit i of byte j = (x[8j + i] > 0)."""
+    bits = (x > 0).to(torch.uint8).unflatten(-1, (-1, 8))
+    weights = (1 << torch.arange(8, device=x.device, dtype=torch.uint8))
+    return (bits * weights).sum(-1, dtype=torch.uint8)
+
+
+def hamming(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Popcount of a XOR b over the last dim (uint8 bytes) -> int32."""
+    table = _POPCOUNT.to(a.device)
+    return table[(a ^ b).long()].sum(-1, dtype=torch.int32)
 
 
 def hash_scores_ref(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int,
@@ -58,17 +76,6 @@ if triton is not None:
         return ((u * 0x01010101) >> 24).to(tl.int32)
 
     @triton.jit
-    def _needed(Miss, b, j, NC):
-        """Whether row (b, j) is scored: heads j < NC only where CLO's lookup missed (Miss [B, NC] uint8)."""
-        return (j >= NC) | (tl.load(Miss + b * NC + j, mask=j < NC, other=1) != 0)
-
-    @triton.jit
-    def _order_key(x):
-        """fp32 -> uint32 whose unsigned order is the float order (negatives flipped, positives above them)."""
-        u = x.to(tl.uint32, bitcast=True)
-        return tl.where((u >> 31) != 0, ~u, u | 0x80000000)
-
-    @triton.jit
     def _hash_score_kernel(Codes, Norms, QCodes, Heads, Miss, NC, Out, Hist, T, inv_rbit,
                            stride_cb, stride_ch, stride_ct, stride_nb, stride_nh, stride_qb, stride_qh, stride_qg,
                            stride_ob, stride_oh,
@@ -82,7 +89,7 @@ if triton is not None:
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = t < T
         if HAS_MISS:
-            tmask = tl.where(_needed(Miss, b, j, NC), tmask, False)  # not &: the interpreter refuses that mask
+            tmask = tl.where(needed(Miss, b, j, NC), tmask, False)  # not &: the interpreter refuses that mask
         w = tl.arange(0, NW_PAD)
         wmask = w < NW  # padded words are 0 in both codes: they add nothing
         kc = tl.load(Codes + b * stride_cb + head * stride_ch + t.to(tl.int64)[:, None] * stride_ct + w[None, :],
@@ -96,7 +103,7 @@ if triton is not None:
         score = (G - 2.0 * ham.to(tl.float32) * inv_rbit) * norm
         tl.store(Out + b * stride_ob + j * stride_oh + t, score, mask=tmask)
         if COUNT:  # the radix select's first pass (_histogram_kernel with P = 0), from the scores in registers
-            counts = tl.histogram((_order_key(score) >> 24).to(tl.int32), 256, mask=tmask)
+            counts = tl.histogram((order_key(score) >> 24).to(tl.int32), 256, mask=tmask)
             tl.atomic_add(Hist + bj * 256 + tl.arange(0, 256), counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
@@ -180,15 +187,6 @@ def hash_scores_triton(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.T
     return out
 
 
-def miss_rows(miss: torch.Tensor | None, batch: int, unread: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """miss [B, nc] bool -> (its bytes, contiguous, nc) as the kernels read them; with None, (`unread`, 0): any
-    tensor on the device, which the kernel does not read (no allocation, so no extra launch in a graph)."""
-    if miss is None:
-        return unread, 0
-    assert miss.dtype == torch.bool and miss.shape[0] == batch, (miss.dtype, miss.shape)
-    return miss.contiguous().view(torch.uint8), miss.shape[1]
-
-
 def hash_scores(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int,
                 heads: torch.Tensor | None = None, miss: torch.Tensor | None = None,
                 hist: torch.Tensor | None = None) -> torch.Tensor:
@@ -196,6 +194,4 @@ def hash_scores(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, 
     reference counts it in torch)."""
     if codes.is_cuda and triton is not None and rbit % 32 == 0:
         return hash_scores_triton(codes, norms, qcodes, rbit, heads, miss=miss, hist=hist)
-    from clo.kernels.radix_topk import count_first_pass_ref
-
     return count_first_pass_ref(hash_scores_ref(codes, norms, qcodes, rbit, heads), hist)

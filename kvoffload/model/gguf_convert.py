@@ -80,7 +80,7 @@ def gguf_to_hf_folder(gguf_path: Path, out: Path) -> None:
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
         "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
         "torch_dtype": "bfloat16",
-        "source": f"dequantised from {gguf_path.name} by clo.model.gguf_convert",
+        "source": f"dequantised from {gguf_path.name} by kvoffload.model.gguf_convert",
     }
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
