@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvoffload.errors import ConfigError
 from kvoffload.kernels.decode_attention import decode_attention
-from kvoffload.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate
+from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 
 
 def _flashinfer():
@@ -36,9 +36,8 @@ class FullAttn(KVOffloadSystem):
         self.attention_backend = attention_backend
         self.backend = "sdpa"
 
-    def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
-        kv = spec.num_layers * spec.layer_kv_bytes
-        return MemoryEstimate(device_bytes=kv, host_bytes=0)
+    def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
+        return {"kv": spec.num_layers * spec.layer_kv_bytes, "host": 0}
 
     def _allocate(self, spec: KVSpec) -> None:
         shape = (spec.num_layers, spec.batch, spec.max_len, spec.num_kv_heads, spec.head_dim)
@@ -79,8 +78,8 @@ class FullAttn(KVOffloadSystem):
                 ])
             return dense_decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2))
 
-    def memory_held(self) -> MemoryEstimate:
-        return MemoryEstimate(device_bytes=self.k.nbytes + self.v.nbytes, host_bytes=0)
+    def memory_parts(self) -> dict[str, int]:
+        return {"kv": self.k.nbytes + self.v.nbytes, "host": 0}
 
 
 # cuDNN's SDPA builds a plan per new key length, i.e. at every decode step: milliseconds each.

@@ -50,7 +50,8 @@ class InfiniGen(OffloadedBaseline):
     def channels(self, head_dim: int) -> int:
         return max(1, round(self.channel_fraction * head_dim))
 
-    def estimate_parts(self, spec: KVSpec, t0: int) -> dict[str, int]:
+    def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
+        t0 = spec.prompt_tokens
         n_mid = split_prompt(t0, self.sink, self.recent)[2]
         heads = spec.batch * spec.num_kv_heads
         sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
@@ -61,7 +62,7 @@ class InfiniGen(OffloadedBaseline):
         else:  # partial keys + the skew basis
             partial = sparse * heads * (n_mid * r * spec.dtype_bytes + d * r * 4) if n_mid else 0
         buffers = 2 * heads * self.k_select(t0) * self.row_bytes(spec) if sparse else 0
-        return {**self.common_estimate(spec, t0), "metadata": partial, "fetch_buffers": buffers}
+        return {**self.common_estimate(spec), "metadata": partial, "fetch_buffers": buffers}
 
     def _allocate(self, spec: KVSpec) -> None:
         super()._allocate(spec)

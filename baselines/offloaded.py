@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from kvoffload.errors import ConfigError
-from kvoffload.kv.interface import KVOffloadSystem, KVSpec, MemoryEstimate, split_host
+from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload.budget import check_budget, select_budget, split_prompt
+from kvoffload.offload.layers import DenseLayers, prompt_window
 from kvoffload.offload.retrieval import check_topk_method
 from kvoffload.offload.transfer import TransferEngine, cpu_threads as resolve_threads
 
@@ -16,7 +17,7 @@ class OffloadedBaseline(KVOffloadSystem):
     and attend densely; in the others, sink + recent prompt tokens and every generated token stay in a device
     window, the middle of the prompt lives in host memory (pinned on CUDA), and each step attends the window plus
     k_select(prompt) middle tokens per KV head, CLO's budget rule. A subclass supplies selected_rows() and
-    memory_parts() / estimate_parts(spec, prompt_len): the same named parts from its buffers and from shapes."""
+    memory_parts() / estimate_parts(spec): the same named parts from its buffers and from shapes."""
 
     def __init__(self, topk_ratio: float, sink: int, recent: int, dense_layers: int, transfer: str,
                  cpu_threads: int | str, uva_programs: int | None = None, topk: str = "torch") -> None:
@@ -41,7 +42,7 @@ class OffloadedBaseline(KVOffloadSystem):
             raise ConfigError(f"dense_layers={self.dense_layers} exceeds the model's {spec.num_layers} layers")
         self.transfer = TransferEngine(self.transfer_kind, self.cpu_threads, spec.device, self.uva_programs)
         L = spec.num_layers
-        self.dense_kv: list[torch.Tensor | None] = [None] * L
+        self.dense = DenseLayers(spec, self.dense_layers)
         self.window: list[torch.Tensor | None] = [None] * L
         self.host: list[torch.Tensor | None] = [None] * L
         self.heads = torch.arange(spec.num_kv_heads, device=spec.device)
@@ -53,16 +54,11 @@ class OffloadedBaseline(KVOffloadSystem):
         kv = torch.stack([k, v], dim=3)  # [B, Hkv, T0, 2, D]
         b, hkv, t0, _, d = kv.shape
         self.t0 = t0
-        if layer < self.dense_layers:
-            buf = torch.empty(b, hkv, spec.max_len, 2, d, dtype=spec.dtype, device=spec.device)
-            buf[:, :, :t0] = kv
-            self.dense_kv[layer] = buf
+        if layer in self.dense:
+            self.dense.prefill(layer, kv)
             return
         sink, recent, n_mid = split_prompt(t0, self.sink, self.recent)
-        win = torch.empty(b, hkv, sink + recent + spec.max_len - t0, 2, d, dtype=spec.dtype, device=spec.device)
-        win[:, :, :sink] = kv[:, :, :sink]
-        win[:, :, sink: sink + recent] = kv[:, :, t0 - recent: t0]
-        self.window[layer] = win
+        self.window[layer] = prompt_window(kv, sink, recent, spec.max_len)
         pad = self.host_padding(n_mid)  # RetroInfer: the last block of a head is padded to a whole block
         host = torch.zeros(b, hkv, n_mid + pad, 2, d, dtype=spec.dtype, pin_memory=spec.device.type == "cuda")
         host[:, :, :n_mid] = kv[:, :, sink: sink + n_mid]
@@ -75,16 +71,17 @@ class OffloadedBaseline(KVOffloadSystem):
     def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int) -> None:
         """keys_mid [B, Hkv, n_mid, D]: the candidates of a sparse layer."""
 
+    def begin_step(self) -> None:
+        super().begin_step()
+        self.dense.begin_step(self.length)
+
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        new = torch.stack([k, v], dim=2)  # [B, Hkv, 2, D]
-        if layer < self.dense_layers:
-            buf = self.dense_kv[layer]
-            buf[:, :, self.length] = new
+        if layer in self.dense:
             with self.phase("attention"):
-                return attend(q, buf[:, :, : self.length + 1])
+                return self.dense.decode(layer, q, k, v, self.position)
         sink, recent, _ = split_prompt(self.t0, self.sink, self.recent)
         n_win = sink + recent + self.length - self.t0 + 1
-        self.window[layer][:, :, n_win - 1] = new
+        self.window[layer][:, :, n_win - 1] = torch.stack([k, v], dim=2)
         k_sel = self.k_select(self.t0)
         sel = self.selected_rows(layer, q, k_sel) if k_sel else None  # [B, Hkv, k, 2, D]
         with self.phase("attention"):
@@ -97,11 +94,12 @@ class OffloadedBaseline(KVOffloadSystem):
     def common_parts(self) -> dict[str, int]:
         """Bytes of the buffers every baseline holds (real tensors)."""
         sized = lambda bufs: sum(t.nbytes for t in bufs if t is not None)  # noqa: E731
-        return {"window": sized(self.window), "dense_layers": sized(self.dense_kv), "host": sized(self.host)}
+        return {"window": sized(self.window), "dense_layers": self.dense.nbytes(), "host": sized(self.host)}
 
-    def common_estimate(self, spec: KVSpec, t0: int) -> dict[str, int]:
-        """The same parts from the shapes alone, for a prompt of t0 tokens (the host store padded as prefill pads
+    def common_estimate(self, spec: KVSpec) -> dict[str, int]:
+        """The same parts from the shapes alone, for the spec's prompt (the host store padded as prefill pads
         it)."""
+        t0 = spec.prompt_tokens
         sink, recent, n_mid = split_prompt(t0, self.sink, self.recent)
         per_head = spec.batch * spec.num_kv_heads * self.row_bytes(spec)
         sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
@@ -116,16 +114,8 @@ class OffloadedBaseline(KVOffloadSystem):
         sink, recent, _ = split_prompt(self.t0, self.sink, self.recent)
         per_token = self.row_bytes(spec) * spec.batch * spec.num_kv_heads
         sparse = sum(1 for w in self.window if w is not None)
-        dense = sum(1 for b in self.dense_kv if b is not None)
         attended = sink + recent + self.length - self.t0 + 1 + self.k_select(self.t0)
-        return per_token * (sparse * attended + dense * (self.length + 1)) + self.memory_parts()["metadata"]
-
-    def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
-        """The parts for the spec's prompt length (the whole max_len when it is not given)."""
-        return split_host(self.estimate_parts(spec, spec.prompt_tokens))
-
-    def memory_held(self) -> MemoryEstimate:
-        return split_host(self.memory_parts())
+        return per_token * sparse * attended + self.dense.step_bytes(self.length) + self.memory_parts()["metadata"]
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from baselines.lru import BlockLRU, distinct_sorted
 from baselines.offloaded import OffloadedBaseline
 from baselines.wave_index import WaveRetriever
 from kvoffload.errors import ConfigError
-from kvoffload.kv.interface import KVSpec, MemoryEstimate
+from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import RETRIEVERS, make_retriever, metadata_bytes_per_token, select_topk, topk_work
 
@@ -87,15 +87,12 @@ class RetroInfer(OffloadedBaseline):
     def host_padding(self, n_mid: int) -> int:
         return -n_mid % self.block_size
 
-    def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
-        n_mid = split_prompt(spec.prompt_tokens, self.sink, self.recent)[2]
+    def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
+        t0 = spec.prompt_tokens
+        n_mid = split_prompt(t0, self.sink, self.recent)[2]
         if 0 < n_mid < self.block_size:
             raise ConfigError(f"block_size={self.block_size} is larger than the {n_mid} retrievable middle tokens "
-                              f"(prompt {spec.prompt_tokens} minus sink {self.sink} and recent {self.recent})")
-        return super().estimate_memory(spec)
-
-    def estimate_parts(self, spec: KVSpec, t0: int) -> dict[str, int]:
-        n_mid = split_prompt(t0, self.sink, self.recent)[2]
+                              f"(prompt {t0} minus sink {self.sink} and recent {self.recent})")
         n_blocks, _, cap = self.geometry(t0)
         heads = spec.batch * spec.num_kv_heads
         sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
@@ -104,7 +101,7 @@ class RetroInfer(OffloadedBaseline):
         else:
             meta = heads * n_mid * metadata_bytes_per_token(self.retriever_kind, self.rbit, spec.head_dim,
                                                             spec.dtype_bytes)
-        return {**self.common_estimate(spec, t0),
+        return {**self.common_estimate(spec),
                 "cache": sparse * heads * cap * self.block_size * self.row_bytes(spec),
                 "metadata": sparse * meta,
                 "host_metadata": sparse * heads * 8 * (n_blocks + 1 + 2 * (cap + 1))}

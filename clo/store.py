@@ -14,6 +14,8 @@ from kvoffload.kernels.append_kv import append_kv
 from kvoffload.kernels.decode_attention import hybrid_attention
 from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.budget import split_prompt
+from kvoffload.offload.layers import prompt_window
+from kvoffload.offload.retrieval import select_topk, topk_work
 
 
 class LayerStore:
@@ -37,10 +39,7 @@ class LayerStore:
             raise ConfigError(f"could not allocate {kv.numel() * kv.element_size() / 2**30:.1f} GiB of pinned host "
                               f"memory for a layer's offloaded KV ({e}); lower seqlen or batch") from e
         self.host.copy_(kv)
-        # window = sink rows, recent rows, then every generated token
-        self.window = torch.empty(b, hkv, self.sink + self.recent + spec.max_len - t0, 2, d, dtype=dtype, device=dev)
-        self.window[:, :, : self.sink] = kv[:, :, : self.sink]
-        self.window[:, :, self.sink: self.sink + self.recent] = kv[:, :, t0 - self.recent: t0]
+        self.window = prompt_window(kv, self.sink, self.recent, spec.max_len)
         self.prefetch_mask = torch.tensor([h in prefetch for h in cached], dtype=torch.bool, device=dev)
         self.n_managed = sum(h not in prefetch for h in cached)  # cached heads the lookups decide (not prefetch)
         self.slots = torch.zeros(b, self.nc, k, 2, d, dtype=dtype, device=dev)  # the transfer engine writes here
@@ -70,8 +69,6 @@ class LayerStore:
         """Absolute token indices [B, h, k] of the top-k middle tokens of `heads` (permuted order) for qp, in no
         order (attention and the gathers do not need one). miss [B, nc], the lookup's: on CUDA the cached heads
         that hit are neither scored nor selected (their rows are unset: only missed heads' indices are read)."""
-        from kvoffload.offload.retrieval import select_topk, topk_work
-
         work = topk_work(self.topk, qp.shape[0] * heads.shape[0], qp.device)
         scores = retriever.scores(layer, qp, heads, miss, hist=work)
         return select_topk(scores, self.k, self.sink, ascending=False, method=self.topk, miss=miss, work=work)

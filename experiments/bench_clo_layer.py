@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from dataclasses import replace
 from unittest.mock import patch  # a setting changed for one block, restored after
 
 import torch
@@ -40,7 +41,8 @@ from kvoffload.kv.interface import KVSpec
 from kvoffload.kv.timer import PhaseTimer
 from kvoffload.model.decoder import Layer
 from kvoffload.paths import ROOT, write_json_atomic
-from clo.system import CLO, PERSIST_QUERIES
+from clo.config import PERSIST_QUERIES
+from clo.system import CLO
 from experiments.bench_clo import DEV, LLAMA3, UVA_PROGRAMS
 from experiments.records import environment
 from experiments.step_timeline import kernels
@@ -121,7 +123,7 @@ def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
 
     def sweep(tag: str = "", stream: torch.cuda.Stream | None = None) -> None:  # as out["<mode><tag>_<case>"]
         for mode in PERSIST_QUERIES:
-            with patch.dict(clo.cfg, persist_query=mode):
+            with patch.object(clo, "cfg", replace(clo.cfg, persist_query=mode)):
                 for case in CASES:
                     out[f"{mode}{tag}_{case}"] = forced(stores, case,
                                                         lambda: pipeline_us(clo, dense_step, layers, stream))
@@ -166,13 +168,13 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     def main_work():  # what the compute stream does while the side stream prepares the next layer, in a decode
         # step's order: attention (after the persistent heads' top-k with persist_query=real; with speculative,
         # their rows were selected one layer ahead), then the dense work
-        clo._attend(layer, q, persist_idx if clo.cfg["persist_query"] == "speculative" else None)
+        clo.attend(layer, q, persist_idx if clo.cfg.persist_query == "speculative" else None)
         dense_step()
 
     def layer_work():  # CLO.prepare's streams: lookups and retrieval on side, the gather on copy behind them
         # (here the gather refills the slots this same layer's attention reads: a race in the values, harmless to
         # the timing, which is all this measures; in decode the gather fills the next layer's slots)
-        clo._ahead(layer, q)
+        clo.ahead(layer, q)
         main_work()
         torch.cuda.current_stream().wait_stream(clo.copy)
 
@@ -181,10 +183,10 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
 
     def layer_parts() -> dict:  # the parts that depend on the top-k and the gather's grid
         out = {"retrieval": timed(lambda: st.retrieve(clo.retriever, layer, qp, st.cached)),
-               "transfer": timed(lambda: kvoffload.offload.transfer.fill(st.host, st.cached, idx, all_miss, st.slots)),
+               "transfer": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, all_miss, st.slots)),
                "persistent": timed(lambda: st.select_persistent(qp, clo.retriever, layer))}
         for case in CASES:
-            out[f"side_{case}"] = forced(st, case, lambda: timed(lambda: clo._refresh(layer, qp)))
+            out[f"side_{case}"] = forced(st, case, lambda: timed(lambda: clo.refresh(layer, qp)))
             out[f"layer_{case}"] = forced(st, case, lambda: timed(layer_work))
         return out
 
@@ -196,8 +198,8 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         "lookup": timed(lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
                                                   "mean")),
         "attention": timed(lambda: st.attend(q, clo.win_len, persist_idx)),  # one launch, every head
-        "persistent_and_attention": timed(lambda: clo._attend(layer, q, None)),  # as decode runs them
-        "transfer_no_miss": timed(lambda: kvoffload.offload.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots)),
+        "persistent_and_attention": timed(lambda: clo.attend(layer, q, None)),  # as decode runs them
+        "transfer_no_miss": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots)),
         # the retrieval's own parts, to see which one the layer waits for
         "retrieval.encode_query": timed(lambda: clo.retriever.encode_query(layer, qp, st.cached)),
         "retrieval.scores": timed(lambda: clo.retriever.scores(layer, qp, st.cached)),
@@ -210,13 +212,13 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     with patch.object(st, "topk", "torch"):
         variants["torch_topk"] = layer_parts()
     for mode in PERSIST_QUERIES:  # the persistent heads' top-k on the critical path, or one layer ahead
-        with patch.dict(clo.cfg, persist_query=mode):
+        with patch.object(clo, "cfg", replace(clo.cfg, persist_query=mode)):
             variants[f"persist_query_{mode}"] = layer_parts()
     for cap in uva_programs:
-        with patch.object(kvoffload.offload.transfer, "uva_programs", cap):
+        with patch.object(clo.transfer, "uva_programs", cap):
             variants[f"uva_programs_{cap}"] = layer_parts()
     for warps in (1, 2):  # a lighter gather leaves more of each SM it shares to the dense GEMVs
-        with patch.object(kvoffload.offload.transfer, "uva_warps", warps):
+        with patch.object(clo.transfer, "uva_warps", warps):
             variants[f"uva_warps_{warps}"] = layer_parts()
     out["variants"] = variants
     out["attention_variants"] = attention_variants(st, q, clo.win_len, persist_idx, timed)
@@ -323,7 +325,7 @@ def main() -> None:
     write_json_atomic(args.out, {"bench": "clo_layer", "seqlen": args.seqlen, "layer": args.layer,
                                  "persist_query": args.persist_query,
                                  "weights": "synthetic (random K/V, random layer weights)", "us": us, "floors": fl,
-                                 "pipeline": pipeline, "plan": clo.plan.summary(), "environment": environment(DEV)})
+                                 "pipeline": pipeline, "plan": clo.plan.heads.summary(), "environment": environment(DEV)})
 
 
 def own_floor(fl: dict, case: str, part: str = "both") -> float:

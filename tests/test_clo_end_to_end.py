@@ -37,8 +37,8 @@ def test_full_budget_clo_generates_fullattn_tokens_with_every_part_on(tmp_path):
     # N_p = floor(1 ms x 0.1 GB/s / (2 seqs x 300 rows x 128 B)) = 1: one prefetch head, one persistent
     clo = CLO(topk_ratio=1.0, sink=4, recent=8, profile=profile, layer_time_ms=1.0, link_gb_s=0.1)
     got = run(model, clo, prompt, 12)
-    assert clo.plan.n_p == 1 and clo.wants_speculative_query
-    assert sum(map(len, clo.plan.persistent)) == 3 and sum(map(len, clo.plan.prefetch)) == 3
+    assert clo.plan.heads.n_p == 1 and clo.wants_speculative_query
+    assert sum(map(len, clo.plan.heads.persistent)) == 3 and sum(map(len, clo.plan.heads.prefetch)) == 3
     want = run(model, FullAttn(), prompt, 12)
     assert torch.equal(got.tokens, want.tokens)
 
@@ -67,4 +67,4 @@ def test_real_smollm2_needle_answer_equals_fullattn(smollm2_folder, overrides):
     assert text == tok.decode(want.tokens[0], skip_special_tokens=True) and prompt.answer in text
     hits = sum(s.hits for s in got.steps) / sum(s.lookups for s in got.steps)
     assert 0 < hits < 1  # the cache was really used, and really missed
-    assert (clo.plan.summary()["persistent_heads"] > 0) == bool(overrides)
+    assert (clo.plan.heads.summary()["persistent_heads"] > 0) == bool(overrides)

@@ -187,8 +187,8 @@ def test_clo_persistent_heads_overlapped_attention(tmp_path, mode):
     st = kv.stores[1]
     assert st.nc == 1 and st.persist is not None and st.persist.shape[1] == 1
     if mode != "overlap":
-        return  # without attn_stream, or with the selection made ahead, _attend is st.attend itself
+        return  # without attn_stream, or with the selection made ahead, attend is st.attend itself
     q = torch.randn(2, 8, 64, device=CUDA, dtype=torch.bfloat16)
-    got = kv._attend(1, q, None).float()
+    got = kv.attend(1, q, None).float()
     want = st.attend(q, kv.win_len, st.select_persistent(st.permute_q(q), kv.retriever, 1)).float()
     assert not got.isnan().any() and (got - want).norm() / want.norm() < 1e-3

@@ -113,8 +113,18 @@ class KVOffloadSystem(ABC):
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     @abstractmethod
+    def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
+        """Bytes by named part (as memory_parts() will report them) that allocate(spec) and a prefill of
+        spec.prompt_tokens will hold, from the shapes alone; must not allocate. "host" and "host_metadata" are
+        host memory, every other part device memory."""
+
+    @abstractmethod
+    def memory_parts(self) -> dict[str, int]:
+        """The same parts from the real buffers, after prefill."""
+
     def estimate_memory(self, spec: KVSpec) -> MemoryEstimate:
-        """What allocate(spec) would take; must not allocate. Used to refuse a run before it starts."""
+        """What allocate(spec) would take: the runner refuses a run that does not fit before it starts."""
+        return split_host(self.estimate_parts(spec))
 
     def allocate(self, spec: KVSpec, timer: PhaseTimer | None = None) -> None:
         est = self.estimate_memory(spec)
@@ -168,9 +178,9 @@ class KVOffloadSystem(ABC):
         assert self.timer is not None
         return self.timer.phase(name)
 
-    @abstractmethod
     def memory_held(self) -> MemoryEstimate:
         """Bytes the system holds now (from its real buffers, not from the estimate)."""
+        return split_host(self.memory_parts())
 
     def step_device_bytes(self) -> int | None:
         """Device-memory bytes one decode step of this system must read (its KV-side memory floor), or None

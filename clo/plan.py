@@ -1,0 +1,97 @@
+"""CLO's plan: everything it decides before the first token, from its settings, the shapes and the runner's
+measurements (flashinfer's plan / run split). `make_plan` reads the profile and importance tables and nothing
+else: no device, no allocation, no measurement. The memory estimate and the allocation read the same plan.
+
+  tau        [layers, kv_heads] reuse thresholds (Eq. 7-9, or eta, or the override)
+  importance [layers, kv_heads] head importance (weights of the GQA aggregation, Eq. 10)
+  heads      which heads are persistent and which prefetched, per layer (Eq. 11-13)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from clo.config import CLOConfig
+from clo.policy.persistent import HeadPlan, heads_per_layer_time, load_profile, plan_persistent_heads
+from clo.policy.thresholds import load_importance, thresholds
+from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import KVSpec
+from kvoffload.offload.budget import select_budget, split_prompt
+from kvoffload.offload.retrieval import metadata_bytes_per_token
+
+# T_comp when neither the setting nor the runner gives one (unit tests that build a KVSpec by hand)
+UNMEASURED_LAYER_S = 1e-4
+
+
+@dataclass(frozen=True)
+class CLOPlan:
+    tau: torch.Tensor
+    importance: torch.Tensor
+    heads: HeadPlan
+    layer_time_s: float
+    link_bytes_per_s: float
+    importance_source: str
+    profile_source: str
+
+    def describe(self) -> dict:
+        return {"importance": self.importance_source, "profile": self.profile_source, "plan": self.heads.summary(),
+                "layer_time_ms": self.layer_time_s * 1e3, "link_gb_s": self.link_bytes_per_s / 1e9}
+
+
+def row_bytes(spec: KVSpec) -> int:
+    """K and V of one token of one KV head."""
+    return 2 * spec.head_dim * spec.dtype_bytes
+
+
+def k_select(cfg: CLOConfig, prompt_len: int) -> int:
+    return select_budget(prompt_len, cfg.topk_ratio, cfg.sink, cfg.recent)
+
+
+def planning_inputs(spec: KVSpec) -> tuple:
+    """What of a spec the plan depends on: two specs that agree here get the same plan."""
+    return (spec.num_layers, spec.num_kv_heads, spec.batch, spec.max_len, spec.head_dim, spec.dtype,
+            spec.layer_time_s, spec.link_gb_s, spec.device.type)
+
+
+def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
+    L, hkv = spec.num_layers, spec.num_kv_heads
+    if cfg.dense_layers > L:
+        raise ConfigError(f"system.dense_layers={cfg.dense_layers} exceeds the model's {L} layers")
+    importance, importance_source = load_importance(cfg.importance, L, hkv)
+    if cfg.threshold_override is not None:
+        tau = torch.full((L, hkv), float(cfg.threshold_override))
+    elif cfg.adaptive_threshold:
+        tau = thresholds(importance, cfg.eta, cfg.n)
+    else:
+        tau = torch.full((L, hkv), cfg.eta)
+    s_hat, profile_source = load_profile(cfg.profile, L, hkv)
+    link = cfg.link_gb_s * 1e9 if cfg.link_gb_s is not None else spec.link_bytes_per_s
+    layer_s = cfg.layer_time_ms / 1e3 if cfg.layer_time_ms is not None else spec.layer_time_s or UNMEASURED_LAYER_S
+    n_p = heads_per_layer_time(layer_s, link, spec.batch * k_select(cfg, spec.max_len) * row_bytes(spec))
+    if cfg.persistent:
+        heads = plan_persistent_heads(tau, s_hat, cfg.epsilon, n_p, skip_layers=cfg.dense_layers)
+    else:
+        heads = HeadPlan([[] for _ in range(L)], [[] for _ in range(L)], n_p)
+    return CLOPlan(tau, importance, heads, layer_s, link, importance_source, profile_source)
+
+
+def estimate_parts(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> dict[str, int]:
+    """The bytes of CLO.memory_parts() from the shapes alone, for the spec's prompt length: what allocation and
+    prefill will hold (a test checks the two agree)."""
+    row, t0, b, hkv = row_bytes(spec), spec.prompt_tokens, spec.batch, spec.num_kv_heads
+    sink, recent, n_mid = split_prompt(t0, cfg.sink, cfg.recent)
+    k, g = k_select(cfg, t0), spec.group_size
+    meta_per_token = metadata_bytes_per_token(cfg.retriever, cfg.rbit, spec.head_dim, spec.dtype_bytes)
+    dense = min(cfg.dense_layers, spec.num_layers)
+    parts = {"slots": 0, "labels": 0, "persistent": 0, "window": 0, "metadata": 0,
+             "dense_layers": b * dense * hkv * spec.max_len * row, "host": 0}
+    for layer in range(dense, spec.num_layers):
+        nc = hkv - len(plan.heads.persistent[layer])
+        parts["slots"] += b * nc * k * (row + 8)  # rows + their token indices
+        parts["labels"] += b * nc * (g * spec.head_dim * 4 + 1)  # fp32 labels + valid flag
+        parts["persistent"] += b * (hkv - nc) * t0 * row
+        parts["window"] += b * hkv * (sink + recent + spec.max_len - t0) * row
+        parts["metadata"] += b * hkv * n_mid * meta_per_token
+        parts["host"] += b * hkv * t0 * row
+    return parts
