@@ -16,7 +16,7 @@ import torch
 from numba import prange
 
 PREV, NEXT = 0, 1
-U = np.uint64  # indexing with unsigned ints spares numba's negative-index wraparound check in the hot loops (~10%)
+U = np.uint64  # indexing with unsigned ints spares numba's negative-index wraparound check, a cost in the hot loops
 
 
 def new_links(rows: int, capacity: int) -> torch.Tensor:

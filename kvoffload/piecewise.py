@@ -2,7 +2,8 @@
 to the host inside it (RetroInfer's CPU LRU, InfiniGen's CPU gather). The model's dense work between two
 attention calls, which touches no KV system, is captured once per layer and replayed; only the system's own
 decode() runs eagerly. Every system then pays the same graph-replayed cost for the projections and the MLP,
-and an eager step's time is the system's, not ~15 Python kernel launches per layer that no system needs."""
+and an eager step's time is the system's, not that of the dense work's kernel launches from Python, which no
+system needs."""
 from __future__ import annotations
 
 import torch

@@ -141,7 +141,8 @@ def test_clo_graph_replay_generates_the_eager_tokens(topk_ratio):
 def test_clo_side_stream_reads_its_own_query():
     """Queries that never change (a query process with rho = 1) hit every lookup after the first step, in a
     replayed graph too: the side stream's lookups read the speculative query they were given, not memory the
-    compute stream has since reused (a race that cost 6 points of hit rate at 128K)."""
+    compute stream has since reused (a race that lowered the hit rate at 128K: results/LEDGER.md, row
+    429bbc0_race)."""
     from kvoffload.generate import generate
     from kvoffload.model.weights import synthetic_decoder
     from experiments.query_process import ProfileQueryProcess
@@ -174,8 +175,8 @@ def test_clo_persistent_heads_overlapped_attention(tmp_path, mode):
     for graph in (False, True):
         # torch.topk: the radix select returns its indices in an order that varies from run to run (blocks
         # claim output places by atomics), and attention sums the rows in that order; the bf16 rounding of
-        # the sums then differs, and greedy tokens of a random model follow (graph and eager differed at
-        # step 4 of 24 with it: results/history/6b386b6_radix_order/)
+        # the sums then differs, and greedy tokens of a random model follow (graph and eager differed with it:
+        # results/LEDGER.md, row 6b386b6_radix_order)
         kv = CLO(dense_layers=1, profile=profile, layer_time_ms=0.1, link_gb_s=1e-3, topk="torch",
                  persist_query="speculative" if mode == "speculative" else "real")
         kv.allocate(cuda_spec(4, 2, 3040, 8, 2, 64, torch.bfloat16), PhaseTimer(CUDA, enabled=not graph))

@@ -1,10 +1,10 @@
 """The decoder's small elementwise steps, one kernel each on the GPU: RMSNorm (with the residual addition before
 it), rotary embedding of a decode step's q and k, and SiLU(gate) * up.
 
-At BSZ 1 a layer's decode work is a few GEMVs and, written in torch, ~45 small kernels (a norm alone is seven:
-cast, pow, mean, add, rsqrt, mul, mul). Replayed from a CUDA graph each small kernel still costs ~1-2 us of
-launch and drain on the H200: with these kernels and the fused projections a Llama-3-8B layer's dense work
-fell from 163.5 to 125.7 us (its weights take 105 us to stream; results/bench/README.md). Each `*_ref`
+At BSZ 1 a layer's decode work is a few GEMVs and, written in torch, dozens of small kernels (a norm alone is
+seven: cast, pow, mean, add, rsqrt, mul, mul). Replayed from a CUDA graph each small kernel still costs a launch
+and a drain, which outweigh its few KB of work: with these kernels and the fused projections a Llama-3-8B layer's
+dense work comes close to the time its weights take to stream (results/bench/README.md). Each `*_ref`
 below is the specification (the arithmetic of the torch code it replaces, rounding included); the public
 functions pick the Triton kernel for CUDA tensors and the reference elsewhere.
 """

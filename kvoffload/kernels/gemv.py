@@ -1,12 +1,12 @@
 """A decode step's projections at BSZ 1: y = x W^T (+ b) for one row x, as one memory-bound Triton kernel, and
 the MLP's gate/up projection with SiLU(gate) * up in the same kernel.
 
-Why not cuBLAS: at one row its GEMVs stream a Llama-3-8B layer's weights at ~3.4 of the 4.1 TB/s a device copy
-reaches on the H200 (results/bench/README.md), and every system's decode step is mostly those bytes. Each
-program here owns BLOCK_N output rows and streams them along K with wide loads, so the kernel is a plain
-weight stream; the launch parameters come from experiments/tune_gemv.py. `linear_ref` / `linear_silu_mul_ref`
-are the specification; the public functions take the kernel for one CUDA row (and a weight contiguous along K)
-and the reference otherwise (prefill, batches, the CPU).
+Why not cuBLAS: every system's decode step is mostly the bytes of its weights, and at one row cuBLAS's GEMVs
+stream a Llama-3-8B layer's weights well below the bandwidth a device copy reaches, slower than this kernel
+(results/bench/README.md). Each program here owns BLOCK_N output rows and streams them along K with wide loads,
+so the kernel is a plain weight stream; the launch parameters come from experiments/tune_gemv.py. `linear_ref` /
+`linear_silu_mul_ref` are the specification; the public functions take the kernel for one CUDA row (and a weight
+contiguous along K) and the reference otherwise (prefill, batches, the CPU).
 """
 from __future__ import annotations
 
@@ -66,9 +66,9 @@ def linear_pair_triton(x1, w1, b1, x2, w2, b2) -> torch.Tensor:
 
 
 def launch_params(gated: bool) -> tuple[int, int, int]:
-    """(output rows per program, K per load, warps): the fastest or within 2% of it for every Llama-3-8B
-    projection in experiments/tune_gemv.py's sweep on the H200 (results/bench/gemv_tuning.json). Few rows per
-    program and long loads: many programs, each with KBs in flight; a gated program streams twice the rows."""
+    """(output rows per program, K per load, warps): the fastest, or close to it, for every Llama-3-8B
+    projection in experiments/tune_gemv.py's sweep (results/bench/README.md). Few rows per program and long
+    loads: many programs, each with KBs in flight; a gated program streams twice the rows."""
     return (4 if gated else 2), 1024, 4
 
 

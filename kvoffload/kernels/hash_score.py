@@ -17,8 +17,7 @@
 Triton kernel on CUDA and the reference elsewhere. The kernel reads codes as int32 words (rbit % 32 == 0), so
 each key costs rbit/8 + 4 bytes read and 4 written: it is memory bound when popcount is one instruction.
 `encode_query_triton` makes the query codes in one kernel (projection, signs, packing): in torch that is eight
-small kernels, ~20 us of a layer's critical path on the H200, for a few KB of work; `HashRetriever.encode` is
-its specification.
+small kernels on a layer's critical path, for a few KB of work; `HashRetriever.encode` is its specification.
 """
 from __future__ import annotations
 
@@ -140,8 +139,9 @@ def encode_query_triton(q: torch.Tensor, proj: torch.Tensor, heads: torch.Tensor
     assert rbit % 32 == 0 and d & (d - 1) == 0 and proj.stride(2) == 1 and q.stride(2) == 1
     out = torch.empty(b, h, group, rbit // 32, dtype=torch.int32, device=q.device)
     g_pad = triton.next_power_of_2(group)
-    # head_dim per step: the whole of it in one step when the group is small (2.6 us at Llama-3 shape on the
-    # H200, 6.4 in steps of 16: results/bench/retrieval_tuning.json), capped so the products fit in registers
+    # head_dim per step: the whole of it in one step when the group is small (the fastest at Llama-3 shape in
+    # experiments/tune_retrieval_kernels.py's sweep: results/bench/README.md), capped so the products fit in
+    # registers
     chunk = chunk or min(d, max(16, 512 // g_pad))
     assert chunk & (chunk - 1) == 0, f"chunk={chunk}: a power of two"
     if b and h:

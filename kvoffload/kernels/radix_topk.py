@@ -2,11 +2,11 @@
 
   scores [R, T] fp32 -> offset + idx [R, k] int64
 
-torch.topk at k = 13K of 131K candidates takes ~63 us per call on the H200 (bench_clo_layer), and a CLO layer
-makes two (the cached heads on the side stream, the persistent heads on the compute stream): more than the
-hash scores it selects from (35 us). Radix select needs no sort. Each score becomes an order-preserving 32-bit
-key; four histogram passes over the key's bytes, high to low, each counting only the keys that match the bytes
-fixed so far, find the k-th largest key exactly; one last pass writes every index whose key is above it and
+torch.topk at k = 13K of 131K candidates takes longer than the hash scores it selects from, and a CLO layer
+makes two (the cached heads on the side stream, the persistent heads on the compute stream);
+results/bench/README.md times both selects. Radix select needs no sort. Each score becomes an order-preserving
+32-bit key; four histogram passes over the key's bytes, high to low, each counting only the keys that match the
+bytes fixed so far, find the k-th largest key exactly; one last pass writes every index whose key is above it and
 as many equal to it as k still needs. Five kernels, a fixed grid and no host sync: CUDA-graph capturable.
 Which of several equal scores at the boundary are taken is unspecified, as in torch.topk (so a CPU and a GPU
 run may select different tied tokens). NaN scores are not supported (torch.topk ranks every NaN highest; here
@@ -93,8 +93,8 @@ if triton is not None:
 
 def radix_topk(scores: torch.Tensor, k: int, offset: int = 0, block: int = 2048, num_warps: int = 4,
                miss: torch.Tensor | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
-    """2048 keys per program, 4 warps: 31 us for 6 rows of 128K on the H200 (4096 and 8 warps: 40 us;
-    results/bench/retrieval_tuning.json). miss [B, nc] bool (hash_scores's): the rows are B sequences of h heads
+    """2048 keys per program, 4 warps: the fastest for 6 rows of 128K in experiments/tune_retrieval_kernels.py's
+    sweep (results/bench/README.md). miss [B, nc] bool (hash_scores's): the rows are B sequences of h heads
     each, and the first nc heads of a sequence are selected only where they missed (the others' indices are
     left unset). work: radix_work(R) with the first pass already counted; three passes then remain."""
     r, t = scores.shape

@@ -88,11 +88,11 @@ def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss:
                num_warps: int = 4, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """In place on `slots`. `host` must be pinned when the others live on a GPU (Triton's launcher refuses
     an unmapped host pointer); in the Triton interpreter every tensor is a CPU tensor. `block` rows per
-    program: by default ~16 KB, which keeps the link full (any 4..64 did on the H200). `programs` caps the
-    grid (None: as many programs as a head has tiles, so one per tile when one head is moved); each program
-    loops over the missed heads and, in each, over its share of the head's tiles. A few dozen programs keep
-    the link full and leave the SMs to work that overlaps the transfer (CLO's `uva_programs`). record: see the
-    module's docstring."""
+    program: by default ~16 KB, which keeps the link full (so does any block in the 4..64 rows the default is
+    clamped to). `programs` caps the grid (None: as many programs as a head has tiles, so one per tile when one
+    head is moved); each program loops over the missed heads and, in each, over its share of the head's tiles.
+    A few dozen programs keep the link full and leave the SMs to work that overlaps the transfer (CLO's
+    `uva_programs`). record: see the module's docstring."""
     b, h, k = idx.shape
     d = host.shape[-1]
     assert host.shape[3] == 2 and slots.shape == (b, h, k, 2, d) and heads.shape == (h,) and miss.shape == (b, h)

@@ -126,11 +126,11 @@ def select_topk(scores: torch.Tensor, k: int, offset: int, ascending: bool = Tru
                 work: torch.Tensor | None = None) -> torch.Tensor:
     """scores [B, Hkv, T] over candidates starting at token `offset` -> absolute indices [B, Hkv, k], ascending
     unless `ascending=False`: attention and the gathers do not need the order, and at 128K sorting the
-    indices costs more than the top-k itself (96 us per layer on the H200; torch.topk 65 us, the radix select
-    of kvoffload/kernels/radix_topk.py that CUDA uses 31 us; results/bench/clo_layer.json). torch.topk elsewhere, or everywhere
-    with method="torch" (one launch instead of six: possibly cheaper where the step is launched eagerly). miss
-    [B, nc]: the radix select's rows of the first nc heads that hit are left unset (HashRetriever.scores). work:
-    topk_work's, its first pass counted by the retriever's scores(hist=)."""
+    indices costs more than the top-k itself, torch.topk's or the radix select's of kvoffload/kernels/radix_topk.py
+    that CUDA uses (the sort: results/LEDGER.md, row 1c33d1c_clo_layer; the top-k: results/bench/README.md).
+    torch.topk elsewhere, or everywhere with method="torch" (one launch instead of six: possibly cheaper where the
+    step is launched eagerly). miss [B, nc]: the radix select's rows of the first nc heads that hit are left unset
+    (HashRetriever.scores). work: topk_work's, its first pass counted by the retriever's scores(hist=)."""
     from kvoffload.kernels.radix_topk import topk_indices, topk_ref
 
     idx = topk_indices(scores, k, offset, miss, work) if method == "radix" else topk_ref(scores, k, offset)
