@@ -1,7 +1,7 @@
 """CLO's settings (conf/system/clo.yaml), typed and validated once, before any long work."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvoffload.errors import ConfigError
 from kvoffload.kernels.head_cache import AGGREGATIONS
@@ -78,3 +78,12 @@ class CLOConfig:
         if self.persist_query == "speculative" and self.persistent and not self.speculative:
             raise ConfigError("system.persist_query=speculative selects one layer ahead: it needs "
                               "system.speculative=true")
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> CLOConfig:
+        """From the yaml's keys, refusing one CLO does not have (a typo would otherwise run the default)."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(settings) - set(known))
+        if unknown:
+            raise ConfigError(f"system.{unknown[0]}: CLO has no such setting; valid: {', '.join(known)}")
+        return cls(**settings)

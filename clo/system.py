@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from clo.accounting import count_step, step_device_bytes
 from clo.config import CLOConfig
 from clo.plan import CLOPlan, estimate_parts, k_select, make_plan, planning_inputs, row_bytes
 from clo.store import LayerStore
@@ -47,7 +48,7 @@ class CLO(KVOffloadSystem):
 
     def __init__(self, **settings) -> None:
         super().__init__()
-        self.cfg = CLOConfig(**settings)  # every setting checked now, before any long work
+        self.cfg = CLOConfig.from_settings(settings)  # every setting checked now, before any long work
         self.wants_speculative_query = self.cfg.speculative
         self.supports_cuda_graph = self.cfg.transfer == "uva"  # the CPU-gather path syncs with the host by design
         self.plan: CLOPlan | None = None
@@ -232,42 +233,16 @@ class CLO(KVOffloadSystem):
 
     def end_step(self):
         stats = super().end_step()
-        # every store with cached heads is looked up once per step (at prepare, or at decode without prefetch);
-        # the prefetch heads are refreshed every step by design and count as transfers, not as lookups
-        active = [st for st in self.stores if st is not None and st.nc and st.k]
-        managed_misses = refreshes = 0
-        if active:  # one host sync for all layers
-            counts = torch.stack([torch.stack([(st.misses * ~st.prefetch_mask).sum(), st.misses.sum()])
-                                  for st in active])
-            managed_misses, refreshes = counts.sum(0).tolist()
-        stats.lookups = sum(st.misses.shape[0] * st.n_managed for st in active)
-        stats.hits = stats.lookups - managed_misses
-        stats.bytes_h2d = refreshes * row_bytes(self.spec) * max((s.k for s in self.stores if s is not None),
-                                                                 default=0)
-        # (sequence, head) rows whose metadata the step's retrieval needs: the refreshed cached heads and every
-        # persistent head (on CUDA a cached head that hit is not scored)
-        self.scored_rows = refreshes + sum(st.window.shape[0] * (st.window.shape[1] - st.nc)
-                                           for st in self.stores if st is not None and st.k)
-        with torch.inference_mode():  # the buffers were made in (inference-mode) prefill
-            for st in active:
-                st.misses.zero_()
-        stats.host_syncs = self.transfer.host_syncs
-        self.transfer.host_syncs = 0
+        counts = count_step(self.stores, row_bytes(self.spec))
+        stats.lookups, stats.hits, stats.bytes_h2d, self.scored_rows = counts
+        stats.host_syncs, self.transfer.host_syncs = self.transfer.host_syncs, 0
         return stats
 
     def step_device_bytes(self) -> int:
-        """Per step: the attended rows (window, selected rows, dense layers), the labels, and the retrieval
-        metadata of the rows the last step needed scored (end_step's count; every row before a step has run).
-        On CUDA exactly those are read; the CPU reference scores every row."""
-        row, stores = row_bytes(self.spec), [st for st in self.stores if st is not None]
-        rows = sum(st.window.shape[0] * st.window.shape[1] for st in stores)
-        scored = rows if self.scored_rows is None else self.scored_rows
-        total = self.retriever.metadata_bytes() * scored // max(rows, 1)
-        for st in stores:
-            gen = self.length - st.t0 + 1
-            total += row * st.window.shape[0] * st.window.shape[1] * (st.sink + st.recent + gen + st.k)
-            total += st.labels.nbytes
-        return total + self.dense.step_bytes(self.length)
+        """CLO's own floor on the device side (clo/accounting.py)."""
+        meta = self.retriever.metadata_bytes()
+        return step_device_bytes(self.stores, meta, self.scored_rows, self.length, row_bytes(self.spec)) + \
+            self.dense.step_bytes(self.length)
 
     def describe(self) -> dict:
         return {**self.plan.describe(), "retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),

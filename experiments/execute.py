@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments.timing import copy_bandwidth_gb_s, layer_time_s, link_gb_s
+from experiments.timing import copy_bandwidth_gb_s, link_gb_s, model_layer_time_s
 from kvoffload.errors import ConfigError
 from kvoffload.generate import Generation, generate
 from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
@@ -55,8 +55,11 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     dtype = preflight.resolve_dtype(cfg.dtype, device)
     source = weights_source(cfg.model)
     system: KVOffloadSystem = instantiate(cfg.system)
+    # the link and one layer's dense time are measured first: the system's plan, its memory estimate and its
+    # allocation all read them
     spec = KVSpec(model_cfg.num_layers, batch, seqlen + gen_tokens, model_cfg.num_heads, model_cfg.num_kv_heads,
-                  model_cfg.head_dim, dtype, device, prompt_len=seqlen, link_gb_s=link_gb_s(device))
+                  model_cfg.head_dim, dtype, device, prompt_len=seqlen, link_gb_s=link_gb_s(device),
+                  layer_time_s=model_layer_time_s(model_cfg, batch, device, dtype))
     plan = preflight.plan_memory(model_cfg, system, spec, seqlen)
     what = f"system={system_name} model={model_cfg.name} seqlen={seqlen} batch={batch}"
     budget = preflight.check_memory(plan, device, cfg.hardware.gpu_mem_gb, what)
@@ -74,8 +77,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     log(f"[run] {what} on {device} ({dtype}); loading {source} weights")
     model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), int(cfg.seed), device, dtype)
     model.query_process = query_process
-    spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget,
-                     "layer_time_s": layer_time_s(model.model.layers[0], batch)})
+    spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget})
     # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and decode_mode != "graph")
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget

@@ -100,3 +100,18 @@ def layer_time_s(layer, batch: int, repeats: int = 5) -> float:
         if p.is_cuda:
             return replay_ms(work) / 1e3
         return median_ms(work, p.device, repeats) / 1e3
+
+
+def model_layer_time_s(cfg, batch: int, device: torch.device, dtype: torch.dtype) -> float:
+    """layer_time_s of one layer of `cfg`'s shapes with constant weights (the work does not depend on their
+    values; no random init to wait for): measured before any weight is loaded, so that a system's plan, and with
+    it its memory estimate, is the one it will allocate."""
+    from kvoffload.model.decoder import Layer
+
+    with torch.device("meta"):
+        layer = Layer(cfg)
+    layer = layer.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.fill_(0.01)
+    return layer_time_s(layer, batch)

@@ -215,6 +215,9 @@ def test_speculative_prepare_drives_the_lookup():
     (dict(transfer="dma"), "transfer"), (dict(cpu_threads=0), "cpu_threads"), (dict(topk="heap"), "topk"),
     (dict(uva_programs=0), "uva_programs"), (dict(persist_query="next"), "persist_query"),
     (dict(persist_query="speculative", speculative=False), "persist_query"),
+    (dict(threshold_override=5.0), "threshold_override"), (dict(n=0.0), "system.n"), (dict(rbit=12), "rbit"),
+    (dict(epsilon=3.0), "epsilon"), (dict(layer_time_ms=0.0), "layer_time_ms"), (dict(link_gb_s=-1.0), "link_gb_s"),
+    (dict(retreiver="hash"), "retreiver"),
 ])
 def test_bad_configuration(kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -228,3 +231,18 @@ def test_importance_shape_mismatch_and_small_budget():
     need = s.estimate_memory(spec()).device_bytes
     with pytest.raises(ConfigError, match="budget"):
         CLO(persistent=False).allocate(spec(budget=need // 2))
+
+
+def test_the_estimate_and_the_allocation_share_one_plan(monkeypatch, tmp_path):
+    """The planner runs once for a spec: the budgeted spec the allocation gets plans as the estimate's did."""
+    import clo.system
+
+    calls = []
+    real = clo.system.make_plan
+    monkeypatch.setattr(clo.system, "make_plan", lambda *a: calls.append(a) or real(*a))
+    s = make(profile=write_profile(tmp_path / "p.json", first_head_hard(L, HKV)), persistent=True,
+             speculative=True, layer_time_ms=0.1, link_gb_s=1e-3)
+    est = s.estimate_memory(spec())
+    planned = s.plan
+    s.allocate(spec(budget=est.device_bytes))
+    assert len(calls) == 1 and s.plan is planned and sum(map(len, planned.heads.persistent)) > 0
