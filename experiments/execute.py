@@ -42,6 +42,16 @@ def load_tokenizer(source: str, model_cfg: DictConfig):
         return None  # a checkpoint without tokenizer files: the workload falls back to random prompts
 
 
+def resolve_queries(setting: str, source: str, model_cfg: DictConfig) -> str:
+    """workload.query_process -> "model" or a profile: `auto` gives synthetic weights their model's synthetic
+    queries (random weights have no realistic query dynamics) and real weights their own."""
+    if setting != "auto":
+        return setting
+    if source == "synthetic":
+        return model_cfg.get("synthetic_queries") or "model"
+    return "model"
+
+
 def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     # ---- everything that can be refused is checked before any weight is loaded --------------------------
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
@@ -66,22 +76,22 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     decode_mode = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
     if cfg.workload.prompt not in PROMPTS:
         raise ConfigError(f"workload.prompt={cfg.workload.prompt!r}; valid: {', '.join(PROMPTS)}")
-    query_process = None
-    if cfg.workload.query_process != "model":  # loads and checks its profile now
+    query_process, queries = None, resolve_queries(cfg.workload.query_process, source, cfg.model)
+    if queries != "model":  # loads and checks its profile now
         from experiments.query_process import ProfileQueryProcess
 
         query_process = ProfileQueryProcess.from_profile(
-            cfg.workload.query_process, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.group_size, device)
+            queries, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.group_size, device)
 
     # ---- long work ---------------------------------------------------------------------------------------
-    log(f"[run] {what} on {device} ({dtype}); loading {source} weights")
+    query_desc = query_process.description if query_process is not None else "the model's own queries"
+    log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}")
     model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), int(cfg.seed), device, dtype)
     model.query_process = query_process
     spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget})
     # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and decode_mode != "graph")
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
-    query_desc = query_process.description if query_process is not None else "the model's own queries"
     tokenizer = load_tokenizer(source, cfg.model)
     prompt = build_prompt(cfg.workload.prompt, seqlen, batch, int(cfg.seed), tokenizer, model_cfg.vocab_size,
                           float(cfg.workload.needle_depth))
