@@ -4,11 +4,13 @@ else: no device, no allocation, no measurement. The memory estimate and the allo
 
   tau        [layers, kv_heads] reuse thresholds (Eq. 7-9, or eta, or the override)
   importance [layers, kv_heads] head importance (weights of the GQA aggregation, Eq. 10)
-  heads      which heads are persistent and which prefetched, per layer (Eq. 11-13)
+  heads      which heads are persistent and which prefetched, per layer (Eq. 11-13); under a device budget
+             (KVSpec.gpu_budget_bytes) the persistent heads that do not fit take the cached path instead, the
+             least hard first (`fit_budget`)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,8 +52,8 @@ def k_select(cfg: CLOConfig, prompt_len: int) -> int:
 
 def planning_inputs(spec: KVSpec) -> tuple:
     """What of a spec the plan depends on: two specs that agree here get the same plan."""
-    return (spec.num_layers, spec.num_kv_heads, spec.batch, spec.max_len, spec.head_dim, spec.dtype,
-            spec.layer_time_s, spec.link_gb_s, spec.device.type)
+    return (spec.num_layers, spec.num_kv_heads, spec.batch, spec.max_len, spec.prompt_len, spec.head_dim,
+            spec.dtype, spec.layer_time_s, spec.link_gb_s, spec.device.type, spec.gpu_budget_bytes)
 
 
 def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
@@ -73,7 +75,27 @@ def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
         heads = plan_persistent_heads(tau, s_hat, cfg.epsilon, n_p, skip_layers=cfg.dense_layers)
     else:
         heads = HeadPlan([[] for _ in range(L)], [[] for _ in range(L)], n_p)
-    return CLOPlan(tau, importance, heads, layer_s, link, importance_source, profile_source)
+    plan = CLOPlan(tau, importance, heads, layer_s, link, importance_source, profile_source)
+    return fit_budget(cfg, plan, spec)
+
+
+def device_bytes(parts: dict[str, int]) -> int:
+    return sum(v for k, v in parts.items() if k not in ("host", "host_metadata"))
+
+
+def fit_budget(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> CLOPlan:
+    """The plan with as few persistent heads demoted to the cached path (miss -> top-k + transfer) as the device
+    budget needs, the least hard (lowest Eq. 11 difficulty) first. A plan that fits, or that no demotion makes fit
+    (the allocation then refuses it with the numbers), is returned as it is."""
+    budget, heads = spec.gpu_budget_bytes, plan.heads
+    if budget is None or device_bytes(estimate_parts(cfg, plan, spec)) <= budget:
+        return plan
+    order = sorted((heads.difficulty[l][h], l, h) for l, hs in enumerate(heads.persistent) for h in hs)
+    for n in range(1, len(order) + 1):
+        trial = replace(plan, heads=heads.without([(l, h) for _, l, h in order[:n]]))
+        if device_bytes(estimate_parts(cfg, trial, spec)) <= budget:
+            return trial
+    return plan
 
 
 def estimate_parts(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> dict[str, int]:

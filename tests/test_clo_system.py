@@ -21,11 +21,16 @@ def spec(budget=None):
     return KVSpec(L, B, T0 + STEPS, H, HKV, D, torch.float32, CPU, budget)
 
 
+BASE = dict(retriever="exact", speculative=False, persistent=False, dense_layers=0, sink=4, recent=8, topk_ratio=0.25)
+
+
 def make(**kw) -> CLO:
-    base = dict(retriever="exact", speculative=False, persistent=False, dense_layers=0, sink=4, recent=8,
-                topk_ratio=0.25)
-    s = CLO(**{**base, **kw})
-    s.allocate(spec())
+    return make_with(kw)
+
+
+def make_with(kw: dict, budget: int | None = None) -> CLO:
+    s = CLO(**{**BASE, **kw})
+    s.allocate(spec(budget))
     return s
 
 
@@ -234,15 +239,37 @@ def test_importance_shape_mismatch_and_small_budget():
 
 
 def test_the_estimate_and_the_allocation_share_one_plan(monkeypatch, tmp_path):
-    """The planner runs once for a spec: the budgeted spec the allocation gets plans as the estimate's did."""
+    """The planner runs once for a spec: the allocation reads the plan the estimate made."""
     import clo.system
 
     calls = []
     real = clo.system.make_plan
     monkeypatch.setattr(clo.system, "make_plan", lambda *a: calls.append(a) or real(*a))
-    s = make(profile=write_profile(tmp_path / "p.json", first_head_hard(L, HKV)), persistent=True,
-             speculative=True, layer_time_ms=0.1, link_gb_s=1e-3)
-    est = s.estimate_memory(spec())
+    s = CLO(**{**BASE, "profile": write_profile(tmp_path / "p.json", first_head_hard(L, HKV)), "persistent": True,
+               "speculative": True, "layer_time_ms": 0.1, "link_gb_s": 1e-3})
+    s.estimate_memory(spec(budget=10**9))
     planned = s.plan
-    s.allocate(spec(budget=est.device_bytes))
+    s.allocate(spec(budget=10**9))
     assert len(calls) == 1 and s.plan is planned and sum(map(len, planned.heads.persistent)) > 0
+
+
+def test_a_tight_budget_demotes_the_least_hard_persistent_heads(tmp_path):
+    """Under a device budget the persistent heads that do not fit take the cached path, the least hard first; the
+    estimate then fits the budget and is what the system holds."""
+    s_hat = first_head_hard(L, HKV)
+    for row in s_hat:
+        row[1] = 0.5  # head 1 hard too, less than head 0
+    kw = dict(profile=write_profile(tmp_path / "p.json", s_hat), persistent=True, speculative=True,
+              layer_time_ms=0.1, link_gb_s=1e-3)
+    free = CLO(**{**BASE, **kw})
+    need = free.estimate_memory(spec()).device_bytes
+    assert all(set(p) == {0, 1} for p in free.plan.heads.persistent)
+    one_head = B * T0 * 2 * D * 4  # a persistent head's prompt KV, per layer
+    tight = make_with(kw, budget=need - one_head)  # room for all but about one layer's second persistent head
+    demoted = tight.plan.heads.demoted
+    assert sum(map(len, demoted)) >= 1 and all(h == 1 for d in demoted for h in d)  # the easier head goes first
+    assert all(0 in p for p in tight.plan.heads.persistent)
+    feed([tight], steps=2)
+    held = tight.memory_held().device_bytes
+    assert held <= need - one_head
+    assert tight.estimate_parts(KVSpec(**{**spec(need - one_head).__dict__, "prompt_len": T0})) == tight.memory_parts()

@@ -25,11 +25,20 @@ class HeadPlan:
     prefetch: list[list[int]]  # per layer: hard heads refreshed every step by speculative prefetch
     n_p: int
     difficulty: list[list[float]] = field(default_factory=list)
+    # per layer: hard heads that Eq. 13 made persistent but the device budget did not hold (cached path instead)
+    demoted: list[list[int]] = field(default_factory=list)
 
     def summary(self) -> dict:
         return {"n_p": self.n_p, "persistent_heads": sum(map(len, self.persistent)),
-                "prefetch_heads": sum(map(len, self.prefetch)), "persistent": self.persistent,
-                "prefetch": self.prefetch}
+                "prefetch_heads": sum(map(len, self.prefetch)), "demoted_heads": sum(map(len, self.demoted)),
+                "persistent": self.persistent, "prefetch": self.prefetch, "demoted": self.demoted}
+
+    def without(self, demote: list[tuple[int, int]]) -> HeadPlan:
+        """This plan with the (layer, head) pairs in `demote` moved from persistent to the cached path."""
+        persistent = [sorted(set(p) - {h for l, h in demote if l == layer}) for layer, p in enumerate(self.persistent)]
+        demoted = [sorted({*(self.demoted[layer] if self.demoted else []), *{h for l, h in demote if l == layer}})
+                   for layer in range(len(self.persistent))]
+        return HeadPlan(persistent, self.prefetch, self.n_p, self.difficulty, demoted)
 
 
 def heads_per_layer_time(layer_time_s: float, link_bytes_per_s: float, head_bytes: int) -> int:
