@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -20,7 +21,7 @@ from kvoffload.kv.timer import PHASES, PhaseTimer
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import build_decoder
 from experiments import preflight
-from experiments.records import environment
+from experiments.records import config_error, environment
 from experiments.workloads import PROMPTS, build_prompt
 
 
@@ -42,24 +43,37 @@ def load_tokenizer(source: str, model_cfg: DictConfig):
         return None  # a checkpoint without tokenizer files: the workload falls back to random prompts
 
 
+def build_system(system_cfg: DictConfig, system_name: str) -> KVOffloadSystem:
+    """instantiate(cfg.system); a ConfigError its constructor raises (Hydra wraps it in an InstantiationException)
+    comes out as a ConfigError naming the system."""
+    try:
+        return instantiate(system_cfg)
+    except InstantiationException as e:
+        err = config_error(e)
+        if err is None:
+            raise
+        raise ConfigError(f"system={system_name}: {err}") from e
+
+
 def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     # ---- everything that can be refused is checked before any weight is loaded --------------------------
+    numbers = preflight.check_numbers(cfg)
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
-    seqlen = preflight.parse_tokens(cfg.seqlen, "seqlen")
-    batch = int(cfg.batch)
-    gen_tokens = int(cfg.workload.gen_tokens)
-    if batch < 1 or gen_tokens < 1:
-        raise ConfigError(f"batch={batch} and workload.gen_tokens={gen_tokens} must both be at least 1")
+    seqlen, batch, gen_tokens = numbers.seqlen, numbers.batch, numbers.gen_tokens
     preflight.check_length(model_cfg, seqlen, gen_tokens)
     device = preflight.resolve_device(cfg.device)
     dtype = preflight.resolve_dtype(cfg.dtype, device)
     source = weights_source(cfg.model)
-    system: KVOffloadSystem = instantiate(cfg.system)
+    system = build_system(cfg.system, system_name)
     spec = KVSpec(model_cfg.num_layers, batch, seqlen + gen_tokens, model_cfg.num_heads, model_cfg.num_kv_heads,
                   model_cfg.head_dim, dtype, device, prompt_len=seqlen, link_gb_s=link_gb_s(device))
     plan = preflight.plan_memory(model_cfg, system, spec, seqlen)
-    what = f"system={system_name} model={model_cfg.name} seqlen={seqlen} batch={batch}"
-    budget = preflight.check_memory(plan, device, cfg.hardware.gpu_mem_gb, what)
+    what = f"system={system_name} model={model_cfg.name} seqlen={preflight.tokens_text(seqlen)} batch={batch}"
+
+    def estimate(s: KVSpec) -> preflight.MemoryPlan:  # a changed run, planned by a fresh system: the ways out
+        return preflight.plan_memory(model_cfg, build_system(cfg.system, system_name), s, s.prompt_tokens)
+
+    budget = preflight.check_memory(plan, device, numbers.gpu_mem_gb, what, estimate, spec, model_cfg.name)
     decode_mode = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
     if cfg.workload.prompt not in PROMPTS:
         raise ConfigError(f"workload.prompt={cfg.workload.prompt!r}; valid: {', '.join(PROMPTS)}")
@@ -69,10 +83,13 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
 
         query_process = ProfileQueryProcess.from_profile(
             cfg.workload.query_process, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.group_size, device)
+    tokenizer = load_tokenizer(source, cfg.model)  # the prompt too: a needle needs a tokenizer and room
+    prompt = build_prompt(cfg.workload.prompt, seqlen, batch, numbers.seed, tokenizer, model_cfg.vocab_size,
+                          numbers.needle_depth)
 
     # ---- long work ---------------------------------------------------------------------------------------
     log(f"[run] {what} on {device} ({dtype}); loading {source} weights")
-    model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), int(cfg.seed), device, dtype)
+    model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), numbers.seed, device, dtype)
     model.query_process = query_process
     spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget,
                      "layer_time_s": layer_time_s(model.model.layers[0], batch)})
@@ -80,16 +97,13 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and decode_mode != "graph")
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
     query_desc = query_process.description if query_process is not None else "the model's own queries"
-    tokenizer = load_tokenizer(source, cfg.model)
-    prompt = build_prompt(cfg.workload.prompt, seqlen, batch, int(cfg.seed), tokenizer, model_cfg.vocab_size,
-                          float(cfg.workload.needle_depth))
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
     trace = Path(cfg.trace_dir) / "decode_step.trace.json" if cfg.get("trace_dir") else None
     gen = run_generation(model, system, prompt.tokens.to(device), gen_tokens, stop, decode_mode, trace,
-                         int(cfg.workload.warmup_steps))
+                         numbers.warmup_steps)
 
     text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
-    hbm = cfg.hardware.hbm_gb_s or copy_bandwidth_gb_s(device)
+    hbm = numbers.hbm_gb_s or copy_bandwidth_gb_s(device)
     state = system.describe()
     return {
         "system": system_name,
@@ -105,7 +119,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
                    "found": (prompt.answer in text) if prompt.answer and text is not None else None},
         "environment": environment(device),
         "metrics": metrics(gen, system, model_cfg, spec, seqlen, hbm, state.get("link_gb_s"),
-                           int(cfg.workload.warmup_steps)),
+                           numbers.warmup_steps),
         "system_state": state,
         "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
         "steps": [s.as_dict() for s in gen.steps],
