@@ -17,12 +17,12 @@ PERSIST_QUERIES = ("real", "speculative")
 
 def _one_of(name: str, value: str, valid: tuple[str, ...]) -> None:
     if value not in valid:
-        raise ConfigError(f"system.{name}={value!r}; valid: {', '.join(valid)}")
+        raise ConfigError(f"{name}={value!r}; valid: {', '.join(valid)}")
 
 
 def _positive_or_none(name: str, value: float | None) -> None:
     if value is not None and not value > 0:
-        raise ConfigError(f"system.{name}={value} must be positive, or null (measured by the runner)")
+        raise ConfigError(f"{name}={value} must be positive, or null (measured by the runner)")
 
 
 @dataclass(frozen=True)
@@ -55,16 +55,16 @@ class CLOConfig:
     def __post_init__(self) -> None:
         check_budget(self.topk_ratio, self.sink, self.recent, self.dense_layers)
         if not -1.0 < self.eta <= 1.0:
-            raise ConfigError(f"system.eta={self.eta} must lie in (-1, 1]")
+            raise ConfigError(f"eta={self.eta} must lie in (-1, 1]")
         if not self.n > 0:
-            raise ConfigError(f"system.n={self.n} must be positive")
+            raise ConfigError(f"n={self.n} must be positive")
         if not -2.0 <= self.epsilon <= 2.0:
-            raise ConfigError(f"system.epsilon={self.epsilon} must lie in [-2, 2] (a margin on a cosine)")
+            raise ConfigError(f"epsilon={self.epsilon} must lie in [-2, 2] (a margin on a cosine)")
         if self.threshold_override is not None and not -2.0 <= self.threshold_override <= 2.0:
-            raise ConfigError(f"system.threshold_override={self.threshold_override} must lie in [-2, 2] "
+            raise ConfigError(f"threshold_override={self.threshold_override} must lie in [-2, 2] "
                               "(a cosine threshold: 2 always misses, -2 always hits), or null")
         if self.rbit < 8 or self.rbit % 8:
-            raise ConfigError(f"system.rbit={self.rbit} must be a positive multiple of 8")
+            raise ConfigError(f"rbit={self.rbit} must be a positive multiple of 8")
         _one_of("gqa_aggregation", self.gqa_aggregation, AGGREGATIONS)
         _one_of("retriever", self.retriever, RETRIEVERS)
         _one_of("transfer", self.transfer, TRANSFERS)
@@ -72,12 +72,12 @@ class CLOConfig:
         check_topk_method(self.topk)
         cpu_threads(self.cpu_threads)
         if self.uva_programs is not None and self.uva_programs < 1:
-            raise ConfigError(f"system.uva_programs={self.uva_programs} must be at least 1, or null")
+            raise ConfigError(f"uva_programs={self.uva_programs} must be at least 1, or null")
         _positive_or_none("layer_time_ms", self.layer_time_ms)
         _positive_or_none("link_gb_s", self.link_gb_s)
         if self.persist_query == "speculative" and self.persistent and not self.speculative:
-            raise ConfigError("system.persist_query=speculative selects one layer ahead: it needs "
-                              "system.speculative=true")
+            raise ConfigError("persist_query=speculative selects one layer ahead: it needs "
+                              "speculative=true")
 
     @classmethod
     def from_settings(cls, settings: dict) -> CLOConfig:
@@ -85,5 +85,5 @@ class CLOConfig:
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(settings) - set(known))
         if unknown:
-            raise ConfigError(f"system.{unknown[0]}: CLO has no such setting; valid: {', '.join(known)}")
+            raise ConfigError(f"{unknown[0]}: CLO has no such setting; valid: {', '.join(known)}")
         return cls(**settings)

@@ -59,7 +59,7 @@ def planning_inputs(spec: KVSpec) -> tuple:
 def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
     L, hkv = spec.num_layers, spec.num_kv_heads
     if cfg.dense_layers > L:
-        raise ConfigError(f"system.dense_layers={cfg.dense_layers} exceeds the model's {L} layers")
+        raise ConfigError(f"dense_layers={cfg.dense_layers} exceeds the model's {L} layers")
     importance, importance_source = load_importance(cfg.importance, L, hkv)
     if cfg.threshold_override is not None:
         tau = torch.full((L, hkv), float(cfg.threshold_override))

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -20,7 +22,7 @@ from kvoffload.kv.timer import PHASES, PhaseTimer
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import build_decoder
 from experiments import preflight
-from experiments.records import environment
+from experiments.records import config_error, environment
 from experiments.workloads import PROMPTS, build_prompt
 
 
@@ -52,27 +54,42 @@ def resolve_queries(setting: str, source: str, model_cfg: DictConfig) -> str:
     return "model"
 
 
+def build_system(system_cfg: DictConfig, system_name: str) -> KVOffloadSystem:
+    """instantiate(cfg.system); a ConfigError its constructor raises (Hydra wraps it in an InstantiationException)
+    comes out as a ConfigError naming the system."""
+    try:
+        return instantiate(system_cfg)
+    except InstantiationException as e:
+        err = config_error(e)
+        if err is None:
+            raise
+        raise ConfigError(f"system={system_name}: {err}") from e
+
+
 def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     # ---- everything that can be refused is checked before any weight is loaded --------------------------
+    numbers = preflight.check_numbers(cfg)
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
-    seqlen = preflight.parse_tokens(cfg.seqlen, "seqlen")
-    batch = int(cfg.batch)
-    gen_tokens = int(cfg.workload.gen_tokens)
-    if batch < 1 or gen_tokens < 1:
-        raise ConfigError(f"batch={batch} and workload.gen_tokens={gen_tokens} must both be at least 1")
+    seqlen, batch, gen_tokens = numbers.seqlen, numbers.batch, numbers.gen_tokens
     preflight.check_length(model_cfg, seqlen, gen_tokens)
     device = preflight.resolve_device(cfg.device)
+    free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3) if device.type == "cuda" else None
     dtype = preflight.resolve_dtype(cfg.dtype, device)
     source = weights_source(cfg.model)
-    system: KVOffloadSystem = instantiate(cfg.system)
+    system = build_system(cfg.system, system_name)
     # the link and one layer's dense time are measured first: the system's plan, its memory estimate and its
     # allocation all read them
     spec = KVSpec(model_cfg.num_layers, batch, seqlen + gen_tokens, model_cfg.num_heads, model_cfg.num_kv_heads,
                   model_cfg.head_dim, dtype, device, prompt_len=seqlen, link_gb_s=link_gb_s(device),
                   layer_time_s=model_layer_time_s(model_cfg, batch, device, dtype))
+    spec = replace(spec, gpu_budget_bytes=preflight.kv_budget(model_cfg, spec, numbers.gpu_mem_gb))
     plan = preflight.plan_memory(model_cfg, system, spec, seqlen)
-    what = f"system={system_name} model={model_cfg.name} seqlen={seqlen} batch={batch}"
-    budget = preflight.check_memory(plan, device, cfg.hardware.gpu_mem_gb, what)
+    what = f"system={system_name} model={model_cfg.name} seqlen={preflight.tokens_text(seqlen)} batch={batch}"
+
+    def estimate(s: KVSpec) -> preflight.MemoryPlan:  # a changed run, planned by a fresh system: the ways out
+        return preflight.plan_memory(model_cfg, build_system(cfg.system, system_name), s, s.prompt_tokens)
+
+    preflight.check_memory(plan, device, numbers.gpu_mem_gb, what, estimate, spec, model_cfg.name)
     decode_mode = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
     if cfg.workload.prompt not in PROMPTS:
         raise ConfigError(f"workload.prompt={cfg.workload.prompt!r}; valid: {', '.join(PROMPTS)}")
@@ -82,26 +99,25 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
 
         query_process = ProfileQueryProcess.from_profile(
             queries, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.group_size, device)
+    tokenizer = load_tokenizer(source, cfg.model)  # the prompt too: a needle needs a tokenizer and room
+    prompt = build_prompt(cfg.workload.prompt, seqlen, batch, numbers.seed, tokenizer, model_cfg.vocab_size,
+                          numbers.needle_depth)
 
     # ---- long work ---------------------------------------------------------------------------------------
     query_desc = query_process.description if query_process is not None else "the model's own queries"
     log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}")
-    model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), int(cfg.seed), device, dtype)
+    model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), numbers.seed, device, dtype)
     model.query_process = query_process
-    spec = KVSpec(**{**spec.__dict__, "gpu_budget_bytes": budget})
     # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and decode_mode != "graph")
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
-    tokenizer = load_tokenizer(source, cfg.model)
-    prompt = build_prompt(cfg.workload.prompt, seqlen, batch, int(cfg.seed), tokenizer, model_cfg.vocab_size,
-                          float(cfg.workload.needle_depth))
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
     trace = Path(cfg.trace_dir) / "decode_step.trace.json" if cfg.get("trace_dir") else None
     gen = run_generation(model, system, prompt.tokens.to(device), gen_tokens, stop, decode_mode, trace,
-                         int(cfg.workload.warmup_steps))
+                         numbers.warmup_steps)
 
     text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
-    hbm = cfg.hardware.hbm_gb_s or copy_bandwidth_gb_s(device)
+    hbm = numbers.hbm_gb_s or copy_bandwidth_gb_s(device)
     state = system.describe()
     return {
         "system": system_name,
@@ -115,9 +131,9 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         "prompt": {"kind": prompt.kind, "tokens": int(prompt.tokens.shape[1]), **prompt.meta},
         "answer": {"expected": prompt.answer, "text": text,
                    "found": (prompt.answer in text) if prompt.answer and text is not None else None},
-        "environment": environment(device),
+        "environment": {**environment(device), "device_free_gb_at_start": free_at_start},
         "metrics": metrics(gen, system, model_cfg, spec, seqlen, hbm, state.get("link_gb_s"),
-                           int(cfg.workload.warmup_steps)),
+                           numbers.warmup_steps),
         "system_state": state,
         "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
         "steps": [s.as_dict() for s in gen.steps],

@@ -1,9 +1,16 @@
-"""Checks that run before any weight is loaded: sequence length, memory. A run that cannot fit is refused with
-the estimate and a way out, instead of starting and dying from an out-of-memory kill."""
+"""Checks that run before any weight is loaded: the command line's keys, numbers, sequence length, memory. A run
+that cannot fit is refused with the estimate and the ways out that would fit, instead of starting and dying from
+an out-of-memory kill."""
 from __future__ import annotations
 
+import difflib
+import math
 import re
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,10 +36,183 @@ def parse_tokens(value: int | str, what: str = "seqlen") -> int:
     return n
 
 
+def tokens_text(n: int) -> str:
+    """The short spelling of a token count, parse_tokens' inverse: 4096 -> '4k', 1048576 -> '1m', 7680 -> '7680'."""
+    for unit, size in (("m", 1024**2), ("k", 1024)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+# ---- the command line's keys ---------------------------------------------------------------------------------
+CONF = Path(__file__).resolve().parent.parent / "conf"
+# Sections whose keys are all in their yaml: a `+section.key=` append adds a setting that nothing reads.
+SECTIONS = ("model", "system", "workload", "hardware", "wandb")
+
+
+def top_level_keys() -> tuple[set[str], set[str]]:
+    """(keys, config groups) that a command line may name at the top level: the primary config's keys, those the
+    experiment bundles (package _global_) set, and the config groups (conf/<group>/, e.g. +experiment=...)."""
+    from omegaconf import OmegaConf
+
+    keys = {"hydra"}
+    for path in [CONF / "config.yaml", *sorted((CONF / "experiment").glob("*.yaml"))]:
+        keys |= {str(k) for k in OmegaConf.load(path) if k != "defaults"}
+    groups = {p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra" and any(p.glob("*.yaml"))}
+    return keys - groups, groups
+
+
+def check_override_keys(overrides: list[str], extra: tuple[str, ...] = ()) -> None:
+    """Refuses a command-line override whose top-level key is no key of the config (a typo such as `sytem=clo`,
+    or `+sytem=clo`, which Hydra would add and the run would ignore), and a `+section.key=` append into one of
+    the project's own sections (the key is new, so nothing reads it). `extra`: top-level keys the entry point
+    itself reads (e.g. experiments.profile's +profile_out). Overrides Hydra cannot parse are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    keys, groups = top_level_keys()
+    valid = keys | groups | set(extra)
+    parser = OverridesParser.create()
+    for text in overrides:
+        try:
+            o = parser.parse_override(text)
+        except HydraException:
+            continue
+        key = o.key_or_group
+        top = re.split(r"[./]", key)[0]
+        if top not in valid:
+            near = difflib.get_close_matches(top, sorted(valid), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise ConfigError(
+                f"unknown key {top!r} in {text!r}{hint}; the top-level keys are {', '.join(sorted(keys | set(extra)))}"
+                f" and the config groups {', '.join(sorted(groups))}")
+        if o.is_add() and top in SECTIONS and "." in key:
+            where = f"conf/{top}/*.yaml" if top in groups else "conf/config.yaml"
+            raise ConfigError(f"{text!r} adds a setting {key!r} that nothing reads: {top}'s settings are the keys in "
+                              f"{where}, set without '+'")
+
+
+# Hydra's flags that take the next argument as their value (hydra._internal.utils.get_args_parser).
+_VALUE_FLAGS = {"--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+                "--cfg", "-c", "--package", "-p", "--info", "-i", "--experimental-rerun"}
+
+
+def command_line_overrides(argv: list[str]) -> list[str]:
+    """The overrides of a Hydra command line: its arguments that are neither flags nor a flag's value."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a.startswith("-"):
+            skip = a in _VALUE_FLAGS
+        elif "=" in a or a.startswith("~"):
+            out.append(a)
+    return out
+
+
+def refuse_unknown_keys(argv: list[str] | None = None, extra: tuple[str, ...] = ()) -> None:
+    """check_override_keys() on a command line (before Hydra composes it): one `error:` line, exit status 2."""
+    overrides = command_line_overrides(sys.argv[1:] if argv is None else argv)
+    try:
+        check_override_keys(overrides, extra)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ---- numbers and switches ------------------------------------------------------------------------------------
+def integer(value: Any, key: str, minimum: int | None = None) -> int:
+    """A whole number from the config (an int, an integral float, or a string of digits), else a ConfigError."""
+    n = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        n = int(value)
+    if n is None:
+        raise ConfigError(f"{key}={value!r}: expected a whole number")
+    if minimum is not None and n < minimum:
+        raise ConfigError(f"{key}={n} must be at least {minimum}")
+    return n
+
+
+def number(value: Any, key: str, low: float | None = None, high: float | None = None, *, above: bool = False,
+           null: bool = False) -> float | None:
+    """A real number from the config, at least `low` (above it with above=True) and at most `high`; null: None
+    is allowed."""
+    if value is None and null:
+        return None
+    x = None
+    if not isinstance(value, bool):
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            pass
+    if x is None or math.isnan(x):
+        raise ConfigError(f"{key}={value!r}: expected a number" + (" or null" if null else ""))
+    if low is not None and high is not None and not low <= x <= high:
+        raise ConfigError(f"{key}={value!r} must lie in [{low:g}, {high:g}]")
+    if low is not None and (x <= low if above else x < low):
+        raise ConfigError(f"{key}={value!r} must be {'above' if above else 'at least'} {low:g}")
+    if high is not None and x > high:
+        raise ConfigError(f"{key}={value!r} must be at most {high:g}")
+    return x
+
+
+def switch(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    return value
+
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class RunNumbers:
+    seqlen: int
+    batch: int
+    seed: int
+    gen_tokens: int
+    warmup_steps: int
+    needle_depth: float
+    gpu_mem_gb: float | None
+    hbm_gb_s: float | None
+
+
+def check_numbers(cfg) -> RunNumbers:
+    """Every top-level number and switch of a run, checked: one ConfigError naming the key and its value."""
+    for key in ("force", "profile_phases", "workload.stop_at_eos", "wandb.enabled"):
+        value = _select(cfg, key)
+        if value is not _MISSING:
+            switch(value, key)
+    hw = cfg.get("hardware") or {}
+    return RunNumbers(
+        seqlen=parse_tokens(cfg.seqlen, "seqlen"),
+        batch=integer(cfg.batch, "batch", 1),
+        seed=integer(cfg.seed, "seed", 0),
+        gen_tokens=integer(cfg.workload.gen_tokens, "workload.gen_tokens", 1),
+        warmup_steps=integer(cfg.workload.get("warmup_steps", 0), "workload.warmup_steps", 0),
+        needle_depth=number(cfg.workload.get("needle_depth", 0.5), "workload.needle_depth", 0.0, 1.0),
+        gpu_mem_gb=number(hw.get("gpu_mem_gb"), "hardware.gpu_mem_gb", 0.0, above=True, null=True),
+        hbm_gb_s=number(hw.get("hbm_gb_s"), "hardware.hbm_gb_s", 0.0, above=True, null=True),
+    )
+
+
+def _select(cfg, key: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, default=_MISSING)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={name!r}; valid: auto, cpu, cuda, cuda:<index>") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={name} but CUDA is not available here; use device=auto or device=cpu")
     return dev
@@ -110,27 +290,123 @@ def host_available_bytes() -> int:
     return info.get("MemAvailable", info.get("MemFree", 0))
 
 
-def check_memory(plan: MemoryPlan, device: torch.device, gpu_mem_gb: float | None, what: str) -> int | None:
-    """Refuses a run that cannot fit. Returns the KV system's device-memory budget in bytes, or None where no
-    budget applies (a CPU run without hardware.gpu_mem_gb). On a CPU run, gpu_mem_gb emulates a card's memory."""
-    way_out = ("Ways out: a shorter seqlen, a smaller batch, a smaller model (model=smollm2), "
-               "an offloading system instead of fullattn, or a machine with more memory.")
+@dataclass
+class Limits:
+    """What a run may use: the host's available RAM and the device budget (None where none applies: a CPU run
+    without hardware.gpu_mem_gb)."""
+    device: torch.device
+    host: int
+    budget: int | None
+    where: str = ""
+    emulated: bool = False  # the budget is hardware.gpu_mem_gb (on a CPU run, or below what is free on a GPU)
+
+
+def memory_limits(device: torch.device, gpu_mem_gb: float | None) -> Limits:
     host = host_available_bytes()
-    host_need = plan.kv_host + (plan.device_total if device.type == "cpu" else 0)
-    if host_need > host:
-        raise ConfigError(f"{what} needs about {host_need / GB:.1f} GB of RAM on this host (weights "
-                          f"{plan.weights / GB:.1f}, KV {(plan.kv_device + plan.kv_host) / GB:.1f}, activations "
-                          f"{plan.activations / GB:.1f}) but {host / GB:.1f} GB is available. {way_out}")
     if device.type == "cpu":
         if gpu_mem_gb is None:
-            return None
-        budget, where = int(gpu_mem_gb * GB), "hardware.gpu_mem_gb"
+            return Limits(device, host, None)
+        return Limits(device, host, int(gpu_mem_gb * GB), "hardware.gpu_mem_gb", emulated=True)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = free if gpu_mem_gb is None else min(int(gpu_mem_gb * GB), free)
+    return Limits(device, host, budget, f"{free / GB:.1f} GB free of {total / GB:.1f}", emulated=budget < free)
+
+
+def kv_budget(cfg: ModelConfig, spec: KVSpec, gpu_mem_gb: float | None) -> int | None:
+    """The device bytes a KV system may plan for: the budget less the weights and the prefill's activations
+    (None where no budget applies). A system plans under it (CLO's persistent heads), so it is known before the
+    system's estimate; check_memory then returns the same number for a run that fits."""
+    limits = memory_limits(spec.device, gpu_mem_gb)
+    if limits.budget is None:
+        return None
+    fixed = cfg.num_params * spec.dtype_bytes + activation_bytes(cfg, spec.prompt_tokens, spec.batch, spec.dtype_bytes)
+    return max(limits.budget - fixed, 0)
+
+
+def shortfall(plan: MemoryPlan, limits: Limits) -> tuple[str, str] | None:
+    """None when the plan fits; else (which memory is short, "host" or "device"; the sentence that says so)."""
+    host_need = plan.kv_host + (plan.device_total if limits.device.type == "cpu" else 0)
+    if host_need > limits.host:
+        return "host", (
+            f"needs about {host_need / GB:.1f} GB of RAM on this host (weights {plan.weights / GB:.1f}, KV "
+            f"{(plan.kv_device + plan.kv_host) / GB:.1f}, activations {plan.activations / GB:.1f}) but "
+            f"{limits.host / GB:.1f} GB is available")
+    if limits.budget is not None and plan.device_total > limits.budget:
+        where = f" ({limits.where})" if limits.where else ""
+        return "device", (
+            f"needs about {plan.device_total / GB:.1f} GB of GPU memory (weights {plan.weights / GB:.1f}, KV "
+            f"{plan.kv_device / GB:.1f}, activations {plan.activations / GB:.1f}) but the budget is "
+            f"{limits.budget / GB:.1f} GB{where}")
+    return None
+
+
+def largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
+    """The largest n in [lo, hi] with fits(n), for fits true up to some n and false above it; None if none."""
+    if hi < lo or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def ways_out(plan: MemoryPlan, limits: Limits, short: str, estimate: Callable[[KVSpec], MemoryPlan] | None,
+             spec: KVSpec | None, model_name: str | None) -> str:
+    """The ways out of a run that does not fit, for this system, device and shortage: first the changes that fit
+    by the same estimate (bfloat16 instead of float32, the longest prompt, the largest batch), then the others."""
+    fitting: list[str] = []
+    if estimate is not None and spec is not None:
+        def fits(sp: KVSpec) -> bool:
+            try:
+                return shortfall(estimate(sp), limits) is None
+            except ConfigError:
+                return False  # this variant is refused for another reason
+
+        bases = [("", spec)]
+        if spec.dtype == torch.float32:
+            bf16 = replace(spec, dtype=torch.bfloat16)
+            if fits(bf16):
+                p = estimate(bf16)
+                need = p.kv_host + p.device_total if limits.device.type == "cpu" else p.device_total
+                fitting.append(f"dtype=bfloat16 (about {need / GB:.1f} GB)")
+            else:  # neither alone: bfloat16 with a shorter prompt or a smaller batch may
+                bases.append(("dtype=bfloat16 with ", bf16))
+        for label, base in bases:
+            gen = base.max_len - base.prompt_tokens
+            n = largest(lambda t, base=base, gen=gen: fits(replace(base, max_len=t + gen, prompt_len=t)), 1,
+                        base.prompt_tokens - 1)
+            if n is not None:
+                fitting.append(f"{label}seqlen={tokens_text(n // 1024 * 1024 if n >= 1024 else n)} or shorter")
+            b = largest(lambda b, base=base: fits(replace(base, batch=b)), 1, base.batch - 1)
+            if b is not None:
+                fitting.append(f"{label}batch={b}" + (" or smaller" if b > 1 else ""))
+            if n is not None or b is not None:
+                break
+    other: list[str] = []
+    if short == "device" and plan.kv_host == 0:
+        other.append("an offloading system that keeps the KV on the host (system=clo, retroinfer or infinigen)")
+    if model_name is not None and model_name != "smollm2":
+        other.append("a smaller model (model=smollm2)")
+    if short == "host":
+        other.append("a machine with more RAM")
+    elif limits.emulated:
+        other.append("a larger hardware.gpu_mem_gb")
     else:
-        free, total = torch.cuda.mem_get_info(device)
-        budget = free if gpu_mem_gb is None else min(int(gpu_mem_gb * GB), free)
-        where = f"{free / GB:.1f} GB free of {total / GB:.1f}"
-    if plan.device_total > budget:
-        raise ConfigError(f"{what} needs about {plan.device_total / GB:.1f} GB of GPU memory (weights "
-                          f"{plan.weights / GB:.1f}, KV {plan.kv_device / GB:.1f}, activations "
-                          f"{plan.activations / GB:.1f}) but the budget is {budget / GB:.1f} GB ({where}). {way_out}")
-    return budget - plan.weights - plan.activations
+        other.append("a GPU with more free memory")
+    if fitting:
+        return f"Ways out that fit by this estimate: {', '.join(fitting)}. Or: {', '.join(other)}."
+    return f"Ways out: {', '.join(other)}."
+
+
+def check_memory(plan: MemoryPlan, device: torch.device, gpu_mem_gb: float | None, what: str,
+                 estimate: Callable[[KVSpec], MemoryPlan] | None = None, spec: KVSpec | None = None,
+                 model_name: str | None = None) -> int | None:
+    """Refuses a run that cannot fit, with the ways out (estimate(spec) -> MemoryPlan re-plans a changed run, to
+    say which changes would fit). Returns the KV system's device-memory budget in bytes, or None where no budget
+    applies (a CPU run without hardware.gpu_mem_gb). On a CPU run, gpu_mem_gb emulates a card's memory."""
+    limits = memory_limits(device, gpu_mem_gb)
+    short = shortfall(plan, limits)
+    if short is not None:
+        kind, sentence = short
+        raise ConfigError(f"{what} {sentence}. {ways_out(plan, limits, kind, estimate, spec, model_name)}")
+    return None if limits.budget is None else limits.budget - plan.weights - plan.activations

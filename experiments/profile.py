@@ -1,8 +1,10 @@
 """Offline profile of query reuse (spec 2.3): per layer and KV head, the mean cosine similarity of a query
 head's query to its query one step earlier (s_hat_i), averaged over the head's query group and the steps.
-Also the per-head distribution the paper plots (Fig. 4-6). Writes data/profiles/<model>.json.
+Also the per-head distribution the paper plots (Fig. 4-6). Writes data/profiles/<model>.json, or +profile_out=<path>;
+an existing file (data/profiles/smollm2.json is committed) is only replaced with force=true.
 
-    python -m experiments.profile model=smollm2 seqlen=3k workload.gen_tokens=64 workload.stop_at_eos=false
+    python -m experiments.profile model=smollm2 seqlen=3k workload.gen_tokens=64 workload.stop_at_eos=false \
+        +profile_out=/tmp/smollm2.json
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from kvoffload.model.weights import build_decoder
 from kvoffload.paths import ROOT
 from experiments import preflight
 from experiments.execute import load_tokenizer, weights_source
-from experiments.records import environment, write_measurement
+from experiments.records import environment, refuse, write_measurement
 from experiments.timing import link_gb_s
 from experiments.workloads import build_prompt
 
@@ -58,21 +60,22 @@ def decode_real(cfg: DictConfig, make_kv, min_steps: int = 3) -> tuple[ModelConf
     source = weights_source(cfg.model)
     if source == "synthetic":
         raise ConfigError("profiling needs real weights (model.path=... or smollm2): synthetic queries mean nothing")
-    seqlen, gen = preflight.parse_tokens(cfg.seqlen), int(cfg.workload.gen_tokens)
+    numbers = preflight.check_numbers(cfg)
+    seqlen, gen, batch, seed = numbers.seqlen, numbers.gen_tokens, numbers.batch, numbers.seed
     if gen < min_steps:
         raise ConfigError(f"workload.gen_tokens must be at least {min_steps}")
     preflight.check_length(model_cfg, seqlen, gen)
     device = preflight.resolve_device(cfg.device)
     dtype = preflight.resolve_dtype(cfg.dtype, device)
-    model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), int(cfg.seed), device, dtype)
     tokenizer = load_tokenizer(source, cfg.model)
-    prompt = build_prompt(cfg.workload.prompt, seqlen, int(cfg.batch), int(cfg.seed), tokenizer,
-                          model_cfg.vocab_size, float(cfg.workload.needle_depth))
+    prompt = build_prompt(cfg.workload.prompt, seqlen, batch, seed, tokenizer, model_cfg.vocab_size,
+                          numbers.needle_depth)
+    model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), seed, device, dtype)
     kv = make_kv(model_cfg, seqlen)
-    kv.allocate(KVSpec(model_cfg.num_layers, int(cfg.batch), seqlen + gen, model_cfg.num_heads,
+    kv.allocate(KVSpec(model_cfg.num_layers, batch, seqlen + gen, model_cfg.num_heads,
                        model_cfg.num_kv_heads, model_cfg.head_dim, dtype, device, link_gb_s=link_gb_s(device)))
     generate(model, kv, prompt.tokens.to(device), gen)  # no early stop: every step is a sample
-    desc = f"{weights_desc}; {prompt.kind} prompt of {seqlen} tokens, {gen} greedy steps, batch {cfg.batch}"
+    desc = f"{weights_desc}; {prompt.kind} prompt of {seqlen} tokens, {gen} greedy steps, batch {batch}"
     return model_cfg, kv, desc
 
 
@@ -93,14 +96,27 @@ def profile(cfg: DictConfig) -> dict:
     }
 
 
+def output_path(cfg: DictConfig) -> Path:
+    """Where the profile goes: +profile_out, else data/profiles/<model>.json. An existing file is refused (a
+    ConfigError, before any work) unless force=true: the committed profiles are inputs of CLO's runs."""
+    out = Path(cfg.get("profile_out") or ROOT / "data" / "profiles" / f"{cfg.model.name}.json")
+    if out.exists() and preflight.switch(cfg.force, "force") is not True:
+        raise ConfigError(f"{out} exists; force=true overwrites it, or +profile_out=<another path> writes elsewhere")
+    return out
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    data, out = write_measurement(profile, cfg, lambda d: Path(cfg.get("profile_out")
-                                                               or ROOT / "data" / "profiles" / f"{d['model']}.json"))
+    try:
+        out = output_path(cfg)
+    except ConfigError as e:
+        refuse(e)
+    data, out = write_measurement(profile, cfg, lambda d: out)
     s = torch.tensor(data["s_hat"])
     print(f"s_hat over {s.numel()} heads: mean {s.mean():.3f}, min {s.min():.3f}, "
           f"{(s > 0.8).float().mean() * 100:.0f}% above 0.8 -> {out}")
 
 
 if __name__ == "__main__":
+    preflight.refuse_unknown_keys(extra=("profile_out",))
     main()

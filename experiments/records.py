@@ -1,36 +1,107 @@
-"""Run records: one folder per run under results_dir, named after the run's overrides (so a sweep that is run
-again finds its finished runs), holding record.json written atomically."""
+"""Run records: one folder per run under results_dir, named after the run's overrides as resolved values (so a
+sweep that is run again finds its finished runs, however a value was spelled), holding record.json written
+atomically; and the end-of-sweep summary (a Hydra callback)."""
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+from hydra.experimental.callback import Callback
 
 from kvoffload.errors import ConfigError
 from kvoffload.paths import ROOT, write_json_atomic
 
 # Overrides that change where or how a run is reported, not what it measures.
-NOT_IDENTITY = ("results_dir", "force", "wandb.", "hydra.")
+NOT_IDENTITY = ("results_dir", "force", "wandb", "hydra")
 
 
-def run_name(overrides: list[str]) -> str:
-    """A readable, filesystem-safe name plus a hash of the overrides that define the run."""
-    ident = sorted(o for o in overrides if not o.lstrip("+~").startswith(NOT_IDENTITY))
+def config_error(e: BaseException | None) -> ConfigError | None:
+    """The ConfigError behind an exception: itself, or the one it was raised from (hydra.utils.instantiate wraps a
+    constructor's ConfigError in an InstantiationException whose __cause__ it is)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ConfigError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__
+    return None
+
+
+def one_line(message: object) -> str:
+    return "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
+
+
+def _value_text(key: str, value: Any) -> str:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if key == "seqlen":
+        from experiments.preflight import parse_tokens, tokens_text
+
+        try:
+            return tokens_text(parse_tokens(value))
+        except ConfigError:
+            return str(value)  # refused by the run itself; its record lands under the spelling given
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    if value is None or isinstance(value, (bool, list, dict)):
+        return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return str(value)
+
+
+def run_identity(cfg, overrides: list[str], choices: dict[str, Any]) -> list[str]:
+    """The overrides that define a run, each as key=<its resolved value> (seqlen=4096 and seqlen=4k both read
+    seqlen=4k, system.eta=0.80 reads system.eta=0.8, a config group its choice), sorted, without the keys that only
+    change where or how a run is reported (NOT_IDENTITY)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    parser = OverridesParser.create()
+    ident = []
+    for text in overrides:
+        try:
+            o = parser.parse_override(text)
+        except HydraException:
+            ident.append(text)
+            continue
+        key = o.key_or_group
+        if re.split(r"[./]", key)[0] in NOT_IDENTITY:
+            continue
+        if o.is_delete():
+            ident.append(f"~{key}")
+        elif key in choices and o.package is None:  # a config group: its choice
+            ident.append(f"{'+' if o.is_add() else ''}{key}={choices[key]}")
+        else:
+            try:
+                value = OmegaConf.select(cfg, key, default=text)
+            except Exception:  # noqa: BLE001 - an interpolation that does not resolve: the run reports it
+                value = text
+            ident.append(f"{key}={_value_text(key, value)}" if value is not text else text)
+    return sorted(ident)
+
+
+def run_name(identity: list[str]) -> str:
+    """A readable, filesystem-safe name plus a hash of the run's identity (run_identity)."""
+    ident = sorted(identity)
     digest = hashlib.sha1("\n".join(ident).encode()).hexdigest()[:8]
     readable = ",".join(ident) or "defaults"
     safe = "".join(c if c.isalnum() or c in "=,.-_" else "_" for c in readable)[:120]
     return f"{safe}-{digest}"
 
 
-def record_path(results_dir: Path, overrides: list[str]) -> Path:
-    return results_dir / run_name(overrides) / "record.json"
+def record_path(results_dir: Path, identity: list[str]) -> Path:
+    return results_dir / run_name(identity) / "record.json"
 
 
 def finished(path: Path) -> bool:
@@ -85,14 +156,76 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
+def refuse(e: ConfigError) -> NoReturn:
+    """The one way bad input ends a command: one `error:` line on stderr, exit status 2."""
+    print(f"error: {one_line(e)}", file=sys.stderr)
+    sys.exit(2)
+
+
 def write_measurement(measure, cfg, out) -> tuple[dict, Path]:
     """A measuring command's body: data = measure(cfg), written atomically to out(data) (a Path). A ConfigError
-    is printed and exits with status 2 before anything is written."""
+    (also one wrapped by hydra.utils.instantiate) is printed and exits with status 2 before anything is written."""
     try:
         data = measure(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except Exception as e:
+        err = config_error(e)
+        if err is None:
+            raise
+        refuse(err)
     path = out(data)
     write_json_atomic(path, data)
     return data, path
+
+
+class SweepSummary(Callback):
+    """A --multirun's end: one table on stderr, a line per job (the overrides that tell it from the others; ok,
+    skipped or failed with its error), and exit status 1 when any job failed. A job's task returns
+    {"status": "ok" | "skipped" | "failed", "error": ...}; any other return counts as ok, an exception as failed.
+    Jobs are collected in this process, as Hydra's basic launcher runs them."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[int, list[str], str, str]] = []
+
+    def on_multirun_start(self, config, **kwargs: Any) -> None:
+        self.jobs = []
+
+    def on_job_end(self, config, job_return, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+
+        num = int(config.hydra.job.get("num", len(self.jobs)) or 0)
+        outcome = job_return._return_value  # .return_value re-raises a failed job's exception
+        if job_return.status != JobStatus.COMPLETED:
+            status, error = "failed", f"{type(outcome).__name__}: {one_line(outcome)}"
+        elif isinstance(outcome, dict) and outcome.get("status") in ("ok", "skipped", "failed"):
+            status, error = outcome["status"], outcome.get("error") or ""
+        else:
+            status, error = "ok", ""
+        self.jobs.append((num, list(job_return.overrides or []), status, error))
+
+    def on_multirun_end(self, config, **kwargs: Any) -> None:
+        if not self.jobs:
+            return
+        failed = any(status == "failed" for _, _, status, _ in self.jobs)
+        print(self.table(), file=sys.stderr, flush=True)
+        self.jobs = []
+        if failed:
+            sys.exit(1)
+
+    def table(self) -> str:
+        def hidden(o: str) -> bool:  # where the sweep writes: the same for every job, and long
+            return re.split(r"[./=]", o.lstrip("+~"))[0] in ("hydra", "results_dir")
+
+        overrides = [ov for _, ov, _, _ in self.jobs]
+        common = set.intersection(*map(set, overrides)) if len(overrides) > 1 else set()
+        rows = [(str(num), status, " ".join(o for o in ov if o not in common and not hidden(o)) or "(no overrides)",
+                 error) for num, ov, status, error in self.jobs]
+        counts = {s: sum(r[1] == s for r in rows) for s in ("ok", "skipped", "failed")}
+        jobs = f"{len(rows)} job" + ("s" if len(rows) != 1 else "")
+        shared = [o for o in overrides[0] if o in common and not hidden(o)]
+        head = (f"[sweep] {jobs}: {counts['ok']} ok, {counts['skipped']} skipped, {counts['failed']} failed"
+                + (f" (all with {' '.join(shared)})" if shared else ""))
+        w0 = max(len(r[0]) for r in rows)
+        w2 = max(len(r[2]) for r in rows)
+        lines = [head] + [f"  #{n:<{w0}}  {s:<7}  {ov:<{w2}}" + (f"  error: {e}" if e else "")
+                          for n, s, ov, e in rows]
+        return "\n".join(line.rstrip() for line in lines)

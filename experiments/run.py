@@ -1,7 +1,10 @@
 """The one run command: `python -m experiments.run [group=option ...] [--multirun]`.
 
-Each run writes results/runs/<name>/record.json (composed config, environment, metrics). A run whose record
-exists is skipped (force=true repeats it); in a sweep a failing run records its error and the sweep goes on."""
+Each run writes results/runs/<name>/record.json (composed config, environment, metrics); <name> is its overrides
+as resolved values (records.run_identity). A run whose record exists is skipped (force=true repeats it); in a
+sweep a failing run records its error and the sweep goes on, and the sweep ends with a table of its jobs
+(records.SweepSummary) and exit status 1 if any failed. Bad input (a ConfigError wherever it is raised, an
+unknown key) ends a single run with one `error:` line and exit status 2, before any long work."""
 from __future__ import annotations
 
 import sys
@@ -13,9 +16,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from kvoffload.errors import ConfigError
 from kvoffload.paths import write_json_atomic
-from experiments.records import finished, record_path
+from experiments import preflight
+from experiments.records import config_error, finished, one_line, record_path, refuse, run_identity
 
 
 def summary(rec: dict) -> str:
@@ -60,42 +63,83 @@ def log_wandb(cfg: DictConfig, rec: dict, name: str) -> None:
         run.finish()
 
 
-def task(cfg: DictConfig) -> dict | None:
+def task(cfg: DictConfig) -> dict:
+    """One run; returns its outcome for the sweep's summary: {"status": "ok" | "skipped" | "failed", "error",
+    "record"}."""
     from experiments.execute import execute  # after Hydra has parsed: keeps --help and bad overrides fast
 
     hc = HydraConfig.get()
     overrides = list(hc.overrides.task)
-    path = record_path(Path(cfg.results_dir), overrides)
-    if finished(path) and not cfg.force:
+    choices = dict(hc.runtime.choices)
+    identity = run_identity(cfg, overrides, choices)
+    path = record_path(Path(cfg.results_dir), identity)
+    if finished(path) and not preflight.switch(cfg.force, "force"):
         print(f"[run] skip: {path} exists (force=true repeats it)", file=sys.stderr)
-        return None
-    system_name = hc.runtime.choices.get("system", "?")
-    base = {"run": path.parent.name, "overrides": overrides, "config": OmegaConf.to_container(cfg, resolve=True)}
+        return {"status": "skipped", "error": None, "record": str(path)}
+    system_name = choices.get("system", "?")
+    base = {"run": path.parent.name, "overrides": overrides, "identity": identity,
+            "config": OmegaConf.to_container(cfg, resolve=True)}
     try:
         rec = {"status": "ok", **base, **execute(cfg, system_name)}
     except Exception as e:  # noqa: BLE001 - recorded, then re-raised or survived (multirun)
-        kind = "config" if isinstance(e, ConfigError) else "crash"
-        write_json_atomic(path, {"status": "failed", "error_kind": kind, "error": str(e),
+        err = config_error(e)
+        kind, message = ("config", one_line(err)) if err is not None else ("crash", one_line(f"{type(e).__name__}: {e}"))
+        write_json_atomic(path, {"status": "failed", "error_kind": kind, "error": message,
                                  "traceback": traceback.format_exc(), **base})
         if hc.mode == RunMode.MULTIRUN:
-            print(f"[run] FAILED ({kind}): {e}\n      recorded in {path}; the sweep continues", file=sys.stderr)
-            return None
-        if isinstance(e, ConfigError):
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            print(f"[run] FAILED ({kind}): {message}\n      recorded in {path}; the sweep continues", file=sys.stderr)
+            return {"status": "failed", "error": message, "record": str(path)}
+        if err is not None:
+            refuse(err)
         raise
     write_json_atomic(path, rec)
     print(summary(rec))
     print(f"[run] record: {path}", file=sys.stderr)
     if cfg.wandb.enabled:
         log_wandb(cfg, rec, path.parent.name)
-    return rec
+    return {"status": "ok", "error": None, "record": str(path)}
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    task(cfg)
+def main(cfg: DictConfig) -> dict:
+    """task(cfg), whose outcome records.SweepSummary reads. The one catch point for bad input: a ConfigError that
+    escapes it (task records and refuses those of the run itself; this catches any other, e.g. a bad force=), also
+    one Hydra wrapped, is one `error:` line and exit status 2, or in a sweep a failed job."""
+    try:
+        return task(cfg)
+    except Exception as e:
+        err = config_error(e)
+        if err is None:
+            raise
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            print(f"[run] FAILED (config): {one_line(err)}; the sweep continues", file=sys.stderr)
+            return {"status": "failed", "error": one_line(err), "record": None}
+        refuse(err)
+    finally:
+        release_memory()
+
+
+def release_memory() -> None:
+    """What a job allocated goes back before the next job of a sweep starts (a job must not inherit the previous
+    one's allocations: it would plan under less free memory): its objects (gc breaks the model's and the system's
+    reference cycles), the CUDA caching allocator's reserve and its cached pinned host blocks."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(torch._C, "_host_emptyCache", None)
+        if empty_host is not None:
+            empty_host()
+
+
+def cli() -> None:
+    preflight.refuse_unknown_keys()  # before Hydra composes: a typo'd key gets one line, not Hydra's `+key` hint
+    main()
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -220,7 +220,7 @@ def test_speculative_prepare_drives_the_lookup():
     (dict(transfer="dma"), "transfer"), (dict(cpu_threads=0), "cpu_threads"), (dict(topk="heap"), "topk"),
     (dict(uva_programs=0), "uva_programs"), (dict(persist_query="next"), "persist_query"),
     (dict(persist_query="speculative", speculative=False), "persist_query"),
-    (dict(threshold_override=5.0), "threshold_override"), (dict(n=0.0), "system.n"), (dict(rbit=12), "rbit"),
+    (dict(threshold_override=5.0), "threshold_override"), (dict(n=0.0), "n=0.0"), (dict(rbit=12), "rbit"),
     (dict(epsilon=3.0), "epsilon"), (dict(layer_time_ms=0.0), "layer_time_ms"), (dict(link_gb_s=-1.0), "link_gb_s"),
     (dict(retreiver="hash"), "retreiver"),
 ])

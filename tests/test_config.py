@@ -51,3 +51,156 @@ def test_parse_tokens(text, tokens):
 def test_parse_tokens_rejects(bad):
     with pytest.raises(ConfigError):
         parse_tokens(bad)
+
+
+@pytest.mark.parametrize("tokens,text", [(4096, "4k"), (131072, "128k"), (1048576, "1m"), (7680, "7680"),
+                                         (64, "64"), (1536, "1536"), (2 * 1048576, "2m")])
+def test_tokens_text_is_the_short_spelling(tokens, text):
+    from experiments.preflight import tokens_text
+
+    assert tokens_text(tokens) == text and parse_tokens(text) == tokens
+
+
+# ---- the command line's keys --------------------------------------------------------------------------------
+ROOT = CONF.parent
+
+
+def shown_overrides(module: str) -> list[str]:
+    """The overrides of every `python -m <module>` command the README and the experiment bundles show."""
+    import re
+
+    texts = [(ROOT / "README.md").read_text(), *(p.read_text() for p in sorted((CONF / "experiment").glob("*.yaml")))]
+    out = []
+    for text in texts:
+        for cmd in re.findall(rf"-m {re.escape(module)}\b((?:[^\n]|\\\n)*)", text.replace("\\\n", " ")):
+            out += [t for t in cmd.split() if "=" in t and not t.startswith("-")]
+    return out
+
+
+def test_every_shown_command_passes_the_key_check():
+    from experiments.preflight import check_override_keys
+
+    run_overrides = shown_overrides("experiments.run")
+    assert {"+experiment=fig2_breakdown", "+ablation=base,t,tg,tgp"} <= set(run_overrides)
+    check_override_keys(run_overrides)
+    profile_overrides = shown_overrides("experiments.profile")
+    assert any(o.startswith("+profile_out=") for o in profile_overrides)
+    check_override_keys(profile_overrides, extra=("profile_out",))
+    check_override_keys(["hydra.verbose=true", "hydra/launcher=basic", "~trace_dir", "++seqlen=1k",
+                         "hydra.sweeper.params.seqlen=1k", "model.path=/x", "system@other=clo"])
+
+
+@pytest.mark.parametrize("override,extra,words", [
+    ("+sytem=clo", (), ["'sytem'", "did you mean system?", "seqlen", "experiment"]),
+    ("sytem=clo", (), ["'sytem'"]),
+    ("~sytem", (), ["'sytem'"]),
+    ("+profile_out=x.json", (), ["'profile_out'"]),  # experiments.run does not read it
+    ("+system.etaa=0.5", (), ["system.etaa", "conf/system/*.yaml"]),
+    ("+workload.gen_token=4", (), ["workload.gen_token", "conf/workload/*.yaml"]),
+    ("+hardware.gpu_mem=4", (), ["hardware.gpu_mem", "conf/config.yaml"]),
+])
+def test_unknown_keys_are_refused(override, extra, words):
+    from experiments.preflight import check_override_keys
+
+    with pytest.raises(ConfigError) as e:
+        check_override_keys([override], extra)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_the_bundles_keys_are_top_level_keys():
+    """A bundle (package _global_) may set a top-level key of its own; the key check admits it."""
+    from omegaconf import OmegaConf
+
+    from experiments.preflight import top_level_keys
+
+    keys, groups = top_level_keys()
+    assert {"experiment", "ablation", "model", "system", "workload"} <= groups
+    for path in (CONF / "experiment").glob("*.yaml"):
+        assert set(OmegaConf.load(path)) - {"defaults"} <= keys | groups, path
+
+
+# ---- numbers and switches -------------------------------------------------------------------------------------
+def composed(*overrides: str):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("batch=abc", "batch='abc': expected a whole number"),
+    ("batch=0", "batch=0 must be at least 1"),
+    ("batch=1.5", "batch=1.5: expected a whole number"),
+    ("seed=x", "seed='x': expected a whole number"),
+    ("seed=-1", "seed=-1 must be at least 0"),
+    ("seqlen=lots", "seqlen='lots'"),
+    ("workload.gen_tokens=two", "workload.gen_tokens='two'"),
+    ("workload.warmup_steps=-1", "workload.warmup_steps=-1 must be at least 0"),
+    ("workload.needle_depth=1.5", "workload.needle_depth=1.5 must lie in [0, 1]"),
+    ("hardware.gpu_mem_gb=lots", "hardware.gpu_mem_gb='lots': expected a number or null"),
+    ("hardware.gpu_mem_gb=0", "hardware.gpu_mem_gb=0 must be above 0"),
+    ("hardware.hbm_gb_s=fast", "hardware.hbm_gb_s='fast'"),
+    ("hardware.gpu_mem_gb=true", "hardware.gpu_mem_gb=True: expected a number"),
+    ("force=maybe", "force='maybe': expected true or false"),
+    ("profile_phases=1", "profile_phases=1: expected true or false"),
+    ("workload.stop_at_eos=no", "workload.stop_at_eos='no'"),
+])
+def test_bad_numbers_are_config_errors(override, message):
+    from experiments.preflight import check_numbers
+
+    with pytest.raises(ConfigError) as e:
+        check_numbers(composed(override))
+    assert message in str(e.value)
+
+
+def test_good_numbers_pass():
+    from experiments.preflight import check_numbers
+
+    n = check_numbers(composed("seqlen=4k", "batch=2", "seed=3", "hardware.gpu_mem_gb=48", "batch=2.0"))
+    assert (n.seqlen, n.batch, n.seed, n.gpu_mem_gb, n.hbm_gb_s) == (4096, 2, 3, 48.0, None)
+
+
+# ---- run identity ---------------------------------------------------------------------------------------------
+def identity(*overrides: str) -> list[str]:
+    from experiments.records import run_identity
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    return run_identity(cfg, list(overrides), dict(cfg.hydra.runtime.choices))
+
+
+def test_run_identity_is_the_resolved_values():
+    from experiments.records import record_path
+
+    assert identity("seqlen=4096") == identity("seqlen=4k") == identity("seqlen=4K") == ["seqlen=4k"]
+    assert identity("seqlen=7680") == identity("seqlen=7.5k") == ["seqlen=7680"]
+    assert identity("system=clo", "system.eta=0.80") == identity("system.eta=0.8", "system=clo")
+    assert identity("batch=2.0") == identity("batch=2") == ["batch=2"]
+    assert identity("+experiment=clo_synthetic", "system=clo") == ["+experiment=clo_synthetic", "system=clo"]
+    assert identity("seqlen=1k", "results_dir=/x", "force=true", "wandb.enabled=false") == ["seqlen=1k"]
+    assert identity("seqlen=4k") != identity("seqlen=8k")
+    assert identity("trace_dir=null") == ["trace_dir=null"]
+    path = record_path(Path("r"), identity("model=llama3", "seqlen=131072"))
+    assert path.parent.name.startswith("model=llama3,seqlen=128k-")
+
+
+# ---- a system's ConfigError through hydra.utils.instantiate ---------------------------------------------------
+def test_config_error_is_unwrapped_from_instantiate():
+    from hydra.errors import InstantiationException
+
+    from experiments.execute import build_system
+    from experiments.records import config_error
+
+    cfg = composed("system=clo", "system.eta=1.5")
+    with pytest.raises(InstantiationException) as e:
+        instantiate(cfg.system)
+    assert isinstance(config_error(e.value), ConfigError) and "eta=1.5" in str(config_error(e.value))
+    assert config_error(RuntimeError("x")) is None
+    with pytest.raises(ConfigError, match=r"^system=clo: eta=1.5"):
+        build_system(cfg.system, "clo")
+
+
+def test_command_line_overrides_leave_hydras_flags_out():
+    from experiments.preflight import command_line_overrides
+
+    argv = ["--multirun", "-sc", "install=bash", "--config-name", "config", "seqlen=1k", "+experiment=ablation",
+            "~trace_dir", "--cfg", "job", "-p", "system", "system=clo,fullattn"]
+    assert command_line_overrides(argv) == ["seqlen=1k", "+experiment=ablation", "~trace_dir", "system=clo,fullattn"]

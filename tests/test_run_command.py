@@ -42,16 +42,112 @@ def test_default_run_finds_the_needle_with_real_weights(tmp_path):
     assert "FOUND" in p.stdout
 
 
+def sweep_table(stderr: str) -> dict[str, tuple[str, str]]:
+    """The end-of-sweep table: {the job's overrides: (status, error)}."""
+    lines = stderr[stderr.index("[sweep]"):].splitlines()[1:]
+    rows = {}
+    for line in lines:
+        left, _, error = line.partition("  error: ")
+        _num, status, overrides = left.split(maxsplit=2)
+        rows[overrides.strip()] = (status, error)
+    return rows
+
+
 def test_sweep_survives_a_failing_run_and_resumes(tmp_path):
-    p = run("--multirun", "seqlen=64,96,9000", *FAST, tmp=tmp_path)
+    p = run("--multirun", "seqlen=64,96,9000", *FAST, tmp=tmp_path, check=False)
+    assert p.returncode == 1, p.stderr[-3000:]  # a job failed: the sweep ran on, then says so
     recs = records(tmp_path)
     status = {name.split("-")[0]: r["status"] for name, r in recs.items()}
     assert sorted(status.values()) == ["failed", "ok", "ok"], status
     failed = next(r for r in recs.values() if r["status"] == "failed")
     assert "max_position_embeddings" in failed["error"] and failed["error_kind"] == "config"
     assert "the sweep continues" in p.stderr
-    again = run("--multirun", "seqlen=64,96,9000", *FAST, tmp=tmp_path)
+    assert "[sweep] 3 jobs: 2 ok, 0 skipped, 1 failed" in p.stderr
+    table = sweep_table(p.stderr)
+    assert table["seqlen=64"] == ("ok", "") and table["seqlen=96"] == ("ok", "")
+    assert table["seqlen=9000"][0] == "failed" and "max_position_embeddings=8192" in table["seqlen=9000"][1]
+    again = run("--multirun", "seqlen=64,96,9000", *FAST, tmp=tmp_path, check=False)
+    assert again.returncode == 1
     assert again.stderr.count("skip:") == 2  # finished runs are skipped, the failed one is retried
+    assert "[sweep] 3 jobs: 0 ok, 2 skipped, 1 failed" in again.stderr
+
+
+def test_a_sweep_whose_every_job_fails_exits_1_with_the_table(tmp_path):
+    p = run("--multirun", "seqlen=9000,10000", "system=clo", "system.eta=1.5", *FAST, tmp=tmp_path, check=False)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "[sweep] 2 jobs: 0 ok, 0 skipped, 2 failed (all with " in p.stderr
+    table = sweep_table(p.stderr)
+    assert set(table) == {"seqlen=9000", "seqlen=10000"}
+    assert all(s == "failed" and e for s, e in table.values())
+    assert "Traceback" not in p.stderr
+
+
+def test_a_sweep_that_only_succeeds_or_skips_exits_0(tmp_path):
+    p = run("--multirun", "seqlen=64", *FAST, tmp=tmp_path)
+    assert "[sweep] 1 job: 1 ok, 0 skipped, 0 failed" in p.stderr
+    again = run("--multirun", "seqlen=64", *FAST, tmp=tmp_path)
+    assert "[sweep] 1 job: 0 ok, 1 skipped, 0 failed" in again.stderr
+
+
+def single_error(p: subprocess.CompletedProcess) -> str:
+    """A refused run: exit status 2 and exactly one line on stderr, `error: ...`, before any long work."""
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["system=clo", "system.eta=1.5"], "system=clo: eta=1.5"),
+    (["system=clo", "system.topk_ratio=0"], "system=clo: topk_ratio=0"),
+    (["system=clo", "system.topk=bogus"], "valid: radix, torch"),
+    (["system=infinigen", "system.channel_fraction=0"], "system=infinigen: channel_fraction=0"),
+])
+def test_a_systems_own_bad_setting_is_a_config_error(tmp_path, args, message):
+    """Raised in the system's constructor, inside hydra.utils.instantiate: one line and status 2, like the
+    runner's own checks, not Hydra's "Error in call to target" wrapper."""
+    line = single_error(run(*args, "seqlen=64", *FAST, tmp=tmp_path, check=False))
+    assert message in line and "Error in call to target" not in line
+    (rec,) = records(tmp_path).values()
+    assert rec["status"] == "failed" and rec["error_kind"] == "config" and message in rec["error"]
+
+
+def test_a_systems_bad_setting_in_a_sweep_is_recorded_as_config(tmp_path):
+    p = run("--multirun", "system=clo", "system.eta=1.5", "seqlen=64", *FAST, tmp=tmp_path, check=False)
+    assert p.returncode == 1 and "FAILED (config): system=clo: eta=1.5" in p.stderr
+    (rec,) = records(tmp_path).values()
+    assert rec["error_kind"] == "config"
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("batch=abc", "batch='abc': expected a whole number"),
+    ("hardware.gpu_mem_gb=lots", "hardware.gpu_mem_gb='lots': expected a number or null"),
+    ("workload.gen_tokens=0", "workload.gen_tokens=0 must be at least 1"),
+])
+def test_bad_numbers_are_one_line(tmp_path, arg, message):
+    assert message in single_error(run("seqlen=64", *FAST, arg, tmp=tmp_path, check=False))
+
+
+@pytest.mark.parametrize("arg", ["+sytem=clo", "sytem=clo", "++sytem=clo"])
+def test_a_typod_top_level_key_is_refused(tmp_path, arg):
+    """`sytem=clo` got Hydra's hint `+sytem=clo`, which then ran FullAttn and exited 0."""
+    line = single_error(run(arg, "seqlen=64", *FAST, tmp=tmp_path, check=False))
+    assert "'sytem'" in line and "did you mean system?" in line and "seqlen" in line and "experiment" in line
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_new_setting_appended_to_a_system_is_refused(tmp_path):
+    line = single_error(run("system=clo", "+system.etaa=0.5", "seqlen=64", *FAST, tmp=tmp_path, check=False))
+    assert "system.etaa" in line and "conf/system/" in line
+
+
+def test_run_identity_follows_values_not_spelling(tmp_path):
+    """seqlen=0.125k and seqlen=128 are one run: the second skips the first; 0.50 and 0.5 likewise."""
+    run("seqlen=0.125k", "workload.needle_depth=0.50", *FAST, "workload.gen_tokens=2", tmp=tmp_path)
+    again = run("seqlen=128", "workload.needle_depth=0.5", *FAST, "workload.gen_tokens=2", tmp=tmp_path)
+    assert "skip:" in again.stderr
+    (name,) = records(tmp_path)
+    assert "seqlen=128," in name and "workload.needle_depth=0.5," in name
 
 
 def test_records_are_complete_json_with_provenance(tmp_path):
@@ -91,6 +187,34 @@ def test_llama3_128k_refused_on_this_machine_with_estimate(tmp_path, system):
     err = bad(tmp_path, f"system={system}", "model=llama3", "seqlen=128k", "device=cpu", "wandb.enabled=false")
     assert "GB" in err and "available" in err and "Ways out" in err
     assert "Traceback" not in err and "[run]" not in err  # refused before the weights load
+    assert "instead of fullattn" not in err and "offloading system" not in err  # RAM is short: offloading adds none
+    assert "model=smollm2" in err and "more RAM" in err
+
+
+def test_profile_refuses_to_overwrite_a_profile(tmp_path):
+    """The README's profiling command named the committed data/profiles/smollm2.json and overwrote it."""
+    committed = ROOT / "data" / "profiles" / "smollm2.json"
+    before = committed.read_bytes()
+    for out in ([f"+profile_out={committed.relative_to(ROOT)}"], []):  # as the README had it, and the default
+        p = subprocess.run([sys.executable, "-m", "experiments.profile", "model=smollm2", "seqlen=3k",
+                            "workload.gen_tokens=64", "workload.stop_at_eos=false", f"hydra.run.dir={tmp_path / 'o'}",
+                            *out], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        line = single_error(p)
+        assert "smollm2.json exists" in line and "force=true" in line
+    assert committed.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_profile_overwrites_with_force_true(tmp_path):
+    mine = tmp_path / "mine.json"
+    mine.write_text("{}")
+    args = [sys.executable, "-m", "experiments.profile", "model=smollm2", "seqlen=256", "workload.gen_tokens=4",
+            "workload.stop_at_eos=false", f"hydra.run.dir={tmp_path / 'o'}", f"+profile_out={mine}"]
+    assert "exists" in single_error(subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120))
+    assert mine.read_text() == "{}"
+    p = subprocess.run([*args, "force=true"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(json.loads(mine.read_text())["s_hat"]) == 30
 
 
 def test_gpu_budget_too_small(tmp_path):
@@ -174,3 +298,35 @@ def test_step_timeline_finds_the_compute_streams_gaps():
     assert out["compute_stream"] == 1 and out["span_us"] == 80.0
     assert out["busy_us_by_stream"] == {1: 74.0, 2: 60.0} and out["compute_idle_us"] == 6.0
     assert out["largest_gaps"] == [{"at_us": 65.0, "idle_us": 6.0, "next": "attention", "after_other_stream": "topk"}]
+
+
+def test_sweep_summary_table_counts_every_outcome():
+    """records.SweepSummary as Hydra's basic launcher drives it, with a job that raised (a crash outside task)."""
+    from types import SimpleNamespace
+
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from experiments.records import SweepSummary
+
+    cb = SweepSummary()
+    cb.on_multirun_start(config=None)
+    outcomes = [({"status": "ok"}, JobStatus.COMPLETED), ({"status": "skipped"}, JobStatus.COMPLETED),
+                ({"status": "failed", "error": "seqlen=9000 exceeds it"}, JobStatus.COMPLETED),
+                (RuntimeError("boom\nsecond line"), JobStatus.FAILED), (None, JobStatus.COMPLETED)]
+    for i, (value, status) in enumerate(outcomes):
+        ret = JobReturn(overrides=[f"seqlen={i}", "model=smollm2", "results_dir=/tmp/r"], status=status)
+        ret._return_value = value
+        cb.on_job_end(config=OmegaConf.create({"hydra": {"job": {"num": i}}}), job_return=ret)
+    table = cb.table()
+    assert table.splitlines()[0] == "[sweep] 5 jobs: 2 ok, 1 skipped, 2 failed (all with model=smollm2)"
+    assert "#2  failed   seqlen=2  error: seqlen=9000 exceeds it" in table
+    assert "#3  failed   seqlen=3  error: RuntimeError: boom; second line" in table
+    assert len(table.splitlines()) == 6 and "results_dir" not in table
+    with pytest.raises(SystemExit) as e:
+        cb.on_multirun_end(config=None)
+    assert e.value.code == 1
+    cb.on_job_end(config=OmegaConf.create({"hydra": {"job": {"num": 0}}}),
+                  job_return=SimpleNamespace(overrides=["seqlen=1"], status=JobStatus.COMPLETED,
+                                             _return_value={"status": "skipped"}))
+    cb.on_multirun_end(config=None)  # nothing failed: no exit

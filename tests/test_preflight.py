@@ -1,0 +1,104 @@
+"""The memory preflight's ways out: they depend on the system, the device and what would fit by the same
+estimate (bfloat16 instead of float32, the longest prompt, the largest batch)."""
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from experiments import preflight
+from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import GB, KVSpec
+from kvoffload.model.config import ModelConfig
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+CPU = torch.device("cpu")
+
+
+def setup(model: str, system: str, seqlen: int, batch: int = 1, dtype=torch.float32, gen: int = 24, *extra: str):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"model={model}", f"system={system}", *extra])
+    mc = ModelConfig.from_mapping(cfg.model)
+    spec = KVSpec(mc.num_layers, batch, seqlen + gen, mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype, CPU,
+                  prompt_len=seqlen)
+
+    def estimate(s: KVSpec) -> preflight.MemoryPlan:
+        return preflight.plan_memory(mc, instantiate(cfg.system), s, s.prompt_tokens)
+
+    return mc, spec, estimate
+
+
+def refusal(monkeypatch, host_gb, model, system, seqlen, batch=1, dtype=torch.float32, gpu_mem_gb=None, *extra):
+    monkeypatch.setattr(preflight, "host_available_bytes", lambda: int(host_gb * GB))
+    mc, spec, estimate = setup(model, system, seqlen, batch, dtype, 24, *extra)
+    with pytest.raises(ConfigError) as e:
+        preflight.check_memory(estimate(spec), CPU, gpu_mem_gb, "this run", estimate, spec, mc.name)
+    return str(e.value), spec, estimate
+
+
+def fits(estimate, spec, host_gb, gpu_mem_gb=None) -> bool:
+    limits = preflight.Limits(CPU, int(host_gb * GB), None if gpu_mem_gb is None else int(gpu_mem_gb * GB))
+    return preflight.shortfall(estimate(spec), limits) is None
+
+
+def test_cpu_fullattn_float32_is_told_bfloat16_fits(monkeypatch):
+    """llama3 at 32K in float32 needs ~42 GB; in bfloat16 ~21 GB, which a 24 GB host has."""
+    err, spec, estimate = refusal(monkeypatch, 24, "llama3", "fullattn", 32768)
+    assert "Ways out that fit by this estimate: dtype=bfloat16 (about 21" in err
+    assert fits(estimate, replace(spec, dtype=torch.bfloat16), 24)
+    assert "offloading" not in err  # RAM is what is short: offloading the KV to RAM does not help
+    assert "model=smollm2" in err and "a machine with more RAM" in err
+
+
+def test_bfloat16_is_not_suggested_when_it_would_not_fit_alone(monkeypatch):
+    err, spec, estimate = refusal(monkeypatch, 24, "llama3", "clo", 131072)
+    assert "dtype=bfloat16 (" not in err
+    m = re.search(r"dtype=bfloat16 with seqlen=(\d+)k or shorter", err)
+    assert m, err  # neither alone, but bfloat16 with a shorter prompt fits
+    bf16 = replace(spec, dtype=torch.bfloat16)
+    n = int(m.group(1)) * 1024
+    assert fits(estimate, replace(bf16, prompt_len=n, max_len=n + 24), 24)
+    assert not fits(estimate, replace(bf16, prompt_len=n + 1024, max_len=n + 1024 + 24), 24)
+
+
+def test_already_bfloat16_no_dtype_suggestion_and_the_longest_prompt_that_fits(monkeypatch):
+    err, spec, estimate = refusal(monkeypatch, 24, "llama3", "fullattn", 131072, 1, torch.bfloat16)
+    assert "dtype=" not in err
+    n = int(re.search(r"seqlen=(\d+)k or shorter", err).group(1)) * 1024
+    assert fits(estimate, replace(spec, prompt_len=n, max_len=n + 24), 24)
+    assert not fits(estimate, replace(spec, prompt_len=n + 1024, max_len=n + 1024 + 24), 24)
+
+
+def test_the_largest_batch_that_fits(monkeypatch):
+    err, spec, estimate = refusal(monkeypatch, 4, "smollm2", "fullattn", 8000, 64, torch.bfloat16)
+    b = int(re.search(r"batch=(\d+)", err).group(1))
+    assert 1 <= b < 64 and fits(estimate, replace(spec, batch=b), 4) and not fits(estimate, replace(spec, batch=b + 1), 4)
+    assert "model=smollm2" not in err  # already the small model
+
+
+@pytest.mark.parametrize("system,offload", [("fullattn", True), ("clo", False), ("retroinfer", False)])
+def test_an_offloading_system_is_suggested_only_to_fullattn_when_device_memory_is_short(monkeypatch, system, offload):
+    err, *_ = refusal(monkeypatch, 1000, "llama3", system, 131072, 1, torch.bfloat16, 20.0,
+                      "model.reuse_profile=data/profiles/llama3-from-smollm2.json")
+    assert "GPU memory" in err and "a larger hardware.gpu_mem_gb" in err and "more RAM" not in err
+    assert ("offloading system" in err) is offload
+    assert "instead of fullattn" not in err
+
+
+def test_a_run_that_fits_is_not_refused(monkeypatch):
+    monkeypatch.setattr(preflight, "host_available_bytes", lambda: 100 * GB)
+    mc, spec, estimate = setup("smollm2", "fullattn", 1024)
+    assert preflight.check_memory(estimate(spec), CPU, None, "this run", estimate, spec, mc.name) is None
+    budget = preflight.check_memory(estimate(spec), CPU, 8.0, "this run", estimate, spec, mc.name)
+    plan = estimate(spec)
+    assert budget == int(8 * GB) - plan.weights - plan.activations
+
+
+def test_largest():
+    assert preflight.largest(lambda n: n <= 37, 1, 100) == 37
+    assert preflight.largest(lambda n: n <= 37, 1, 10) == 10
+    assert preflight.largest(lambda n: False, 1, 100) is None
+    assert preflight.largest(lambda n: True, 1, 0) is None
