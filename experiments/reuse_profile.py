@@ -24,6 +24,7 @@ file also reads as a reuse profile (clo.policy.persistent.load_profile). Writes 
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import deque
@@ -121,9 +122,11 @@ class ReuseProbe(FullAttn):
             self.queries[layer].append((q, q_spec))
 
 
-def _r(x: torch.Tensor):
-    return [[round(float(v), 5) for v in row] for row in x.tolist()] if x.dim() == 2 else \
-        [None if v != v else round(float(v), 5) for v in x.tolist()]
+def _json(x: torch.Tensor) -> list:
+    """A tensor as nested lists of 5-decimal floats, NaN (no sample) as null."""
+    if x.dim() > 1:
+        return [_json(row) for row in x]
+    return [None if math.isnan(v) else round(v, 5) for v in x.tolist()]
 
 
 def summarise(per_layer: list[list[torch.Tensor]], num_kv_heads: int) -> dict:
@@ -141,9 +144,8 @@ def summarise(per_layer: list[list[torch.Tensor]], num_kv_heads: int) -> dict:
             head[f"q{int(p * 100)}"].append(x.quantile(p, dim=0) if x is not None else nan)
         layer["mean"].append(float(x.mean()) if x is not None else float("nan"))
         layer["median"].append(float(x.flatten().median()) if x is not None else float("nan"))
-    out = {"per_head": {k: [[None if v != v else round(float(v), 5) for v in row] for row in torch.stack(rows).tolist()]
-                        for k, rows in head.items()},
-           "per_layer": {k: _r(torch.tensor(v)) for k, v in layer.items()}}
+    out = {"per_head": {k: _json(torch.stack(rows)) for k, rows in head.items()},
+           "per_layer": {k: _json(torch.tensor(v)) for k, v in layer.items()}}
     counts = [0 if x is None else x.shape[0] for x in stacks]
     out["samples_per_head"] = max(counts) if counts else 0
     out["layers"] = [i for i in range(L) if counts[i]]
@@ -158,7 +160,7 @@ def budget_of(cfg: DictConfig) -> dict:
     extra = OmegaConf.to_container(cfg.reuse, resolve=True) if cfg.get("reuse") is not None else {}
     unknown = set(extra) - set(BUDGET)
     if unknown:
-        raise ConfigError(f"reuse.{sorted(unknown)[0]}: unknown; valid: {', '.join(BUDGET)}")
+        raise ConfigError(f"reuse.{min(unknown)}: unknown; valid: {', '.join(BUDGET)}")
     budget = {**BUDGET, **extra}
     budget["topk_ratio"], budget["sink"], budget["recent"] = (float(budget["topk_ratio"]), int(budget["sink"]),
                                                               int(budget["recent"]))
@@ -179,10 +181,17 @@ def command_line(cfg: DictConfig) -> str:
     return "python -m experiments.reuse_profile" + ("" if overrides is None else " " + " ".join(overrides))
 
 
+def resolved_prompt(desc: str) -> str | None:
+    """The prompt kind workload.prompt=auto became, from decode_real's description ('...; needle prompt of ...')."""
+    parts = desc.split("; ")
+    return parts[1].split(" prompt of")[0] if len(parts) > 1 and " prompt of" in parts[1] else None
+
+
 def measure(cfg: DictConfig, decode=decode_real) -> dict:
     """decode(cfg, make_kv, min_steps) -> (model_cfg, probe, description): experiments.profile.decode_real, which
     refuses synthetic weights; tests hand in a tiny random model's."""
     budget = budget_of(cfg)
+    git = git_commit(ROOT)  # the tree the measurement starts from
     t0 = time.perf_counter()
     model_cfg, probe, desc = decode(cfg, lambda model_cfg, prompt_len: ReuseProbe(model_cfg, prompt_len, budget),
                                     min_steps=3)
@@ -204,11 +213,11 @@ def measure(cfg: DictConfig, decode=decode_real) -> dict:
         "provenance": {
             "command": command_line(cfg),
             "weights": desc.split(";")[0],
-            "prompt": {"kind": str(cfg.workload.prompt), "tokens": prompt_len,
+            "prompt": {"kind": str(cfg.workload.prompt), "resolved": resolved_prompt(desc), "tokens": prompt_len,
                        "needle_depth": float(cfg.workload.needle_depth), "seed": int(cfg.seed),
                        "batch": int(cfg.batch)},
             "greedy_tokens": int(cfg.workload.gen_tokens),
-            "git": git_commit(ROOT),
+            "git": git,
             "wall_s": round(wall, 1),
         },
         "environment": environment(preflight.resolve_device(cfg.device)),
@@ -219,10 +228,10 @@ def measure(cfg: DictConfig, decode=decode_real) -> dict:
 def run(cfg: DictConfig, decode=decode_real) -> tuple[dict, Path]:
     """The command: refuses an existing output unless force=true (before any work), measures, writes atomically."""
     path = out_path(cfg)
-    if path.exists() and not cfg.get("force", False):
-        raise ConfigError(f"{path} exists: force=true overwrites it (or +reuse_out=another path)")
     if path.resolve() == (ROOT / "data" / "profiles" / f"{cfg.model.name}.json").resolve():
         raise ConfigError(f"{path} is the tracked reuse profile of experiments.profile: another +reuse_out")
+    if path.exists() and not cfg.get("force", False):
+        raise ConfigError(f"{path} exists: force=true overwrites it (or +reuse_out=another path)")
     data = measure(cfg, decode)
     write_json_atomic(path, data)
     return data, path

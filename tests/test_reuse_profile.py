@@ -17,6 +17,7 @@ from kvoffload.offload.budget import select_budget
 from kvoffload.paths import ROOT
 from experiments import preflight
 from experiments.reuse_profile import METRICS, group_cosine, measure, run, topk_overlap
+from experiments.reuse_profile_readme import readme
 from tests.reference import topk_middle
 from tests.test_config import CONF
 
@@ -37,7 +38,8 @@ def tiny_decode(cfg, make_kv, min_steps=3, keep=None):
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
     seqlen, gen = preflight.parse_tokens(cfg.seqlen), int(cfg.workload.gen_tokens)
     model = synthetic_decoder(model_cfg, int(cfg.seed), torch.device("cpu"), torch.float32)
-    prompt = torch.randint(0, model_cfg.vocab_size, (int(cfg.batch), seqlen), generator=torch.Generator().manual_seed(0))
+    gen_ids = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model_cfg.vocab_size, (int(cfg.batch), seqlen), generator=gen_ids)
     kv = make_kv(model_cfg, seqlen)
     if keep is not None:
         kv.queries = [[] for _ in range(model_cfg.num_layers)]
@@ -45,7 +47,7 @@ def tiny_decode(cfg, make_kv, min_steps=3, keep=None):
     kv.allocate(KVSpec(model_cfg.num_layers, int(cfg.batch), seqlen + gen, model_cfg.num_heads,
                        model_cfg.num_kv_heads, model_cfg.head_dim, torch.float32, torch.device("cpu")))
     generate(model, kv, prompt, gen)
-    return model_cfg, kv, "synthetic tiny"
+    return model_cfg, kv, f"synthetic tiny; random prompt of {seqlen} tokens, {gen} greedy steps, batch {cfg.batch}"
 
 
 def test_overlap_of_hand_made_sets():
@@ -82,7 +84,8 @@ def test_metrics_match_a_reference_recomputation(tmp_path):
     full = [torch.cat([torch.zeros(hkv, sink, 16), keys[layer], torch.zeros(hkv, recent, 16)], 1) for layer in range(L)]
 
     def ref_topk(layer, q):  # q [H, D] -> per KV head the set of middle tokens (absolute)
-        return [set(topk_middle(q[h * g:(h + 1) * g], full[layer][h], sink, recent, k_sel).tolist()) for h in range(hkv)]
+        return [set(topk_middle(q[h * g:(h + 1) * g], full[layer][h], sink, recent, k_sel).tolist())
+                for h in range(hkv)]
 
     for layer in range(L):
         steps = probe.queries[layer]
@@ -105,13 +108,15 @@ def test_metrics_match_a_reference_recomputation(tmp_path):
             continue
         cos = torch.stack([torch.nn.functional.cosine_similarity(qs[0], q[0], dim=-1).view(hkv, g).mean(-1)
                            for q, qs in steps])
-        ov = torch.stack([torch.tensor([len(a & b) / k_sel for a, b in zip(ref_topk(layer, qs[0]), ref_topk(layer, q[0]))])
+        ov = torch.stack([torch.tensor([len(a & b) / k_sel
+                                        for a, b in zip(ref_topk(layer, qs[0]), ref_topk(layer, q[0]))])
                           for q, qs in steps])
         torch.testing.assert_close(torch.tensor(rec["metrics"]["spec_query_cos"]["per_head"]["mean"][layer]),
                                    cos.mean(0).float(), atol=1e-4, rtol=0)
         torch.testing.assert_close(torch.tensor(rec["metrics"]["spec_topk_overlap"]["per_head"]["mean"][layer]),
                                    ov.mean(0).float(), atol=1e-4, rtol=0)
-        assert rec["metrics"]["spec_query_cos"]["per_layer"]["mean"][layer] == pytest.approx(float(cos.mean()), abs=1e-4)
+        assert rec["metrics"]["spec_query_cos"]["per_layer"]["mean"][layer] == pytest.approx(
+            float(cos.mean()), abs=1e-4)
         assert rec["metrics"]["spec_topk_overlap"]["per_layer"]["median"][layer] == pytest.approx(
             float(ov.flatten().median()), abs=1e-4)
         # a speculative query is another query: it differs from the real one
@@ -130,7 +135,8 @@ def test_command_writes_its_file_and_refuses_to_overwrite(tmp_path):
     data, path = run(cfg, tiny_decode)
     assert path == out and json.loads(out.read_text()) == json.loads(json.dumps(data, default=str))
     prov = data["provenance"]
-    assert prov["prompt"]["tokens"] == 1200 and prov["greedy_tokens"] == 12 and prov["git"]["commit"]
+    assert prov["prompt"]["tokens"] == 1200 and prov["prompt"]["resolved"] == "random"
+    assert prov["greedy_tokens"] == 12 and prov["git"]["commit"]
     assert prov["command"].startswith("python -m experiments.reuse_profile")
     before = out.read_text()
     with pytest.raises(ConfigError, match="force=true"):
@@ -141,8 +147,18 @@ def test_command_writes_its_file_and_refuses_to_overwrite(tmp_path):
     assert json.loads(out.read_text())["experiment"] == "reuse_profile"
 
 
+def test_readme_from_the_record(tmp_path):
+    data, path = run(config(tmp_path), tiny_decode)
+    text = readme(json.loads(path.read_text()))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split(" |")[0] for r in rows[-3:]] == ["| 0", "| 1", "| 2"]  # one row per layer
+    assert rows[-3].count(" - / - ") == 2  # layer 0: no speculative query
+    assert f"k = {data['budget']['k']} of" in text and data["provenance"]["command"] in text
+
+
 def test_command_never_writes_the_tracked_profile(tmp_path):
-    cfg = config(tmp_path, "model.name=smollm2", "force=true", out=ROOT / "data/profiles/smollm2.json")  # tmp_path / absolute = absolute
+    tracked = ROOT / "data/profiles/smollm2.json"  # tmp_path / an absolute path = the absolute path
+    cfg = config(tmp_path, "model.name=smollm2", "force=true", out=tracked)
     with pytest.raises(ConfigError, match="tracked"):
         run(cfg, tiny_decode)
 
