@@ -86,10 +86,12 @@ class FullAttn(KVOffloadSystem):
 _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention through SDPA. q [B, H, D]; k, v [B, Hkv, T, D] (unit stride in D) -> [B, H, D].
-    The G query heads of a KV head become G query rows of that head, so K/V are read once, not G times."""
+    The G query heads of a KV head become G query rows of that head, so K/V are read once, not G times.
+    mask [B, Hkv, 1, T] bool, when given: True where a key takes part (SDPA's boolean attn_mask)."""
     b, h, d = q.shape
     with sdpa_kernel(_DECODE_BACKENDS):
-        o = F.scaled_dot_product_attention(q.view(b, k.shape[1], h // k.shape[1], d), k, v)
+        o = F.scaled_dot_product_attention(q.view(b, k.shape[1], h // k.shape[1], d), k, v, attn_mask=mask)
     return o.reshape(b, h, d)

@@ -150,7 +150,7 @@ class InfiniGen(OffloadedBaseline):
         self.step.bytes_h2d += b * hkv * k_sel * self.row_bytes(spec)
         self.pending[layer] = (buf, event, idx_fill)
 
-    def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> torch.Tensor:
+    def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, None]:
         if self.oracle_query or layer not in self.pending:  # no speculation for this layer: fetch now
             self.fetch(layer, q)
         buf, event, _ = self.pending.pop(layer)
@@ -158,7 +158,7 @@ class InfiniGen(OffloadedBaseline):
             if event is not None:
                 event.synchronize()
         self.step.host_syncs += 1
-        return buf
+        return buf, None  # every row a token
 
     def memory_parts(self) -> dict[str, int]:
         partial = sum(p.nbytes for p in self.partial if p is not None) + sum(

@@ -16,7 +16,7 @@ class OffloadedBaseline(KVOffloadSystem):
     """CLO's conventions, shared by the baselines: the first `dense_layers` layers keep their full KV on the device
     and attend densely; in the others, sink + recent prompt tokens and every generated token stay in a device
     window, the middle of the prompt lives in host memory (pinned on CUDA), and each step attends the window plus
-    k_select(prompt) middle tokens per KV head, CLO's budget rule. A subclass supplies selected_rows() and
+    k_select(prompt) middle rows per KV head, CLO's budget rule. A subclass supplies selected_rows() and
     memory_parts() / estimate_parts(spec): the same named parts from its buffers and from shapes."""
 
     def __init__(self, topk_ratio: float, sink: int, recent: int, dense_layers: int, transfer: str,
@@ -83,12 +83,18 @@ class OffloadedBaseline(KVOffloadSystem):
         n_win = sink + recent + self.length - self.t0 + 1
         self.window[layer][:, :, n_win - 1] = torch.stack([k, v], dim=2)
         k_sel = self.k_select(self.t0)
-        sel = self.selected_rows(layer, q, k_sel) if k_sel else None  # [B, Hkv, k, 2, D]
+        sel, real = self.selected_rows(layer, q, k_sel) if k_sel else (None, None)  # [B, Hkv, k, 2, D], [B, Hkv, k]
         with self.phase("attention"):
             win = self.window[layer][:, :, :n_win]
-            return attend(q, win if sel is None else torch.cat([win, sel], dim=2))
+            if sel is None:
+                return attend(q, win)
+            keep = None if real is None else torch.cat([real.new_ones(real.shape[:2] + (n_win,)), real], dim=2)
+            return attend(q, torch.cat([win, sel], dim=2), keep)
 
-    def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> torch.Tensor:
+    def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows [B, Hkv, k_sel, 2, D] of the selected middle tokens, real [B, Hkv, k_sel] bool or None): `real`
+        marks the rows that are tokens, where some are padding that attention must never see (RetroInfer's last,
+        partial block); None when every row is a token (no mask: the unmasked attention path)."""
         raise NotImplementedError
 
     def common_parts(self) -> dict[str, int]:
@@ -118,8 +124,9 @@ class OffloadedBaseline(KVOffloadSystem):
         return per_token * sparse * attended + self.dense.step_bytes(self.length) + self.memory_parts()["metadata"]
 
 
-def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """q [B, H, D]; kv [B, Hkv, N, 2, D] -> [B, H, D]: dense attention over one buffer (the reference)."""
+def attend(q: torch.Tensor, kv: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D]; kv [B, Hkv, N, 2, D] -> [B, H, D]: dense attention over one buffer (the reference); keep
+    [B, Hkv, N] bool, when given: only those rows are attended (the others get no weight at all)."""
     from baselines.fullattn import dense_decode_attention
 
-    return dense_decode_attention(q, kv[:, :, :, 0], kv[:, :, :, 1])
+    return dense_decode_attention(q, kv[:, :, :, 0], kv[:, :, :, 1], None if keep is None else keep[:, :, None])

@@ -70,11 +70,18 @@ class RetroInfer(OffloadedBaseline):
         self.evictions = 0
 
     def k_select(self, prompt_len: int) -> int:
-        """Block selection attends whole full blocks: the budget rounded down to a multiple of block_size."""
+        """Rows gathered per KV head and step. Token selection: CLO's budget k (select_budget). Block selection
+        attends whole blocks: the n_mid middle tokens make ceil(n_mid / block_size) blocks, the last one partial
+        when block_size does not divide n_mid (its padding rows, zeros in the host store, are never scored nor
+        attended: the block is scored by its real tokens and attention masks the rest). A step attends
+        floor(k / block_size) blocks, or every block when the budget is the whole middle (k = n_mid, top-k 100 %):
+        at most k real tokens either way (exactly n_mid at k = n_mid; when the partial block is among the
+        floor(k / block_size) selected ones, block_size - n_mid % block_size fewer than the rows gathered).
+        Returned: blocks x block_size, above k only at k = n_mid, by the last block's padding."""
         k = super().k_select(prompt_len)
         if self.selection == "block":
-            full = split_prompt(prompt_len, self.sink, self.recent)[2] // self.block_size
-            k = min(k // self.block_size, full) * self.block_size
+            n_mid = split_prompt(prompt_len, self.sink, self.recent)[2]
+            k = (math.ceil(n_mid / self.block_size) if k == n_mid else k // self.block_size) * self.block_size
         return k
 
     def geometry(self, t0: int) -> tuple[int, int, int]:
@@ -90,9 +97,6 @@ class RetroInfer(OffloadedBaseline):
     def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
         t0 = spec.prompt_tokens
         n_mid = split_prompt(t0, self.sink, self.recent)[2]
-        if 0 < n_mid < self.block_size:
-            raise ConfigError(f"block_size={self.block_size} is larger than the {n_mid} retrievable middle tokens "
-                              f"(prompt {t0} minus sink {self.sink} and recent {self.recent})")
         n_blocks, _, cap = self.geometry(t0)
         heads = spec.batch * spec.num_kv_heads
         sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
@@ -136,7 +140,7 @@ class RetroInfer(OffloadedBaseline):
                                         device=spec.device)
         self.lru[layer] = BlockLRU(rows, n_blocks, cap, self.cpu_threads)
 
-    def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> torch.Tensor:
+    def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         spec, bs = self.spec, self.block_size
         cache, lru, host = self.cache[layer], self.lru[layer], self.host[layer]
         rows, cap = cache.shape[:2]
@@ -146,12 +150,18 @@ class RetroInfer(OffloadedBaseline):
             # (other retrievers would count it in torch, slower than the pass itself)
             work = topk_work(self.topk, rows, dev) if self.selection == "token" and self.retriever_kind == "hash" \
                 else None
-            scores = self.retriever.scores(layer, q, self.heads, hist=work)
-            if self.selection == "block":  # the best token of each full block scores the block
-                full = scores.shape[-1] // bs
-                blocks = select_topk(scores[..., : full * bs].unflatten(-1, (full, bs)).amax(-1), k_sel // bs, 0,
-                                     method=self.topk)
+            scores = self.retriever.scores(layer, q, self.heads, hist=work)  # [B, Hkv, n_mid]
+            n_mid = scores.shape[-1]
+            real = None  # token selection, or whole blocks only: every gathered row is a token
+            if self.selection == "block":  # the best token of each block scores the block
+                full = n_mid // bs
+                best = scores[..., : full * bs].unflatten(-1, (full, bs)).amax(-1)
+                if n_mid % bs:  # the partial last block, by its real tokens (its padding is no candidate)
+                    best = torch.cat([best, scores[..., full * bs:].amax(-1, keepdim=True)], dim=-1)
+                blocks = select_topk(best, k_sel // bs, 0, method=self.topk)
                 idx = (blocks[..., None] * bs + torch.arange(bs, device=dev)).view(rows, k_sel)
+                if n_mid % bs:  # rows past the middle are the last block's padding: masked out of attention
+                    real = (idx < n_mid).view(spec.batch, spec.num_kv_heads, k_sel)
             else:
                 idx = select_topk(scores, k_sel, 0, method=self.topk, work=work).view(rows, k_sel)
             ublock, uid = distinct_sorted(idx // bs, lru.n_blocks)
@@ -186,7 +196,7 @@ class RetroInfer(OffloadedBaseline):
             if n_miss:
                 from_temp = temp[miss.gather(1, uid).clamp(min=0) * bs + off]
                 sel = torch.where((tok_slot < 0)[..., None, None], from_temp, sel)
-            return sel.view(spec.batch, spec.num_kv_heads, k_sel, 2, d)
+            return sel.view(spec.batch, spec.num_kv_heads, k_sel, 2, d), real
 
     def memory_parts(self) -> dict[str, int]:
         return {**self.common_parts(), "cache": sum(c.nbytes for c in self.cache if c is not None),

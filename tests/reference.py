@@ -15,11 +15,24 @@ def topk_middle(qs: torch.Tensor, keys: torch.Tensor, sink: int, recent: int, k_
     return mid[(qs @ keys[mid].T).sum(0).topk(k_sel).indices]
 
 
-def exact_topk_attention(k0, v0, data, sink, recent, k_sel, dense_layers=0, select=None):
+def top_blocks_middle(qs: torch.Tensor, keys: torch.Tensor, sink: int, recent: int, block_size: int,
+                      n_blocks: int) -> torch.Tensor:
+    """One KV head: the middle cut into blocks of block_size consecutive tokens (the last one partial when
+    block_size does not divide the middle), each block scored by its best token (sum over the query group of
+    q_j . k); the tokens of the n_blocks best blocks (a partial block: only its real tokens)."""
+    mid = torch.arange(sink, keys.shape[0] - recent)
+    tok = (qs @ keys[mid].T).sum(0)
+    blocks = list(torch.split(torch.arange(mid.numel()), block_size))
+    best = torch.stack([tok[b].max() for b in blocks]).topk(n_blocks).indices if n_blocks else []
+    return mid[torch.cat([blocks[int(j)] for j in best])] if n_blocks else mid[:0]
+
+
+def exact_topk_attention(k0, v0, data, sink, recent, k_sel, dense_layers=0, select=None, block_size=None):
     """Per step and layer, each KV head attends sink + recent + generated + its top-k middle tokens (layers
     below dense_layers: every token), recomputed from scratch. k0, v0 [L, B, Hkv, T0, D]; data[step][layer] =
     (q [B, H, D], k_new, v_new [B, Hkv, D]); select[step][layer] [B, H, D], when given, is the query that picks
-    the top-k (q still attends). Returns out[step][layer] [B, H, D]."""
+    the top-k (q still attends). With block_size, k_sel counts blocks: each head attends the tokens of its k_sel
+    best blocks (top_blocks_middle). Returns out[step][layer] [B, H, D]."""
     _, b_, hkv, t0, d = k0.shape
     out = []
     for step, inputs in enumerate(data):
@@ -33,8 +46,10 @@ def exact_topk_attention(k0, v0, data, sink, recent, k_sel, dense_layers=0, sele
                 for h in range(hkv):
                     keys, vals, qs = k0[layer, b, h], v0[layer, b, h], q[b, h * g:(h + 1) * g]
                     q_sel = qs if select is None else select[step][layer][b, h * g:(h + 1) * g]
+                    top = topk_middle(q_sel, keys, sink, recent, k_sel) if block_size is None else \
+                        top_blocks_middle(q_sel, keys, sink, recent, block_size, k_sel)
                     sel = torch.arange(t0) if layer < dense_layers else torch.cat(
-                        [torch.arange(sink), torch.arange(t0 - recent, t0), topk_middle(q_sel, keys, sink, recent, k_sel)])
+                        [torch.arange(sink), torch.arange(t0 - recent, t0), top])
                     kk, vv = torch.cat([keys[sel], gen_k[b, h]]), torch.cat([vals[sel], gen_v[b, h]])
                     res[b, h * g:(h + 1) * g] = torch.softmax(qs @ kk.T / math.sqrt(d), -1) @ vv
             row.append(res)
