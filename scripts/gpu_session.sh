@@ -29,7 +29,7 @@ stage() {  # stage <name> <seconds> <command...>
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
  python3 -c "import torch, triton, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__)"
 ) > "$out/env.txt" 2>&1
-stage pytest_gpu 200 python3 -m pytest -m gpu -q tests/
+stage pytest_gpu 290 python3 -m pytest -m gpu -q tests/
 stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
 stage pytest_clo_gpu 120 python3 -m pytest -m gpu -q tests/test_gpu.py -k clo
 stage pytest_gemv 120 python3 -m pytest -m gpu -q tests/test_gemv.py
