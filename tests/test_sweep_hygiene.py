@@ -35,7 +35,7 @@ def test_release_memory_frees_a_finished_jobs_system():
 def test_consecutive_sweep_jobs_start_with_the_same_free_device_memory(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cmd = [sys.executable, "-m", "experiments.run", "--multirun", "model.weights=synthetic", "seqlen=8k",
+    cmd = [sys.executable, "-m", "experiments.run", "--multirun", "model.weights=synthetic", "seqlen=4k",
            "workload.gen_tokens=4", "wandb.enabled=false", f"results_dir={tmp_path}", "system=clo,fullattn,clo"]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
     free = [json.loads(p.read_text())["environment"]["device_free_gb_at_start"] for p in tmp_path.glob("*/record.json")]
