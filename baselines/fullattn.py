@@ -1,7 +1,9 @@
 """FullAttn: every token's K/V stays in device memory and each decode step attends densely. The ideal where it
 fits. Eager attention is flashinfer's decode kernel on CUDA when flashinfer is installed (bf16/fp16), torch
-SDPA otherwise; a step replayed from a CUDA graph uses our length-from-device Triton kernel. The cache is token-major ([layer, batch, token, kv_head, dim], flashinfer's NHD) so that the first
+SDPA otherwise; a step replayed from a CUDA graph uses our length-from-device Triton kernel. The cache is
+token-major ([layer, batch, token, kv_head, dim], flashinfer's NHD) so that the first
 n tokens of a sequence are one contiguous block."""
+
 from __future__ import annotations
 
 import torch
@@ -72,10 +74,12 @@ class FullAttn(KVOffloadSystem):
             if self.backend == "flashinfer":
                 import flashinfer
 
-                return torch.stack([
-                    flashinfer.single_decode_with_kv_cache(q[b], keys[b], values[b], kv_layout="NHD")
-                    for b in range(q.shape[0])
-                ])
+                return torch.stack(
+                    [
+                        flashinfer.single_decode_with_kv_cache(q[b], keys[b], values[b], kv_layout="NHD")
+                        for b in range(q.shape[0])
+                    ]
+                )
             return dense_decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2))
 
     def memory_parts(self) -> dict[str, int]:
@@ -86,8 +90,9 @@ class FullAttn(KVOffloadSystem):
 _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           mask: torch.Tensor | None = None) -> torch.Tensor:
+def dense_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Decode attention through SDPA. q [B, H, D]; k, v [B, Hkv, T, D] (unit stride in D) -> [B, H, D].
     The G query heads of a KV head become G query rows of that head, so K/V are read once, not G times.
     mask [B, Hkv, 1, T] bool, when given: True where a key takes part (SDPA's boolean attn_mask)."""

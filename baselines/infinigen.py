@@ -17,12 +17,14 @@ Per sparse layer l of a step:
   prepare(l, q_spec)  retrieval         partial scores and top-k on the device
                       launch_sync       the indices go to the host (the launch thread waits: a host sync)
                       transfer_exposed  CPU threads gather the rows into pinned staging, one async copy into a
-                                        device buffer (kvoffload.offload.transfer's cpu_gather path, on a copy stream on CUDA)
+                                        device buffer (kvoffload.offload.transfer's cpu_gather path, on a copy
+                                        stream on CUDA)
   decode(l)           launch_sync       wait for that copy (a host sync, as InfiniGen's synchronise)
                       attention         window + the fetched rows
 With `oracle_query` the real query and exact q.k scores replace the speculation (the test's oracle); decode then
 does the whole fetch itself.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,16 +33,26 @@ from baselines.offloaded import OffloadedBaseline
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.budget import split_prompt
-from kvoffload.paths import repo_path
 from kvoffload.offload.retrieval import ExactRetriever, select_topk
+from kvoffload.paths import repo_path
 
 
 class InfiniGen(OffloadedBaseline):
     name = "infinigen"
 
-    def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
-                 channel_fraction: float = 0.3, oracle_query: bool = False, transfer: str = "cpu_gather",
-                 cpu_threads: int | str = "auto", skew: str = "prefill", topk: str = "torch") -> None:
+    def __init__(
+        self,
+        topk_ratio: float = 0.1,
+        sink: int = 16,
+        recent: int = 64,
+        dense_layers: int = 2,
+        channel_fraction: float = 0.3,
+        oracle_query: bool = False,
+        transfer: str = "cpu_gather",
+        cpu_threads: int | str = "auto",
+        skew: str = "prefill",
+        topk: str = "torch",
+    ) -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, topk=topk)
         if not 0.0 < channel_fraction <= 1.0:
             raise ConfigError(f"channel_fraction={channel_fraction} must lie in (0, 1]")
@@ -86,8 +98,10 @@ class InfiniGen(OffloadedBaseline):
             return None
         path = repo_path(self.skew)
         if not path.is_file():
-            raise ConfigError(f"skew={self.skew!r}: no such file (make it with python -m experiments.infinigen_skew, "
-                              f"or use skew=prefill)")
+            raise ConfigError(
+                f"skew={self.skew!r}: no such file (make it with python -m experiments.infinigen_skew, "
+                f"or use skew=prefill)"
+            )
         bases = torch.load(path)
         want = (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.head_dim)
         if tuple(bases.shape) != want:
@@ -110,7 +124,7 @@ class InfiniGen(OffloadedBaseline):
             basis = self.offline[layer].expand(spec.batch, -1, -1, -1).contiguous()  # [B, Hkv, D, r]
         else:
             _, vecs = torch.linalg.eigh(kf.transpose(-1, -2) @ kf)  # ascending eigenvalues = squared singular values
-            basis = vecs[..., -self.channels(spec.head_dim):].flip(-1).contiguous()  # [B, Hkv, D, r]
+            basis = vecs[..., -self.channels(spec.head_dim) :].flip(-1).contiguous()  # [B, Hkv, D, r]
         self.basis[layer] = basis
         self.partial[layer] = (kf @ basis).to(spec.dtype)
 
@@ -161,16 +175,30 @@ class InfiniGen(OffloadedBaseline):
         return buf, None  # every row a token
 
     def memory_parts(self) -> dict[str, int]:
-        partial = sum(p.nbytes for p in self.partial if p is not None) + sum(
-            x.nbytes for x in self.basis if x is not None) + self.exact.metadata_bytes()
+        partial = (
+            sum(p.nbytes for p in self.partial if p is not None)
+            + sum(x.nbytes for x in self.basis if x is not None)
+            + self.exact.metadata_bytes()
+        )
         return {**self.common_parts(), "metadata": partial, "fetch_buffers": sum(x.nbytes for x in self.buffers)}
 
     def describe(self) -> dict:
         d = self.spec.head_dim
-        skew = ("none: oracle_query uses the real query and exact q.k scores" if self.oracle_query else
-                "prefill fallback: right singular vectors of each sequence's middle prompt keys per KV head "
-                "(InfiniGen computes the skew offline from real activations)" if self.offline is None else
-                f"offline: {self.skew} (right singular vectors of real query activations per KV head)")
-        return {"skew": skew, "channels": f"{self.channels(d)} of {d} ({self.channel_fraction:.0%})",
-                "oracle_query": self.oracle_query, "transfer": self.transfer_kind, "cpu_threads": self.cpu_threads,
-                "topk": self.topk, "link_gb_s": self.link_gb_s, "memory_parts": self.memory_parts()}
+        skew = (
+            "none: oracle_query uses the real query and exact q.k scores"
+            if self.oracle_query
+            else "prefill fallback: right singular vectors of each sequence's middle prompt keys per KV head "
+            "(InfiniGen computes the skew offline from real activations)"
+            if self.offline is None
+            else f"offline: {self.skew} (right singular vectors of real query activations per KV head)"
+        )
+        return {
+            "skew": skew,
+            "channels": f"{self.channels(d)} of {d} ({self.channel_fraction:.0%})",
+            "oracle_query": self.oracle_query,
+            "transfer": self.transfer_kind,
+            "cpu_threads": self.cpu_threads,
+            "topk": self.topk,
+            "link_gb_s": self.link_gb_s,
+            "memory_parts": self.memory_parts(),
+        }

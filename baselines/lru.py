@@ -26,6 +26,7 @@ looked up; hits are touched first (made most recent in ascending block order), t
 ascending block order into the least recently used slots not hit in this step, in LRU order, as long as such slots
 remain (misses beyond that are fetched but bypass the cache, as RetroInfer's).
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -89,7 +90,7 @@ class BlockLRU:
         """[rows, capacity] slots from least to most recently used (for tests and inspection)."""
         if self.backend == "native":
             return lru_native.order(self.slot_link)
-        return self.slot_stamp[:, :self.capacity].argsort(1)
+        return self.slot_stamp[:, : self.capacity].argsort(1)
 
     def access(self, blocks: torch.Tensor) -> LRUStep:
         """blocks [rows, n] integer CPU tensor: each row's distinct block ids, ascending, then padding = n_blocks."""
@@ -103,7 +104,7 @@ class BlockLRU:
         if self.pool is None or blocks.numel() < PARALLEL_MIN:
             parts = [self._access(blocks, 0, self.rows, clock)]
         else:
-            parts = list(self.pool.map(lambda c: self._access(blocks[c[0]:c[1]], c[0], c[1], clock), self.chunks))
+            parts = list(self.pool.map(lambda c: self._access(blocks[c[0] : c[1]], c[0], c[1], clock), self.chunks))
         if len(parts) == 1:
             return parts[0]
         offsets, total = [], 0
@@ -114,11 +115,14 @@ class BlockLRU:
         return LRUStep(
             slot=cat([p.slot for p in parts]),
             miss=cat([torch.where(p.miss >= 0, p.miss + o, -1) for p, o in zip(parts, offsets)]),
-            miss_row=cat([p.miss_row for p in parts]), miss_block=cat([p.miss_block for p in parts]),
+            miss_row=cat([p.miss_row for p in parts]),
+            miss_block=cat([p.miss_block for p in parts]),
             admit_pos=cat([p.admit_pos + o for p, o in zip(parts, offsets)]),
             admit_slot=cat([p.admit_slot for p in parts]),
-            lookups=sum(p.lookups for p in parts), hits=sum(p.hits for p in parts),
-            evictions=sum(p.evictions for p in parts))
+            lookups=sum(p.lookups for p in parts),
+            hits=sum(p.hits for p in parts),
+            evictions=sum(p.evictions for p in parts),
+        )
 
     def _access_native(self, blocks: torch.Tensor) -> LRUStep:
         b = blocks.to(torch.int32).contiguous().numpy()  # one dtype and layout: one compiled kernel
@@ -161,9 +165,16 @@ class BlockLRU:
         miss_idx[rows, cols] = torch.arange(rows.numel())
         admit_pos = admitted[rows, cols].nonzero().view(-1)
         return LRUStep(
-            slot=torch.where(hit, uslot, -1), miss=miss_idx, miss_row=rows + r0, miss_block=ublock[rows, cols],
-            admit_pos=admit_pos, admit_slot=vslot[rows[admit_pos], cols[admit_pos]],
-            lookups=int(valid.sum()), hits=int(hit.sum()), evictions=evictions)
+            slot=torch.where(hit, uslot, -1),
+            miss=miss_idx,
+            miss_row=rows + r0,
+            miss_block=ublock[rows, cols],
+            admit_pos=admit_pos,
+            admit_slot=vslot[rows[admit_pos], cols[admit_pos]],
+            lookups=int(valid.sum()),
+            hits=int(hit.sum()),
+            evictions=evictions,
+        )
 
 
 def distinct_sorted(blocks: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:

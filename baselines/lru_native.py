@@ -8,6 +8,7 @@ A step moves each hit to the tail in ascending block order; the non-hit slots ar
 LRU order, so the admitted misses take the first of them in turn, and that segment moves to the tail at once, its
 order kept - no search, no sort.
 """
+
 from __future__ import annotations
 
 import numba
@@ -113,8 +114,7 @@ def access(blocks, nb, block_slot, slot_block, link):
         for k in range(n_admit[r]):  # the admitted misses are each row's first ones
             admit_pos[aoff[r] + k] = moff[r] + k
             admit_slot[aoff[r] + k] = mslot[r, k]
-    return (slot, miss, miss_row, miss_block, admit_pos, admit_slot,
-            valid.sum(), n_hit.sum(), n_evict.sum())
+    return (slot, miss, miss_row, miss_block, admit_pos, admit_slot, valid.sum(), n_hit.sum(), n_evict.sum())
 
 
 def warm() -> None:

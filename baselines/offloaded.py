@@ -1,5 +1,6 @@
 """What the offloading baselines share, in CLO's conventions, so that with the exact retriever every system
 attends exactly the same top-k tokens (see OffloadedBaseline)."""
+
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,8 @@ from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload.budget import check_budget, select_budget, split_prompt
 from kvoffload.offload.layers import DenseLayers, prompt_window
 from kvoffload.offload.retrieval import check_topk_method
-from kvoffload.offload.transfer import TransferEngine, cpu_threads as resolve_threads
+from kvoffload.offload.transfer import TransferEngine
+from kvoffload.offload.transfer import cpu_threads as resolve_threads
 
 
 class OffloadedBaseline(KVOffloadSystem):
@@ -19,8 +21,17 @@ class OffloadedBaseline(KVOffloadSystem):
     k_select(prompt) middle rows per KV head, CLO's budget rule. A subclass supplies selected_rows() and
     memory_parts() / estimate_parts(spec): the same named parts from its buffers and from shapes."""
 
-    def __init__(self, topk_ratio: float, sink: int, recent: int, dense_layers: int, transfer: str,
-                 cpu_threads: int | str, uva_programs: int | None = None, topk: str = "torch") -> None:
+    def __init__(
+        self,
+        topk_ratio: float,
+        sink: int,
+        recent: int,
+        dense_layers: int,
+        transfer: str,
+        cpu_threads: int | str,
+        uva_programs: int | None = None,
+        topk: str = "torch",
+    ) -> None:
         super().__init__()
         check_budget(topk_ratio, sink, recent, dense_layers)
         cpu_threads = resolve_threads(cpu_threads)  # validated now, before any long work
@@ -61,9 +72,9 @@ class OffloadedBaseline(KVOffloadSystem):
         self.window[layer] = prompt_window(kv, sink, recent, spec.max_len)
         pad = self.host_padding(n_mid)  # RetroInfer: the last block of a head is padded to a whole block
         host = torch.zeros(b, hkv, n_mid + pad, 2, d, dtype=spec.dtype, pin_memory=spec.device.type == "cuda")
-        host[:, :, :n_mid] = kv[:, :, sink: sink + n_mid]
+        host[:, :, :n_mid] = kv[:, :, sink : sink + n_mid]
         self.host[layer] = host
-        self.prefill_sparse(layer, k[:, :, sink: sink + n_mid].contiguous(), n_mid)
+        self.prefill_sparse(layer, k[:, :, sink : sink + n_mid].contiguous(), n_mid)
 
     def host_padding(self, n_mid: int) -> int:
         return 0
@@ -109,9 +120,11 @@ class OffloadedBaseline(KVOffloadSystem):
         sink, recent, n_mid = split_prompt(t0, self.sink, self.recent)
         per_head = spec.batch * spec.num_kv_heads * self.row_bytes(spec)
         sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
-        return {"window": sparse * per_head * (sink + recent + spec.max_len - t0),
-                "dense_layers": (spec.num_layers - sparse) * per_head * spec.max_len,
-                "host": sparse * per_head * (n_mid + self.host_padding(n_mid))}
+        return {
+            "window": sparse * per_head * (sink + recent + spec.max_len - t0),
+            "dense_layers": (spec.num_layers - sparse) * per_head * spec.max_len,
+            "host": sparse * per_head * (n_mid + self.host_padding(n_mid)),
+        }
 
     def step_device_bytes(self) -> int:
         """Per step, as CLO's: the attended rows (window, selected rows, dense layers) and the retrieval metadata

@@ -23,6 +23,7 @@ ceil(top-k / block_size), the blocks the step's tokens would fill if packed, and
 distinct blocks than fit admits misses in retrieval order and lets the rest bypass the cache, as RetroInfer's
 BufferManager does.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,7 +38,6 @@ from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import RETRIEVERS, make_retriever, metadata_bytes_per_token, select_topk, topk_work
 
-
 # block: whole blocks are retrieved, scored by their best token (RetroInfer retrieves whole clusters, so a miss
 #        moves only selected tokens); token: the top-k tokens, each pulling in its whole block (for the exact
 #        top-k equivalence test; moves up to block_size x the selected bytes)
@@ -47,12 +47,26 @@ SELECTIONS = ("block", "token")
 class RetroInfer(OffloadedBaseline):
     name = "retroinfer"
 
-    def __init__(self, topk_ratio: float = 0.1, sink: int = 16, recent: int = 64, dense_layers: int = 2,
-                 retriever: str = "hash", rbit: int = 256, seed: int = 0, block_size: int = 8,
-                 cache_multiple: float = 3.0, transfer: str = "uva", cpu_threads: int | str = "auto",
-                 uva_programs: int | None = None, topk: str = "torch",
-                 selection: str = "block", wave_cluster_size: int = 16, wave_segment: int = 8192,
-                 wave_iters: int = 4) -> None:
+    def __init__(
+        self,
+        topk_ratio: float = 0.1,
+        sink: int = 16,
+        recent: int = 64,
+        dense_layers: int = 2,
+        retriever: str = "hash",
+        rbit: int = 256,
+        seed: int = 0,
+        block_size: int = 8,
+        cache_multiple: float = 3.0,
+        transfer: str = "uva",
+        cpu_threads: int | str = "auto",
+        uva_programs: int | None = None,
+        topk: str = "torch",
+        selection: str = "block",
+        wave_cluster_size: int = 16,
+        wave_segment: int = 8192,
+        wave_iters: int = 4,
+    ) -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, uva_programs, topk)
         if selection not in SELECTIONS:
             raise ConfigError(f"selection={selection!r}; valid: {', '.join(SELECTIONS)}")
@@ -63,8 +77,10 @@ class RetroInfer(OffloadedBaseline):
         if block_size < 1:
             raise ConfigError(f"block_size={block_size} must be at least 1 token")
         if cache_multiple < 1.0:
-            raise ConfigError(f"cache_multiple={cache_multiple}: a cache smaller than the blocks one step retrieves "
-                              f"cannot hold a step's working set; use >= 1 (RetroInfer: 3)")
+            raise ConfigError(
+                f"cache_multiple={cache_multiple}: a cache smaller than the blocks one step retrieves "
+                f"cannot hold a step's working set; use >= 1 (RetroInfer: 3)"
+            )
         self.retriever_kind, self.rbit, self.seed = retriever, rbit, seed
         self.block_size, self.cache_multiple = block_size, cache_multiple
         self.evictions = 0
@@ -103,12 +119,17 @@ class RetroInfer(OffloadedBaseline):
         if self.retriever_kind == "wave":
             meta = self.wave.estimate_bytes(heads, n_mid, spec.head_dim)
         else:
-            meta = heads * n_mid * metadata_bytes_per_token(self.retriever_kind, self.rbit, spec.head_dim,
-                                                            spec.dtype_bytes)
-        return {**self.common_estimate(spec),
-                "cache": sparse * heads * cap * self.block_size * self.row_bytes(spec),
-                "metadata": sparse * meta,
-                "host_metadata": sparse * heads * 8 * (n_blocks + 1 + 2 * (cap + 1))}
+            meta = (
+                heads
+                * n_mid
+                * metadata_bytes_per_token(self.retriever_kind, self.rbit, spec.head_dim, spec.dtype_bytes)
+            )
+        return {
+            **self.common_estimate(spec),
+            "cache": sparse * heads * cap * self.block_size * self.row_bytes(spec),
+            "metadata": sparse * meta,
+            "host_metadata": sparse * heads * 8 * (n_blocks + 1 + 2 * (cap + 1)),
+        }
 
     def _allocate(self, spec: KVSpec) -> None:
         super()._allocate(spec)
@@ -116,8 +137,15 @@ class RetroInfer(OffloadedBaseline):
             w = self.wave
             self.retriever = WaveRetriever(spec.num_layers, w.cluster_size, w.segment, w.iters)
         else:
-            self.retriever = make_retriever(self.retriever_kind, spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                            spec.device, self.rbit, self.seed)
+            self.retriever = make_retriever(
+                self.retriever_kind,
+                spec.num_layers,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.device,
+                self.rbit,
+                self.seed,
+            )
         self.cache: list[torch.Tensor | None] = [None] * spec.num_layers
         self.lru: list[BlockLRU | None] = [None] * spec.num_layers
         on_device = spec.device if self.transfer_kind == "uva" else torch.device("cpu")  # where fill wants indices
@@ -136,8 +164,9 @@ class RetroInfer(OffloadedBaseline):
             self.retriever.perm[layer] = None  # used once: positions are all a step needs
         n_blocks, _, cap = self.geometry(self.t0)
         rows = spec.batch * spec.num_kv_heads
-        self.cache[layer] = torch.zeros(rows, cap, self.block_size, 2, spec.head_dim, dtype=spec.dtype,
-                                        device=spec.device)
+        self.cache[layer] = torch.zeros(
+            rows, cap, self.block_size, 2, spec.head_dim, dtype=spec.dtype, device=spec.device
+        )
         self.lru[layer] = BlockLRU(rows, n_blocks, cap, self.cpu_threads)
 
     def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -148,8 +177,9 @@ class RetroInfer(OffloadedBaseline):
         with self.phase("retrieval"):
             # as CLO's: the hash scores' kernel counts the token select's first pass while it writes the scores
             # (other retrievers would count it in torch, slower than the pass itself)
-            work = topk_work(self.topk, rows, dev) if self.selection == "token" and self.retriever_kind == "hash" \
-                else None
+            work = (
+                topk_work(self.topk, rows, dev) if self.selection == "token" and self.retriever_kind == "hash" else None
+            )
             scores = self.retriever.scores(layer, q, self.heads, hist=work)  # [B, Hkv, n_mid]
             n_mid = scores.shape[-1]
             real = None  # token selection, or whole blocks only: every gathered row is a token
@@ -157,7 +187,7 @@ class RetroInfer(OffloadedBaseline):
                 full = n_mid // bs
                 best = scores[..., : full * bs].unflatten(-1, (full, bs)).amax(-1)
                 if n_mid % bs:  # the partial last block, by its real tokens (its padding is no candidate)
-                    best = torch.cat([best, scores[..., full * bs:].amax(-1, keepdim=True)], dim=-1)
+                    best = torch.cat([best, scores[..., full * bs :].amax(-1, keepdim=True)], dim=-1)
                 blocks = select_topk(best, k_sel // bs, 0, method=self.topk)
                 idx = (blocks[..., None] * bs + torch.arange(bs, device=dev)).view(rows, k_sel)
                 if n_mid % bs:  # rows past the middle are the last block's padding: masked out of attention
@@ -177,8 +207,9 @@ class RetroInfer(OffloadedBaseline):
             if n_miss:
                 first = (res.miss_row * lru.n_blocks + res.miss_block) * bs  # row of the block in the flat host store
                 tokens = (first[:, None] + torch.arange(bs)).view(1, 1, -1).to(self.fill_heads.device)
-                self.transfer.fill(host.view(1, 1, -1, 2, d), self.fill_heads, tokens, self.fill_miss,
-                                   temp.view(1, 1, -1, 2, d))
+                self.transfer.fill(
+                    host.view(1, 1, -1, 2, d), self.fill_heads, tokens, self.fill_miss, temp.view(1, 1, -1, 2, d)
+                )
                 self.transfer.host_syncs = 0  # the indices were already on the host: no second sync happened
                 if res.admit_pos.numel():  # merge the admitted blocks into the slots they take
                     where = (res.miss_row[res.admit_pos] * cap + res.admit_slot).to(dev)
@@ -191,7 +222,7 @@ class RetroInfer(OffloadedBaseline):
         with self.phase("attention"):  # gather the selected rows: hits from the cache, misses from the buffer
             off = idx % bs
             tok_slot = slot.gather(1, uid)
-            at = ((torch.arange(rows, device=dev)[:, None] * cap + tok_slot.clamp(min=0)) * bs + off)
+            at = (torch.arange(rows, device=dev)[:, None] * cap + tok_slot.clamp(min=0)) * bs + off
             sel = cache.view(-1, 2, d)[at]
             if n_miss:
                 from_temp = temp[miss.gather(1, uid).clamp(min=0) * bs + off]
@@ -199,17 +230,30 @@ class RetroInfer(OffloadedBaseline):
             return sel.view(spec.batch, spec.num_kv_heads, k_sel, 2, d), real
 
     def memory_parts(self) -> dict[str, int]:
-        return {**self.common_parts(), "cache": sum(c.nbytes for c in self.cache if c is not None),
-                "metadata": self.retriever.metadata_bytes(),
-                "host_metadata": sum(x.nbytes for x in self.lru if x is not None)}
+        return {
+            **self.common_parts(),
+            "cache": sum(c.nbytes for c in self.cache if c is not None),
+            "metadata": self.retriever.metadata_bytes(),
+            "host_metadata": sum(x.nbytes for x in self.lru if x is not None),
+        }
 
     def describe(self) -> dict:
         n_blocks, per_step, cap = self.geometry(self.t0)
-        return {"retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
-                "block_size": self.block_size, "blocks_per_head": n_blocks, "retrieved_blocks_per_step": per_step,
-                "cache_blocks_per_head": cap, "cache_multiple": self.cache_multiple, "evictions": self.evictions,
-                "cpu_threads": self.cpu_threads, "transfer": self.transfer_kind, "uva_programs": self.uva_programs,
-                "topk": self.topk, "link_gb_s": self.link_gb_s, "selection": self.selection,
-                "defaults_source": "RetroInfer cache_hub/retroinfer_cache.py (microsoft/RetrievalAttention): "
-                                   "page_size 8, cache = 3 x the retrieved clusters' pages",
-                "memory_parts": self.memory_parts()}
+        return {
+            "retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
+            "block_size": self.block_size,
+            "blocks_per_head": n_blocks,
+            "retrieved_blocks_per_step": per_step,
+            "cache_blocks_per_head": cap,
+            "cache_multiple": self.cache_multiple,
+            "evictions": self.evictions,
+            "cpu_threads": self.cpu_threads,
+            "transfer": self.transfer_kind,
+            "uva_programs": self.uva_programs,
+            "topk": self.topk,
+            "link_gb_s": self.link_gb_s,
+            "selection": self.selection,
+            "defaults_source": "RetroInfer cache_hub/retroinfer_cache.py (microsoft/RetrievalAttention): "
+            "page_size 8, cache = 3 x the retrieved clusters' pages",
+            "memory_parts": self.memory_parts(),
+        }

@@ -10,6 +10,7 @@ cluster's score: the top-k positions are whole clusters, best first, the last on
 Not implemented: RetroInfer's estimation zone (the next-best clusters' attention approximated from their
 centroids and value sums); the attended set is the retrieval zone only, which the record states.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,21 +20,23 @@ import torch
 from kvoffload.errors import ConfigError
 
 
-def segmented_kmeans(keys: torch.Tensor, cluster_size: int, segment: int, iters: int) -> tuple[torch.Tensor,
-                                                                                              torch.Tensor]:
+def segmented_kmeans(
+    keys: torch.Tensor, cluster_size: int, segment: int, iters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [R, N, D] -> (cluster id of every key [R, N] long, centroids [R, C, D] float32). Deterministic:
     each segment starts from evenly spaced keys of its own."""
     r, n, d = keys.shape
     labels, centroids = [], []
     for s0 in range(0, n, segment):
-        seg = keys[:, s0: s0 + segment].float()
+        seg = keys[:, s0 : s0 + segment].float()
         c = math.ceil(seg.shape[1] / cluster_size)
         unit = torch.nn.functional.normalize(seg, dim=-1)
         cent = seg[:, torch.linspace(0, seg.shape[1] - 1, c, device=keys.device).round().long()]
         for _ in range(iters + 1):
             assign = torch.einsum("rnd,rcd->rnc", unit, torch.nn.functional.normalize(cent, dim=-1)).argmax(-1)
             sums = torch.zeros(r, c, d, device=keys.device).index_put_(
-                (torch.arange(r, device=keys.device)[:, None].expand_as(assign), assign), seg, accumulate=True)
+                (torch.arange(r, device=keys.device)[:, None].expand_as(assign), assign), seg, accumulate=True
+            )
             count = torch.zeros(r, c, device=keys.device).scatter_add_(1, assign, torch.ones_like(seg[..., 0]))
             cent = torch.where(count[..., None] > 0, sums / count.clamp_min(1)[..., None], cent)  # empty: kept
         labels.append(assign + sum(x.shape[1] for x in centroids))
@@ -42,21 +45,25 @@ def segmented_kmeans(keys: torch.Tensor, cluster_size: int, segment: int, iters:
 
 
 class WaveRetriever:
-    """The retriever interface of kvoffload.offload.retrieval (index, scores, metadata_bytes) over a cluster-ordered layout:
-    scores are per position of the permuted store, and `perm[layer]` says which token each position holds."""
+    """The retriever interface of kvoffload.offload.retrieval (index, scores, metadata_bytes) over a cluster-ordered
+    layout: scores are per position of the permuted store, and `perm[layer]` says which token each position holds."""
 
     name = "wave"
 
     def __init__(self, num_layers: int, cluster_size: int = 16, segment: int = 8192, iters: int = 4):
         if cluster_size < 1 or segment < cluster_size or iters < 0:
-            raise ConfigError(f"wave index: cluster_size={cluster_size} >= 1, segment={segment} >= cluster_size "
-                              f"and iters={iters} >= 0 are required")
+            raise ConfigError(
+                f"wave index: cluster_size={cluster_size} >= 1, segment={segment} >= cluster_size "
+                f"and iters={iters} >= 0 are required"
+            )
         self.cluster_size, self.segment, self.iters = cluster_size, segment, iters
         self.perm: list[torch.Tensor | None] = [None] * num_layers  # [B, Hkv, N]: position -> token
         self.pos_cluster: list[torch.Tensor | None] = [None] * num_layers  # [B, Hkv, N]: cluster of a position
         self.centroids: list[torch.Tensor | None] = [None] * num_layers  # [B, Hkv, C, D]
-        self.weights_source = (f"wave index (segmented k-means, {cluster_size} keys per cluster, segments of "
-                               f"{segment}, {iters} iterations; retrieval zone only, no estimation zone)")
+        self.weights_source = (
+            f"wave index (segmented k-means, {cluster_size} keys per cluster, segments of "
+            f"{segment}, {iters} iterations; retrieval zone only, no estimation zone)"
+        )
 
     def index(self, layer: int, keys: torch.Tensor) -> None:
         """keys [B, Hkv, N, D] in token order."""
@@ -67,8 +74,14 @@ class WaveRetriever:
         self.pos_cluster[layer] = labels.gather(1, perm).view(b, hkv, n)
         self.centroids[layer] = cent.view(b, hkv, -1, d)
 
-    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor, miss: torch.Tensor | None = None,
-               hist: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        heads: torch.Tensor,
+        miss: torch.Tensor | None = None,
+        hist: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [B, H, D], heads [h] -> [B, h, N] float32: each position scored by its cluster's centroid. miss, hist:
         as kvoffload.offload.retrieval's (every row is scored; the radix select's first pass is counted in torch)."""
         from kvoffload.kernels.radix_keys import count_first_pass_ref

@@ -1,5 +1,6 @@
 """What a CLO step did and what it had to read, counted from the stores' device state: the statistics of the
 run's records (hits, bytes over the link) and CLO's own floor (the device bytes one step must read)."""
+
 from __future__ import annotations
 
 import torch
@@ -18,21 +19,22 @@ def count_step(stores: list[LayerStore | None], row: int) -> tuple[int, int, int
     active = [st for st in stores if st is not None and st.nc and st.k]
     managed_misses = refreshes = 0
     if active:
-        counts = torch.stack([torch.stack([(st.misses * ~st.prefetch_mask).sum(), st.misses.sum()])
-                              for st in active])
+        counts = torch.stack([torch.stack([(st.misses * ~st.prefetch_mask).sum(), st.misses.sum()]) for st in active])
         managed_misses, refreshes = counts.sum(0).tolist()
     lookups = sum(st.misses.shape[0] * st.n_managed for st in active)
     moved = refreshes * row * max((s.k for s in stores if s is not None), default=0)
-    scored = refreshes + sum(st.window.shape[0] * (st.window.shape[1] - st.nc)
-                             for st in stores if st is not None and st.k)
+    scored = refreshes + sum(
+        st.window.shape[0] * (st.window.shape[1] - st.nc) for st in stores if st is not None and st.k
+    )
     with torch.inference_mode():  # the buffers were made in (inference-mode) prefill
         for st in active:
             st.misses.zero_()
     return lookups, lookups - managed_misses, moved, scored
 
 
-def step_device_bytes(stores: list[LayerStore | None], metadata_bytes: int, scored_rows: int | None, length: int,
-                      row: int) -> int:
+def step_device_bytes(
+    stores: list[LayerStore | None], metadata_bytes: int, scored_rows: int | None, length: int, row: int
+) -> int:
     """Device bytes of the sparse layers one step reads: the attended rows (window, selected rows), the labels,
     and the retrieval metadata of the rows the last step needed scored (count_step's; every row before a step
     has run). On CUDA exactly those are read; the CPU reference scores every row."""

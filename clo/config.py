@@ -1,4 +1,5 @@
 """CLO's settings (conf/system/clo.yaml), typed and validated once, before any long work."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -61,8 +62,10 @@ class CLOConfig:
         if not -2.0 <= self.epsilon <= 2.0:
             raise ConfigError(f"epsilon={self.epsilon} must lie in [-2, 2] (a margin on a cosine)")
         if self.threshold_override is not None and not -2.0 <= self.threshold_override <= 2.0:
-            raise ConfigError(f"threshold_override={self.threshold_override} must lie in [-2, 2] "
-                              "(a cosine threshold: 2 always misses, -2 always hits), or null")
+            raise ConfigError(
+                f"threshold_override={self.threshold_override} must lie in [-2, 2] "
+                "(a cosine threshold: 2 always misses, -2 always hits), or null"
+            )
         if self.rbit < 8 or self.rbit % 8:
             raise ConfigError(f"rbit={self.rbit} must be a positive multiple of 8")
         _one_of("gqa_aggregation", self.gqa_aggregation, AGGREGATIONS)
@@ -76,8 +79,7 @@ class CLOConfig:
         _positive_or_none("layer_time_ms", self.layer_time_ms)
         _positive_or_none("link_gb_s", self.link_gb_s)
         if self.persist_query == "speculative" and self.persistent and not self.speculative:
-            raise ConfigError("persist_query=speculative selects one layer ahead: it needs "
-                              "speculative=true")
+            raise ConfigError("persist_query=speculative selects one layer ahead: it needs speculative=true")
 
     @classmethod
     def from_settings(cls, settings: dict) -> CLOConfig:

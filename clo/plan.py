@@ -8,6 +8,7 @@ else: no device, no allocation, no measurement. The memory estimate and the allo
              (KVSpec.gpu_budget_bytes) the persistent heads that do not fit take the cached path instead, the
              least hard first (`fit_budget`)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -37,8 +38,13 @@ class CLOPlan:
     profile_source: str
 
     def describe(self) -> dict:
-        return {"importance": self.importance_source, "profile": self.profile_source, "plan": self.heads.summary(),
-                "layer_time_ms": self.layer_time_s * 1e3, "link_gb_s": self.link_bytes_per_s / 1e9}
+        return {
+            "importance": self.importance_source,
+            "profile": self.profile_source,
+            "plan": self.heads.summary(),
+            "layer_time_ms": self.layer_time_s * 1e3,
+            "link_gb_s": self.link_bytes_per_s / 1e9,
+        }
 
 
 def row_bytes(spec: KVSpec) -> int:
@@ -52,8 +58,19 @@ def k_select(cfg: CLOConfig, prompt_len: int) -> int:
 
 def planning_inputs(spec: KVSpec) -> tuple:
     """What of a spec the plan depends on: two specs that agree here get the same plan."""
-    return (spec.num_layers, spec.num_kv_heads, spec.batch, spec.max_len, spec.prompt_len, spec.head_dim,
-            spec.dtype, spec.layer_time_s, spec.link_gb_s, spec.device.type, spec.gpu_budget_bytes)
+    return (
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.batch,
+        spec.max_len,
+        spec.prompt_len,
+        spec.head_dim,
+        spec.dtype,
+        spec.layer_time_s,
+        spec.link_gb_s,
+        spec.device.type,
+        spec.gpu_budget_bytes,
+    )
 
 
 def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
@@ -106,8 +123,15 @@ def estimate_parts(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> dict[str, int
     k, g = k_select(cfg, t0), spec.group_size
     meta_per_token = metadata_bytes_per_token(cfg.retriever, cfg.rbit, spec.head_dim, spec.dtype_bytes)
     dense = min(cfg.dense_layers, spec.num_layers)
-    parts = {"slots": 0, "labels": 0, "persistent": 0, "window": 0, "metadata": 0,
-             "dense_layers": b * dense * hkv * spec.max_len * row, "host": 0}
+    parts = {
+        "slots": 0,
+        "labels": 0,
+        "persistent": 0,
+        "window": 0,
+        "metadata": 0,
+        "dense_layers": b * dense * hkv * spec.max_len * row,
+        "host": 0,
+    }
     for layer in range(dense, spec.num_layers):
         nc = hkv - len(plan.heads.persistent[layer])
         parts["slots"] += b * nc * k * (row + 8)  # rows + their token indices

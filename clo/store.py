@@ -5,6 +5,7 @@ attention then reads the window of every head, the slots of the cached heads and
 at their top-k indices, each where it lies, with no gather into one buffer. Every index that
 changes from step to step comes from the device (the token position), so a step can be replayed from a CUDA
 graph."""
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,18 @@ from kvoffload.offload.retrieval import select_topk, topk_work
 
 
 class LayerStore:
-    def __init__(self, kv: torch.Tensor, spec: KVSpec, sink: int, recent: int, k: int, persistent: list[int],
-                 prefetch: list[int], group: int, topk: str = "radix"):
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        spec: KVSpec,
+        sink: int,
+        recent: int,
+        k: int,
+        persistent: list[int],
+        prefetch: list[int],
+        group: int,
+        topk: str = "radix",
+    ):
         b, hkv, t0, _, d = kv.shape
         dev, dtype = spec.device, spec.dtype
         self.t0, self.k, self.group = t0, k, group
@@ -36,8 +47,10 @@ class LayerStore:
         try:
             self.host = torch.empty(kv.shape, dtype=dtype, pin_memory=dev.type == "cuda")
         except RuntimeError as e:  # pinning tens of GB can fail well below the RAM size
-            raise ConfigError(f"could not allocate {kv.numel() * kv.element_size() / 2**30:.1f} GiB of pinned host "
-                              f"memory for a layer's offloaded KV ({e}); lower seqlen or batch") from e
+            raise ConfigError(
+                f"could not allocate {kv.numel() * kv.element_size() / 2**30:.1f} GiB of pinned host "
+                f"memory for a layer's offloaded KV ({e}); lower seqlen or batch"
+            ) from e
         self.host.copy_(kv)
         self.window = prompt_window(kv, self.sink, self.recent, spec.max_len)
         self.prefetch_mask = torch.tensor([h in prefetch for h in cached], dtype=torch.bool, device=dev)
@@ -49,7 +62,7 @@ class LayerStore:
         self.valid = torch.zeros(b, self.nc, dtype=torch.bool, device=dev)
         # per cached head, its misses this step (CLO.end_step reads and zeroes them)
         self.misses = torch.zeros(b, self.nc, dtype=torch.int32, device=dev)
-        self.persist = kv[:, self.nc:].contiguous() if persistent else None
+        self.persist = kv[:, self.nc :].contiguous() if persistent else None
         self.tau = self.weights = None  # set by the system, in cached order
 
     def permute_q(self, q: torch.Tensor) -> torch.Tensor:
@@ -64,8 +77,9 @@ class LayerStore:
         """k, v [B, Hkv, D] (model head order); at: [1] device index of their window row (window_slot)."""
         append_kv(k, v, self.window, self.order, at)
 
-    def retrieve(self, retriever, layer: int, qp: torch.Tensor, heads: torch.Tensor,
-                 miss: torch.Tensor | None = None) -> torch.Tensor:
+    def retrieve(
+        self, retriever, layer: int, qp: torch.Tensor, heads: torch.Tensor, miss: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Absolute token indices [B, h, k] of the top-k middle tokens of `heads` (permuted order) for qp, in no
         order (attention and the gathers do not need one). miss [B, nc], the lookup's: on CUDA the cached heads
         that hit are neither scored nor selected (their rows are unset: only missed heads' indices are read)."""
@@ -100,6 +114,10 @@ class LayerStore:
 
     def memory(self) -> dict[str, int]:
         persist = self.persist.nbytes if self.persist is not None else 0
-        return {"slots": self.slots.nbytes + self.slot_idx.nbytes, "labels": self.labels.nbytes + self.valid.nbytes,
-                "persistent": persist, "window": self.window.nbytes,
-                "host": self.host.nbytes}
+        return {
+            "slots": self.slots.nbytes + self.slot_idx.nbytes,
+            "labels": self.labels.nbytes + self.valid.nbytes,
+            "persistent": persist,
+            "window": self.window.nbytes,
+            "host": self.host.nbytes,
+        }

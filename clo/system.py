@@ -15,6 +15,7 @@ One decode step, per sparse layer l (spec 2.6):
                       slots + the persistent heads' top-k rows, each where it lies (clo/store.py)
 Without speculation (and at the first sparse layer) `refresh` does select + move inside decode.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class Selection:
     """One layer's choice for a step, in the store's head order. miss [B, nc]: which cached heads' lookups missed
     (None: no cached heads); idx [B, nc, k]: the missed heads' new top-k (a hit head's rows are unset on CUDA);
     persist_idx [B, Hp, k]: the persistent heads' top-k, with persist_query=speculative only."""
+
     miss: torch.Tensor | None = None
     idx: torch.Tensor | None = None
     persist_idx: torch.Tensor | None = None
@@ -66,8 +68,15 @@ class CLO(KVOffloadSystem):
 
     def memory_parts(self) -> dict[str, int]:
         """Device bytes by part (paper Table 6) and the host store, from the real buffers."""
-        parts = {"slots": 0, "labels": 0, "persistent": 0, "window": 0, "metadata": self.retriever.metadata_bytes(),
-                 "dense_layers": self.dense.nbytes(), "host": 0}
+        parts = {
+            "slots": 0,
+            "labels": 0,
+            "persistent": 0,
+            "window": 0,
+            "metadata": self.retriever.metadata_bytes(),
+            "dense_layers": self.dense.nbytes(),
+            "host": 0,
+        }
         for st in self.stores:
             if st is not None:
                 for key, val in st.memory().items():
@@ -78,8 +87,9 @@ class CLO(KVOffloadSystem):
         self.plan_for(spec)
         cfg, cuda = self.cfg, spec.device.type == "cuda"
         self.transfer = TransferEngine(cfg.transfer, cfg.cpu_threads, spec.device, cfg.uva_programs)
-        self.retriever = make_retriever(cfg.retriever, spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                        spec.device, cfg.rbit, cfg.seed)
+        self.retriever = make_retriever(
+            cfg.retriever, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.device, cfg.rbit, cfg.seed
+        )
         self.dense = DenseLayers(spec, cfg.dense_layers)
         self.stores: list[LayerStore | None] = [None] * spec.num_layers
         self.trace: list[tuple[int, torch.Tensor]] | None = None  # (layer, miss mask) when tracing
@@ -108,12 +118,21 @@ class CLO(KVOffloadSystem):
             self.dense.prefill(layer, kv)
             return
         g = spec.group_size
-        store = LayerStore(kv, spec, cfg.sink, cfg.recent, k_select(cfg, kv.shape[2]), heads.persistent[layer],
-                           heads.prefetch[layer], g, cfg.topk)
+        store = LayerStore(
+            kv,
+            spec,
+            cfg.sink,
+            cfg.recent,
+            k_select(cfg, kv.shape[2]),
+            heads.persistent[layer],
+            heads.prefetch[layer],
+            g,
+            cfg.topk,
+        )
         cached_ids = store.order[: store.nc].cpu()
         store.tau = self.plan.tau[layer, cached_ids].to(spec.device)
         store.weights = self.plan.importance[layer, cached_ids].repeat_interleave(g).view(-1, g).to(spec.device)
-        self.retriever.index(layer, k[:, store.order, store.sink: store.sink + store.n_mid])
+        self.retriever.index(layer, k[:, store.order, store.sink : store.sink + store.n_mid])
         self.stores[layer] = store
 
     # ---- decode --------------------------------------------------------------------------------------------
@@ -172,11 +191,12 @@ class CLO(KVOffloadSystem):
         if st.nc:
             qc = qp.view(qp.shape[0], -1, st.group, qp.shape[-1])[:, : st.nc]
             with self.phase("cache_mgmt"):
-                miss = lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
-                                         self.cfg.gqa_aggregation)
+                miss = lookup_and_update(
+                    qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask, self.cfg.gqa_aggregation
+                )
         with self.phase("retrieval"):
             idx = st.retrieve(self.retriever, layer, qp, st.every_head if with_persist else st.cached, miss)
-        return Selection(miss, idx[:, : st.nc], idx[:, st.nc:] if with_persist else None)
+        return Selection(miss, idx[:, : st.nc], idx[:, st.nc :] if with_persist else None)
 
     def move(self, layer: int, selected: Selection) -> None:
         """The missed heads' rows into their slots, and the bookkeeping of what moved (in the gather kernel)."""
@@ -184,8 +204,9 @@ class CLO(KVOffloadSystem):
             return
         st = self.stores[layer]
         with self.phase("transfer_exposed"):
-            self.transfer.fill(st.host, st.cached, selected.idx, selected.miss, st.slots,
-                               record=(st.slot_idx, st.misses))
+            self.transfer.fill(
+                st.host, st.cached, selected.idx, selected.miss, st.slots, record=(st.slot_idx, st.misses)
+            )
         if self.trace is not None:
             self.trace.append((layer, selected.miss.clone()))  # per cached head, in the store's order
 
@@ -241,9 +262,13 @@ class CLO(KVOffloadSystem):
     def step_device_bytes(self) -> int:
         """CLO's own floor on the device side (clo/accounting.py)."""
         meta = self.retriever.metadata_bytes()
-        return step_device_bytes(self.stores, meta, self.scored_rows, self.length, row_bytes(self.spec)) + \
-            self.dense.step_bytes(self.length)
+        return step_device_bytes(
+            self.stores, meta, self.scored_rows, self.length, row_bytes(self.spec)
+        ) + self.dense.step_bytes(self.length)
 
     def describe(self) -> dict:
-        return {**self.plan.describe(), "retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
-                "memory_parts": self.memory_parts()}
+        return {
+            **self.plan.describe(),
+            "retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
+            "memory_parts": self.memory_parts(),
+        }

@@ -1,14 +1,15 @@
 """CLO's mechanisms on the GPU, each next to its physical limit, all variants in one run (issue 3):
 
-  transfer  scattered 256 B / 512 B rows (10% of a 512 MiB pinned pool) moved by the GPU-initiated UVA gather
-            (zero CPU threads; several caps on its grid) and by CPU gather + copy with 1/4/16 threads, against
-            a pinned bulk copy of the same bytes measured in the same run
-  lookup    the fused lookup + label update at Llama-3-8B shape, against one layer's dense compute time
-  retrieval hash scoring (256-bit codes) and top-k (torch.topk and the radix select) at 128K, against their
-            memory floor
+transfer  scattered 256 B / 512 B rows (10% of a 512 MiB pinned pool) moved by the GPU-initiated UVA gather
+          (zero CPU threads; several caps on its grid) and by CPU gather + copy with 1/4/16 threads, against
+          a pinned bulk copy of the same bytes measured in the same run
+lookup    the fused lookup + label update at Llama-3-8B shape, against one layer's dense compute time
+retrieval hash scoring (256-bit codes) and top-k (torch.topk and the radix select) at 128K, against their
+          memory floor
 
-    python -m experiments.bench_clo --out results/bench/clo_mechanisms.json
+  python -m experiments.bench_clo --out results/bench/clo_mechanisms.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,18 +18,17 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from experiments.bench_decode_attention import time_ms
+from experiments.records import environment
 from experiments.timing import copy_bandwidth_gb_s, layer_time_s, replay_ms
 from kvoffload.kernels.hash_score import hash_scores
 from kvoffload.kernels.head_cache import lookup_and_update
 from kvoffload.kernels.radix_topk import topk_indices, topk_ref
-from kvoffload.kernels.uva_gather import uva_gather
+from kvoffload.kernels.uva_gather import gather_rows_ref, uva_gather
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.decoder import Layer
-from kvoffload.paths import ROOT, write_json_atomic
-from kvoffload.kernels.uva_gather import gather_rows_ref
 from kvoffload.offload.transfer import TransferEngine
-from experiments.bench_decode_attention import time_ms
-from experiments.records import environment
+from kvoffload.paths import ROOT, write_json_atomic
 
 DEV = torch.device("cuda")
 # the shapes of conf/model/llama3.yaml, read from it rather than copied
@@ -55,17 +55,35 @@ def bench_transfer(pool_bytes: int = 512 << 20, fraction: float = 0.1) -> list[d
             slots.zero_()
             uva_ms = time_ms(lambda: uva_gather(host, heads, idx, miss, slots, programs=programs), iters=20)
             exact = torch.equal(slots.cpu(), gather_rows_ref(host, heads.cpu(), idx.cpu()))
-            rows_out.append({"row_bytes": row_bytes, "rows": k, "path": f"uva (0 CPU threads, {programs} programs)",
-                             "gb_s": round(nbytes / uva_ms / 1e6, 1), "of_bulk": round(nbytes / uva_ms / 1e6 / bulk, 3),
-                             "bulk_gb_s": round(bulk, 1), "exact_rows": exact})
+            rows_out.append(
+                {
+                    "row_bytes": row_bytes,
+                    "rows": k,
+                    "path": f"uva (0 CPU threads, {programs} programs)",
+                    "gb_s": round(nbytes / uva_ms / 1e6, 1),
+                    "of_bulk": round(nbytes / uva_ms / 1e6 / bulk, 3),
+                    "bulk_gb_s": round(bulk, 1),
+                    "exact_rows": exact,
+                }
+            )
         for threads in (1, 4, 16):
             eng = TransferEngine("cpu_gather", threads, DEV)
             ms = time_ms(lambda: eng.fill(host, heads, idx, miss, slots), iters=5)
-            rows_out.append({"row_bytes": row_bytes, "rows": k, "path": f"cpu_gather {threads} threads",
-                             "gb_s": round(nbytes / ms / 1e6, 1), "of_bulk": round(nbytes / ms / 1e6 / bulk, 3),
-                             "bulk_gb_s": round(bulk, 1)})
-        for r in rows_out[-3 - len(UVA_PROGRAMS):]:
-            print(f"transfer {r['row_bytes']:>4} B rows  {r['path']:<22} {r['gb_s']:7.1f} GB/s = {r['of_bulk']:.2f} of bulk")
+            rows_out.append(
+                {
+                    "row_bytes": row_bytes,
+                    "rows": k,
+                    "path": f"cpu_gather {threads} threads",
+                    "gb_s": round(nbytes / ms / 1e6, 1),
+                    "of_bulk": round(nbytes / ms / 1e6 / bulk, 3),
+                    "bulk_gb_s": round(bulk, 1),
+                }
+            )
+        for r in rows_out[-3 - len(UVA_PROGRAMS) :]:
+            print(
+                f"transfer {r['row_bytes']:>4} B rows  {r['path']:<22} {r['gb_s']:7.1f} GB/s"
+                f" = {r['of_bulk']:.2f} of bulk"
+            )
     return rows_out
 
 
@@ -82,9 +100,15 @@ def bench_lookup(layer_time: float, batch: int = 1) -> dict:
     tau, w = torch.full((hc,), 0.8, device=DEV), torch.ones(hc, g, device=DEV)
     force = torch.zeros(hc, dtype=torch.bool, device=DEV)
     ms = replay_ms(lambda: lookup_and_update(q, labels, valid, tau, w, force, "mean"), reps=100)
-    out = {"lookup_us": round(ms * 1e3, 2), "layer_us": round(layer_time * 1e3, 1),
-           "fraction_of_layer": round(ms / layer_time, 4)}
-    print(f"lookup+label update {out['lookup_us']} us = {out['fraction_of_layer'] * 100:.2f}% of a {out['layer_us']} us layer")
+    out = {
+        "lookup_us": round(ms * 1e3, 2),
+        "layer_us": round(layer_time * 1e3, 1),
+        "fraction_of_layer": round(ms / layer_time, 4),
+    }
+    print(
+        f"lookup+label update {out['lookup_us']} us = {out['fraction_of_layer'] * 100:.2f}% of a"
+        f" {out['layer_us']} us layer"
+    )
     return out
 
 
@@ -98,11 +122,18 @@ def bench_retrieval(tokens: int = 131072, hkv: int = 8, g: int = 4, rbit: int = 
     topk_ms = replay_ms(lambda: topk_ref(scores, tokens // 10), reps=10)
     radix_ms = replay_ms(lambda: topk_indices(scores, tokens // 10), reps=10)
     floor = (codes.nbytes + norms.nbytes + scores.nbytes) / (bw * 1e9) * 1e3
-    out = {"tokens": tokens, "hash_score_us": round(score_ms * 1e3, 1), "floor_us": round(floor * 1e3, 1),
-           "torch_topk_us": round(topk_ms * 1e3, 1), "radix_topk_us": round(radix_ms * 1e3, 1),
-           "topk_floor_us": round(5 * scores.nbytes / (bw * 1e9) * 1e6, 1)}  # radix select reads the scores 5 times
-    print(f"hash scoring {tokens} tokens x {hkv} heads: {out['hash_score_us']} us (floor {out['floor_us']} us); "
-          f"top-10% torch.topk {out['torch_topk_us']} us, radix select {out['radix_topk_us']} us")
+    out = {
+        "tokens": tokens,
+        "hash_score_us": round(score_ms * 1e3, 1),
+        "floor_us": round(floor * 1e3, 1),
+        "torch_topk_us": round(topk_ms * 1e3, 1),
+        "radix_topk_us": round(radix_ms * 1e3, 1),
+        "topk_floor_us": round(5 * scores.nbytes / (bw * 1e9) * 1e6, 1),
+    }  # radix select reads the scores 5 times
+    print(
+        f"hash scoring {tokens} tokens x {hkv} heads: {out['hash_score_us']} us (floor {out['floor_us']} us); "
+        f"top-10% torch.topk {out['torch_topk_us']} us, radix select {out['radix_topk_us']} us"
+    )
     return out
 
 
@@ -111,8 +142,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     layer_time = layer_ms()
-    data = {"bench": "clo_mechanisms", "transfer": bench_transfer(), "lookup": bench_lookup(layer_time),
-            "retrieval": bench_retrieval(), "environment": environment(DEV)}
+    data = {
+        "bench": "clo_mechanisms",
+        "transfer": bench_transfer(),
+        "lookup": bench_lookup(layer_time),
+        "retrieval": bench_retrieval(),
+        "environment": environment(DEV),
+    }
     write_json_atomic(args.out, data)
 
 

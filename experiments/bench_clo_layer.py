@@ -20,17 +20,23 @@ metadata). The parts:
 
     python -m experiments.bench_clo_layer --out results/bench/clo_layer.json [--seqlen 131072] [--layer 5]
 """
+
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 from unittest.mock import patch  # a setting changed for one block, restored after
 
 import torch
 import torch.nn.functional as F
 
+from clo.config import PERSIST_QUERIES
+from clo.system import CLO
 from experiments import timing
+from experiments.bench_clo import DEV, LLAMA3, UVA_PROGRAMS
+from experiments.records import environment
+from experiments.step_timeline import kernels
 from experiments.timing import capture, copy_bandwidth_gb_s, dense_work, layer_time_s, pinned_h2d_gb_s, replay_ms
 from kvoffload.kernels import radix_topk
 from kvoffload.kernels.decode_attention import decode_attention_triton
@@ -41,23 +47,37 @@ from kvoffload.kv.interface import KVSpec
 from kvoffload.kv.timer import PhaseTimer
 from kvoffload.model.decoder import Layer
 from kvoffload.paths import ROOT, write_json_atomic
-from clo.config import PERSIST_QUERIES
-from clo.system import CLO
-from experiments.bench_clo import DEV, LLAMA3, UVA_PROGRAMS
-from experiments.records import environment
-from experiments.step_timeline import kernels
 
 
-def build(seqlen: int, layers: list[int], persist_query: str = "real", layer_time_ms: float | None = None,
-          link_gb_s: float | None = None) -> tuple[CLO, Layer]:
+def build(
+    seqlen: int,
+    layers: list[int],
+    persist_query: str = "real",
+    layer_time_ms: float | None = None,
+    link_gb_s: float | None = None,
+) -> tuple[CLO, Layer]:
     cfg = LLAMA3
     dense = Layer(cfg).to(DEV, torch.bfloat16)
 
-    spec = KVSpec(cfg.num_layers, 1, seqlen + 16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
-                  DEV, layer_time_s=layer_time_s(dense, 1), link_gb_s=timing.link_gb_s(DEV))
-    clo = CLO(importance="Llama-3-8B-Instruct-Gradient-1048k",
-              profile=str(ROOT / "data/profiles/llama3-from-smollm2.json"), persist_query=persist_query,
-              layer_time_ms=layer_time_ms, link_gb_s=link_gb_s)
+    spec = KVSpec(
+        cfg.num_layers,
+        1,
+        seqlen + 16,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        torch.bfloat16,
+        DEV,
+        layer_time_s=layer_time_s(dense, 1),
+        link_gb_s=timing.link_gb_s(DEV),
+    )
+    clo = CLO(
+        importance="Llama-3-8B-Instruct-Gradient-1048k",
+        profile=str(ROOT / "data/profiles/llama3-from-smollm2.json"),
+        persist_query=persist_query,
+        layer_time_ms=layer_time_ms,
+        link_gb_s=link_gb_s,
+    )
     clo.allocate(spec, PhaseTimer(DEV, enabled=False))
     k, v = (torch.randn(1, cfg.num_kv_heads, seqlen, cfg.head_dim, dtype=torch.bfloat16, device=DEV) for _ in "kv")
     for layer in layers:  # the same random KV in each: only the plans differ
@@ -90,8 +110,9 @@ def pipeline_us(clo: CLO, dense_step, layers: list[int], stream: torch.cuda.Stre
     streams), decode(l) (waits for l's rows, attends), then the dense work; all in one graph. The marginal time
     per layer between all of `layers` and their first half, so that the first layer's exposed prepare cancels."""
     n = len(layers)
-    full, half = (replay_ms(pipeline_step(clo, dense_step, layers[:m]), reps=5, stream=stream) * 1e3
-                  for m in (n, n // 2))
+    full, half = (
+        replay_ms(pipeline_step(clo, dense_step, layers[:m]), reps=5, stream=stream) * 1e3 for m in (n, n // 2)
+    )
     return round((full - half) / (n - n // 2), 1)
 
 
@@ -107,6 +128,7 @@ def pipeline_step(clo: CLO, dense_step, layers: list[int]):
                 clo.prepare(layers[i + 1], q)
             clo.decode(layer, q, k, v)
             dense_step()
+
     return step
 
 
@@ -125,8 +147,9 @@ def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
         for mode in PERSIST_QUERIES:
             with patch.object(clo, "cfg", replace(clo.cfg, persist_query=mode)):
                 for case in CASES:
-                    out[f"{mode}{tag}_{case}"] = forced(stores, case,
-                                                        lambda: pipeline_us(clo, dense_step, layers, stream))
+                    out[f"{mode}{tag}_{case}"] = forced(
+                        stores, case, lambda: pipeline_us(clo, dense_step, layers, stream)
+                    )
 
     sweep()
     with patch.object(clo, "attn_stream", torch.cuda.Stream(DEV)):
@@ -148,10 +171,17 @@ def kernel_timeline(fn, path: Path) -> list[dict]:
     ks = kernels(path)
     if not ks:  # a profiler that does not see inside graphs
         return []
-    last = ks[len(ks) - len(ks) // 3:]
+    last = ks[len(ks) - len(ks) // 3 :]
     t0 = last[0]["start"]
-    return [{"name": k["name"][:60], "stream": k["stream"], "start_us": round(k["start"] - t0, 1),
-             "dur_us": round(k["end"] - k["start"], 1)} for k in last]
+    return [
+        {
+            "name": k["name"][:60],
+            "stream": k["stream"],
+            "start_us": round(k["start"] - t0, 1),
+            "dur_us": round(k["end"] - k["start"], 1),
+        }
+        for k in last
+    ]
 
 
 def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: Path | None = None) -> dict:
@@ -182,9 +212,11 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         return round(replay_ms(fn, reps=10) * 1e3, 1)
 
     def layer_parts() -> dict:  # the parts that depend on the top-k and the gather's grid
-        out = {"retrieval": timed(lambda: st.retrieve(clo.retriever, layer, qp, st.cached)),
-               "transfer": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, all_miss, st.slots)),
-               "persistent": timed(lambda: st.select_persistent(qp, clo.retriever, layer))}
+        out = {
+            "retrieval": timed(lambda: st.retrieve(clo.retriever, layer, qp, st.cached)),
+            "transfer": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, all_miss, st.slots)),
+            "persistent": timed(lambda: st.select_persistent(qp, clo.retriever, layer)),
+        }
         for case in CASES:
             out[f"side_{case}"] = forced(st, case, lambda: timed(lambda: clo.refresh(layer, qp)))
             out[f"layer_{case}"] = forced(st, case, lambda: timed(layer_work))
@@ -195,8 +227,9 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
         "dense": timed(dense_step),
         "dense.gemvs": timed(gemvs(dense)),  # its projections alone: the rest is norms, RoPE and additions
         "dense.gemvs_cublas": timed(gemvs(dense, cublas=True)),
-        "lookup": timed(lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask,
-                                                  "mean")),
+        "lookup": timed(
+            lambda: lookup_and_update(qc, st.labels, st.valid, st.tau, st.weights, st.prefetch_mask, "mean")
+        ),
         "attention": timed(lambda: st.attend(q, clo.win_len, persist_idx)),  # one launch, every head
         "persistent_and_attention": timed(lambda: clo.attend(layer, q, None)),  # as decode runs them
         "transfer_no_miss": timed(lambda: clo.transfer.fill(st.host, st.cached, idx, ~all_miss, st.slots)),
@@ -225,8 +258,9 @@ def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: 
     if trace is not None:
         trace.mkdir(parents=True, exist_ok=True)
         for case in CASES:
-            out[f"timeline_{case}"] = forced(st, case, lambda: kernel_timeline(layer_work,
-                                                                                trace / f"layer_{case}.trace.json"))
+            out[f"timeline_{case}"] = forced(
+                st, case, lambda: kernel_timeline(layer_work, trace / f"layer_{case}.trace.json")
+            )
     return out
 
 
@@ -235,9 +269,16 @@ def attention_variants(st, q, win_len, persist_idx, timed) -> dict:
     (64, 4, 512) should be for CLO's buffers."""
     window, slots = st.buffers(win_len)
     indexed = st.persist_rows(persist_idx)
-    return {f"{bn}/{w}/{p}": timed(lambda: decode_attention_triton(q, *window, bn, w, second=slots, indexed=indexed,
-                                                                  q_heads=st.order, programs=p))
-            for bn in (32, 64, 128) for w in (2, 4, 8) for p in (256, 512, 1024)}
+    return {
+        f"{bn}/{w}/{p}": timed(
+            lambda: decode_attention_triton(
+                q, *window, bn, w, second=slots, indexed=indexed, q_heads=st.order, programs=p
+            )
+        )
+        for bn in (32, 64, 128)
+        for w in (2, 4, 8)
+        for p in (256, 512, 1024)
+    }
 
 
 def gemvs(layer: Layer, cublas: bool = False):
@@ -250,8 +291,11 @@ def gemvs(layer: Layer, cublas: bool = False):
     one, gated = (F.linear, lambda x, w: silu_mul(F.linear(x, w))) if cublas else (linear, linear_silu_mul)
     w_q = a.query_weights()[0]
     # ours: the speculative q and q/k/v into one buffer, as the decoder makes them (linear_pair)
-    pair = ((lambda: (one(x, w_q), one(x, a.qkv_proj.weight))) if cublas
-            else (lambda: linear_pair(x, w_q, None, x, a.qkv_proj.weight, None)))
+    pair = (
+        (lambda: (one(x, w_q), one(x, a.qkv_proj.weight)))
+        if cublas
+        else (lambda: linear_pair(x, w_q, None, x, a.qkv_proj.weight, None))
+    )
     return lambda: (pair(), one(x, a.o_proj.weight), gated(x, m.gate_up_proj.weight), one(inter, m.down_proj.weight))
 
 
@@ -264,7 +308,8 @@ def floors(clo: CLO, dense: Layer, layer: int, hbm: float, link: float) -> dict:
     meta = clo.retriever.metadata_bytes() / max(sum(s is not None for s in clo.stores), 1)
     attended = st.window.shape[1] * (st.sink + st.recent + 1 + st.k) * row
     return {
-        "transfer_bytes_all_miss": st.nc * st.k * row, "link_gb_s": round(link / 1e3, 1),
+        "transfer_bytes_all_miss": st.nc * st.k * row,
+        "link_gb_s": round(link / 1e3, 1),
         "transfer_floor_all_hit_us": round(int(st.prefetch_mask.sum()) * st.k * row / link, 1),
         "hbm_gb_s": round(hbm / 1e3, 1),
         "transfer_floor_us": round(st.nc * st.k * row / link, 1),
@@ -273,10 +318,13 @@ def floors(clo: CLO, dense: Layer, layer: int, hbm: float, link: float) -> dict:
         "speculative_query_floor_us": round(LLAMA3.num_heads * LLAMA3.head_dim * LLAMA3.hidden_size * 2 / hbm, 1),
         "retrieval_floor_us": round(meta / hbm, 1),
         # every head hitting, only the persistent and prefetch heads are scored (a hit reuses its rows)
-        "retrieval_floor_all_hit_us": round(meta * (n_persist + int(st.prefetch_mask.sum())) / st.window.shape[1]
-                                            / hbm, 1),
+        "retrieval_floor_all_hit_us": round(
+            meta * (n_persist + int(st.prefetch_mask.sum())) / st.window.shape[1] / hbm, 1
+        ),
         "attention_floor_us": round(attended / hbm, 1),
-        "cached_heads": st.nc, "persistent_heads": n_persist, "prefetch_heads": int(st.prefetch_mask.sum()),
+        "cached_heads": st.nc,
+        "persistent_heads": n_persist,
+        "prefetch_heads": int(st.prefetch_mask.sum()),
         "k": st.k,
     }
 
@@ -287,12 +335,25 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=131072)
     ap.add_argument("--layer", type=int, default=5, help="a layer with the median number of persistent heads")
     ap.add_argument("--trace", type=Path, help="also write Chrome traces of the layer (all miss, all hit) here")
-    ap.add_argument("--uva-programs", type=int, nargs="*", default=list(UVA_PROGRAMS),
-                    help="caps on the UVA gather's grid to compare (100000: one program per tile of a head)")
-    ap.add_argument("--persist-query", choices=PERSIST_QUERIES, default="real",
-                    help="CLO's persist_query for the main parts and the timelines (the variants measure both)")
-    ap.add_argument("--pipeline-layers", type=int, default=8,
-                    help="consecutive sparse layers from --layer on for the step-order pipeline (0: skip it)")
+    ap.add_argument(
+        "--uva-programs",
+        type=int,
+        nargs="*",
+        default=list(UVA_PROGRAMS),
+        help="caps on the UVA gather's grid to compare (100000: one program per tile of a head)",
+    )
+    ap.add_argument(
+        "--persist-query",
+        choices=PERSIST_QUERIES,
+        default="real",
+        help="CLO's persist_query for the main parts and the timelines (the variants measure both)",
+    )
+    ap.add_argument(
+        "--pipeline-layers",
+        type=int,
+        default=8,
+        help="consecutive sparse layers from --layer on for the step-order pipeline (0: skip it)",
+    )
     ap.add_argument("--layer-time-ms", type=float, help="pin Eq. 12's T_comp (default: measured), e.g. to a run's plan")
     ap.add_argument("--link-gb-s", type=float, help="pin Eq. 12's link bandwidth (default: measured)")
     args = ap.parse_args()
@@ -303,15 +364,21 @@ def main() -> None:
     for parts in (us, *us["variants"].values()):
         for case in CASES:
             parts[f"layer_{case}_over_floor"] = round(parts[f"layer_{case}"] / own_floor(fl, case), 2)
-    print("\n".join(f"{k:>24} {v}" for k, v in {**us, **fl}.items() if k != "variants" and not k.startswith("timeline")))
+    print(
+        "\n".join(f"{k:>24} {v}" for k, v in {**us, **fl}.items() if k != "variants" and not k.startswith("timeline"))
+    )
     for name, parts in us["variants"].items():
         print(f"{name:>24} " + " ".join(f"{k}={v}" for k, v in parts.items()))
     pipeline = None
     if args.pipeline_layers > 1:
         per_layer = [floors(clo, dense, i, hbm, link) for i in layers]
         # pipelined, the link and HBM work of all the layers overlap: the floor is the larger of the two sums
-        floor = {case: round(max(sum(own_floor(f, case, part) for f in per_layer) for part in ("hbm", "link"))
-                             / len(layers), 1) for case in CASES}
+        floor = {
+            case: round(
+                max(sum(own_floor(f, case, part) for f in per_layer) for part in ("hbm", "link")) / len(layers), 1
+            )
+            for case in CASES
+        }
         res = pipeline_variants(clo, dense, layers)
         for key in list(res):
             case = next((c for c in CASES if key.endswith(c)), None)
@@ -319,13 +386,29 @@ def main() -> None:
                 res[f"{key}_over_floor"] = round(res[key] / floor[case], 2)
         pipeline = {"layers": layers, "floor_us": floor, "us": res}
         if args.trace is not None:  # all hit, this run's persist_query
-            pipeline["timeline_all_hit"] = forced([clo.stores[i] for i in layers], "all_hit", lambda: kernel_timeline(
-                pipeline_step(clo, dense_work(dense, 1, True), layers), args.trace / "pipeline_all_hit.trace.json"))
+            pipeline["timeline_all_hit"] = forced(
+                [clo.stores[i] for i in layers],
+                "all_hit",
+                lambda: kernel_timeline(
+                    pipeline_step(clo, dense_work(dense, 1, True), layers), args.trace / "pipeline_all_hit.trace.json"
+                ),
+            )
         print(f"{'pipeline':>24} " + " ".join(f"{k}={v}" for k, v in res.items()))
-    write_json_atomic(args.out, {"bench": "clo_layer", "seqlen": args.seqlen, "layer": args.layer,
-                                 "persist_query": args.persist_query,
-                                 "weights": "synthetic (random K/V, random layer weights)", "us": us, "floors": fl,
-                                 "pipeline": pipeline, "plan": clo.plan.heads.summary(), "environment": environment(DEV)})
+    write_json_atomic(
+        args.out,
+        {
+            "bench": "clo_layer",
+            "seqlen": args.seqlen,
+            "layer": args.layer,
+            "persist_query": args.persist_query,
+            "weights": "synthetic (random K/V, random layer weights)",
+            "us": us,
+            "floors": fl,
+            "pipeline": pipeline,
+            "plan": clo.plan.heads.summary(),
+            "environment": environment(DEV),
+        },
+    )
 
 
 def own_floor(fl: dict, case: str, part: str = "both") -> float:

@@ -3,6 +3,7 @@ each next to its HBM floor (K+V bytes / device copy bandwidth measured in the sa
 
     python -m experiments.bench_decode_attention --out results/bench/decode_attention.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,11 +12,11 @@ from pathlib import Path
 import torch
 
 from baselines.fullattn import dense_decode_attention
+from experiments.preflight import parse_tokens
+from experiments.records import environment
 from experiments.timing import copy_bandwidth_gb_s, median_ms
 from kvoffload.kernels.decode_attention import decode_attention_triton
 from kvoffload.paths import write_json_atomic
-from experiments.preflight import parse_tokens
-from experiments.records import environment
 
 
 def time_ms(fn, iters: int = 50) -> float:
@@ -44,27 +45,44 @@ def main() -> None:
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)
         backends = {
             f"triton (ours) block {bn} warps {w}": (lambda bn=bn, w=w: decode_attention_triton(q, k, v, lengths, bn, w))
-            for bn in (64, 128) for w in (4, 8)
+            for bn in (64, 128)
+            for w in (4, 8)
         }
         backends["torch sdpa (GQA folded)"] = lambda: dense_decode_attention(q, kt, vt)
         try:
             import flashinfer
 
             backends["flashinfer single_decode (NHD)"] = lambda: [
-                flashinfer.single_decode_with_kv_cache(q[i], k[i], v[i], kv_layout="NHD") for i in range(b)]
+                flashinfer.single_decode_with_kv_cache(q[i], k[i], v[i], kv_layout="NHD") for i in range(b)
+            ]
         except ImportError:
             pass
         nbytes = 2 * k.numel() * k.element_size()
         floor = nbytes / (bw * 1e9) * 1e3
         for name, fn in backends.items():
             ms = time_ms(fn)
-            rows.append({"length": length, "batch": b, "backend": name, "ms": round(ms, 4),
-                         "floor_ms": round(floor, 4), "x_floor": round(ms / floor, 3),
-                         "achieved_gb_s": round(nbytes / ms / 1e6, 1)})
+            rows.append(
+                {
+                    "length": length,
+                    "batch": b,
+                    "backend": name,
+                    "ms": round(ms, 4),
+                    "floor_ms": round(floor, 4),
+                    "x_floor": round(ms / floor, 3),
+                    "achieved_gb_s": round(nbytes / ms / 1e6, 1),
+                }
+            )
             print(f"{length:>8} {name:<36} {ms * 1e3:8.1f} us  floor {floor * 1e3:7.1f} us  {ms / floor:5.2f}x")
-    write_json_atomic(args.out, {"bench": "decode_attention", "copy_bandwidth_gb_s": round(bw, 1),
-                                 "shape": vars(args) | {"out": str(args.out)}, "rows": rows,
-                                 "environment": environment(dev)})
+    write_json_atomic(
+        args.out,
+        {
+            "bench": "decode_attention",
+            "copy_bandwidth_gb_s": round(bw, 1),
+            "shape": vars(args) | {"out": str(args.out)},
+            "rows": rows,
+            "environment": environment(dev),
+        },
+    )
 
 
 if __name__ == "__main__":

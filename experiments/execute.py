@@ -1,10 +1,11 @@
 """One run of the decode workload: validate, plan memory, build model and KV system, generate, measure."""
+
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +15,16 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from experiments import preflight
+from experiments.records import config_error, environment
 from experiments.timing import copy_bandwidth_gb_s, link_gb_s, model_layer_time_s
+from experiments.workloads import PROMPTS, build_prompt
 from kvoffload.errors import ConfigError
 from kvoffload.generate import Generation, generate
 from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
 from kvoffload.kv.timer import PHASES, PhaseTimer
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import build_decoder
-from experiments import preflight
-from experiments.records import config_error, environment
-from experiments.workloads import PROMPTS, build_prompt
 
 
 def weights_source(model_cfg: DictConfig) -> str:
@@ -79,9 +80,19 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     system = build_system(cfg.system, system_name)
     # the link and one layer's dense time are measured first: the system's plan, its memory estimate and its
     # allocation all read them
-    spec = KVSpec(model_cfg.num_layers, batch, seqlen + gen_tokens, model_cfg.num_heads, model_cfg.num_kv_heads,
-                  model_cfg.head_dim, dtype, device, prompt_len=seqlen, link_gb_s=link_gb_s(device),
-                  layer_time_s=model_layer_time_s(model_cfg, batch, device, dtype))
+    spec = KVSpec(
+        model_cfg.num_layers,
+        batch,
+        seqlen + gen_tokens,
+        model_cfg.num_heads,
+        model_cfg.num_kv_heads,
+        model_cfg.head_dim,
+        dtype,
+        device,
+        prompt_len=seqlen,
+        link_gb_s=link_gb_s(device),
+        layer_time_s=model_layer_time_s(model_cfg, batch, device, dtype),
+    )
     spec = replace(spec, gpu_budget_bytes=preflight.kv_budget(model_cfg, spec, numbers.gpu_mem_gb))
     plan = preflight.plan_memory(model_cfg, system, spec, seqlen)
     what = f"system={system_name} model={model_cfg.name} seqlen={preflight.tokens_text(seqlen)} batch={batch}"
@@ -98,10 +109,12 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         from experiments.query_process import ProfileQueryProcess
 
         query_process = ProfileQueryProcess.from_profile(
-            queries, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.group_size, device)
+            queries, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.group_size, device
+        )
     tokenizer = load_tokenizer(source, cfg.model)  # the prompt too: a needle needs a tokenizer and room
-    prompt = build_prompt(cfg.workload.prompt, seqlen, batch, numbers.seed, tokenizer, model_cfg.vocab_size,
-                          numbers.needle_depth)
+    prompt = build_prompt(
+        cfg.workload.prompt, seqlen, batch, numbers.seed, tokenizer, model_cfg.vocab_size, numbers.needle_depth
+    )
 
     # ---- long work ---------------------------------------------------------------------------------------
     query_desc = query_process.description if query_process is not None else "the model's own queries"
@@ -113,8 +126,9 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
     trace = Path(cfg.trace_dir) / "decode_step.trace.json" if cfg.get("trace_dir") else None
-    gen = run_generation(model, system, prompt.tokens.to(device), gen_tokens, stop, decode_mode, trace,
-                         numbers.warmup_steps)
+    gen = run_generation(
+        model, system, prompt.tokens.to(device), gen_tokens, stop, decode_mode, trace, numbers.warmup_steps
+    )
 
     text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
     hbm = numbers.hbm_gb_s or copy_bandwidth_gb_s(device)
@@ -129,11 +143,13 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         "phases_timed": timer.enabled,
         "query_process": query_desc,
         "prompt": {"kind": prompt.kind, "tokens": int(prompt.tokens.shape[1]), **prompt.meta},
-        "answer": {"expected": prompt.answer, "text": text,
-                   "found": (prompt.answer in text) if prompt.answer and text is not None else None},
+        "answer": {
+            "expected": prompt.answer,
+            "text": text,
+            "found": (prompt.answer in text) if prompt.answer and text is not None else None,
+        },
         "environment": {**environment(device), "device_free_gb_at_start": free_at_start},
-        "metrics": metrics(gen, system, model_cfg, spec, seqlen, hbm, state.get("link_gb_s"),
-                           numbers.warmup_steps),
+        "metrics": metrics(gen, system, model_cfg, spec, seqlen, hbm, state.get("link_gb_s"), numbers.warmup_steps),
         "system_state": state,
         "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
         "steps": [s.as_dict() for s in gen.steps],
@@ -144,20 +160,35 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_generation(model, system, tokens, gen_tokens, stop, decode_mode, trace: Path | None = None,
-                   warmup: int = 0) -> Generation:
+def run_generation(
+    model, system, tokens, gen_tokens, stop, decode_mode, trace: Path | None = None, warmup: int = 0
+) -> Generation:
     """generate() with progress bars; with `trace`, the GPU kernels of one steady decode step (the first after
     the warm-up and a graph's capture) are written there as a Chrome trace (torch profiler; open in Perfetto)."""
     n_layers = model.cfg.num_layers
-    with tqdm(total=n_layers, desc=f"prefill {tokens.shape[1]} tokens", unit="layer", file=sys.stderr,
-              leave=False) as bar_p, tqdm(total=gen_tokens - 1, desc="decode", unit="tok", file=sys.stderr,
-                                          leave=False) as bar_d, step_profiler(trace, warmup + 2) as prof:
+    with (
+        tqdm(
+            total=n_layers, desc=f"prefill {tokens.shape[1]} tokens", unit="layer", file=sys.stderr, leave=False
+        ) as bar_p,
+        tqdm(total=gen_tokens - 1, desc="decode", unit="tok", file=sys.stderr, leave=False) as bar_d,
+        step_profiler(trace, warmup + 2) as prof,
+    ):
+
         def on_token(_):
             bar_d.update(1)
             if prof is not None:
                 prof.step()
-        return generate(model, system, tokens, gen_tokens, stop, decode_mode,
-                        on_prefill_layer=lambda _: bar_p.update(1), on_token=on_token)
+
+        return generate(
+            model,
+            system,
+            tokens,
+            gen_tokens,
+            stop,
+            decode_mode,
+            on_prefill_layer=lambda _: bar_p.update(1),
+            on_token=on_token,
+        )
 
 
 @contextlib.contextmanager
@@ -171,16 +202,27 @@ def step_profiler(path: Path | None, skip: int):
 
     path.parent.mkdir(parents=True, exist_ok=True)
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU  # CPU: its operators
-    with profile(activities=[activity], schedule=schedule(wait=skip, warmup=1, active=1, repeat=1),
-                 on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as prof:
+    with profile(
+        activities=[activity],
+        schedule=schedule(wait=skip, warmup=1, active=1, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+    ) as prof:
         yield prof
 
 
-def metrics(gen: Generation, system: KVOffloadSystem, cfg: ModelConfig, spec: KVSpec, seqlen: int,
-            hbm_gb_s: float, link_gb_s: float | None, warmup: int) -> dict[str, Any]:
+def metrics(
+    gen: Generation,
+    system: KVOffloadSystem,
+    cfg: ModelConfig,
+    spec: KVSpec,
+    seqlen: int,
+    hbm_gb_s: float,
+    link_gb_s: float | None,
+    warmup: int,
+) -> dict[str, Any]:
     # The first steps pay one-off costs (kernel JIT, allocator growth): they stay in the record, not the means.
     # With a graph, the capture step too (it runs the step eagerly while recording it).
-    steps = gen.steps[max(warmup, gen.steady_from):] or gen.steps
+    steps = gen.steps[max(warmup, gen.steady_from) :] or gen.steps
     n = max(len(steps), 1)
     phase_ms = {p: statistics.fmean(s.phase_ms[p] for s in steps) if steps else 0.0 for p in (*PHASES, "total")}
     lookups = sum(s.lookups for s in steps)

@@ -6,6 +6,7 @@ ordered) with its provenance beside it.
 
     python -m experiments.infinigen_skew model=smollm2 seqlen=3k workload.gen_tokens=64 workload.stop_at_eos=false
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,9 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from experiments.profile import record_queries
 from kvoffload.errors import ConfigError
 from kvoffload.paths import ROOT
-from experiments.profile import record_queries
 
 
 def skew_bases(queries: dict[int, list[torch.Tensor]], num_layers: int, num_kv_heads: int) -> torch.Tensor:

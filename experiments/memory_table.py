@@ -5,6 +5,7 @@ reports. Runs on a CPU: the device buffers are ordinary tensors there, the sizes
     python -m experiments.memory_table --seqlens 32k,64k --clo-override system.layer_time_ms=0.164 \
         --clo-override system.link_gb_s=54.6 --out results/tab6_memory/llama3.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,11 +15,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from experiments.preflight import parse_tokens
+from experiments.records import environment
 from kvoffload.kv.interface import GB, KVSpec
 from kvoffload.model.config import ModelConfig
 from kvoffload.paths import ROOT, write_json_atomic
-from experiments.preflight import parse_tokens
-from experiments.records import environment
 
 CONF = ROOT / "conf"
 
@@ -29,19 +30,26 @@ def measure(system_name: str, overrides: list[str], seqlen: int, gen: int) -> di
     mc = ModelConfig.from_mapping(cfg.model)
     system = instantiate(cfg.system)
     cpu = torch.device("cpu")
-    system.allocate(KVSpec(mc.num_layers, 1, seqlen + gen, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                           torch.bfloat16, cpu))
+    system.allocate(
+        KVSpec(mc.num_layers, 1, seqlen + gen, mc.num_heads, mc.num_kv_heads, mc.head_dim, torch.bfloat16, cpu)
+    )
     g = torch.Generator().manual_seed(0)
     for layer in range(mc.num_layers):
-        k, v = (torch.randn(1, mc.num_kv_heads, seqlen, mc.head_dim, generator=g, dtype=torch.bfloat16)
-                for _ in range(2))
+        k, v = (
+            torch.randn(1, mc.num_kv_heads, seqlen, mc.head_dim, generator=g, dtype=torch.bfloat16) for _ in range(2)
+        )
         system.prefill(layer, k, v)
     system.end_prefill(seqlen)
     parts = system.memory_parts()
     held = system.memory_held()
-    return {"system": system_name, "seqlen": seqlen, "device_gb": round(held.device_bytes / GB, 3),
-            "host_gb": round(held.host_bytes / GB, 3), "parts_gb": {k: round(v / GB, 4) for k, v in parts.items()},
-            "describe": {k: v for k, v in system.describe().items() if k in ("plan", "importance", "profile")}}
+    return {
+        "system": system_name,
+        "seqlen": seqlen,
+        "device_gb": round(held.device_bytes / GB, 3),
+        "host_gb": round(held.host_bytes / GB, 3),
+        "parts_gb": {k: round(v / GB, 4) for k, v in parts.items()},
+        "describe": {k: v for k, v in system.describe().items() if k in ("plan", "importance", "profile")},
+    }
 
 
 def main() -> None:
@@ -60,9 +68,16 @@ def main() -> None:
             extra = args.clo_override if name == "clo" else []
             rows.append(measure(name, overrides + extra, seqlen, args.gen))
             print(f"{seqlen:>8} {name:<11} device {rows[-1]['device_gb']:7.3f} GB  host {rows[-1]['host_gb']:7.3f} GB")
-    write_json_atomic(args.out, {"table": "device memory of the KV state (paper Tab. 6)", "overrides": overrides,
-                                 "clo_overrides": args.clo_override,
-                                 "rows": rows, "environment": environment(torch.device("cpu"))})
+    write_json_atomic(
+        args.out,
+        {
+            "table": "device memory of the KV state (paper Tab. 6)",
+            "overrides": overrides,
+            "clo_overrides": args.clo_override,
+            "rows": rows,
+            "environment": environment(torch.device("cpu")),
+        },
+    )
 
 
 if __name__ == "__main__":

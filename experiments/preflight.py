@@ -1,6 +1,7 @@
 """Checks that run before any weight is loaded: the command line's keys, numbers, sequence length, memory. A run
 that cannot fit is refused with the estimate and the ways out that would fit, instead of starting and dying from
 an out-of-memory kill."""
+
 from __future__ import annotations
 
 import difflib
@@ -85,16 +86,34 @@ def check_override_keys(overrides: list[str], extra: tuple[str, ...] = ()) -> No
             hint = f" (did you mean {near[0]}?)" if near else ""
             raise ConfigError(
                 f"unknown key {top!r} in {text!r}{hint}; the top-level keys are {', '.join(sorted(keys | set(extra)))}"
-                f" and the config groups {', '.join(sorted(groups))}")
+                f" and the config groups {', '.join(sorted(groups))}"
+            )
         if o.is_add() and top in SECTIONS and "." in key:
             where = f"conf/{top}/*.yaml" if top in groups else "conf/config.yaml"
-            raise ConfigError(f"{text!r} adds a setting {key!r} that nothing reads: {top}'s settings are the keys in "
-                              f"{where}, set without '+'")
+            raise ConfigError(
+                f"{text!r} adds a setting {key!r} that nothing reads: {top}'s settings are the keys in "
+                f"{where}, set without '+'"
+            )
 
 
 # Hydra's flags that take the next argument as their value (hydra._internal.utils.get_args_parser).
-_VALUE_FLAGS = {"--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
-                "--cfg", "-c", "--package", "-p", "--info", "-i", "--experimental-rerun"}
+_VALUE_FLAGS = {
+    "--shell-completion",
+    "-sc",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--info",
+    "-i",
+    "--experimental-rerun",
+}
 
 
 def command_line_overrides(argv: list[str]) -> list[str]:
@@ -137,8 +156,15 @@ def integer(value: Any, key: str, minimum: int | None = None) -> int:
     return n
 
 
-def number(value: Any, key: str, low: float | None = None, high: float | None = None, *, above: bool = False,
-           null: bool = False) -> float | None:
+def number(
+    value: Any,
+    key: str,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    above: bool = False,
+    null: bool = False,
+) -> float | None:
     """A real number from the config, at least `low` (above it with above=True) and at most `high`; null: None
     is allowed."""
     if value is None and null:
@@ -236,8 +262,9 @@ def resolve_decode_mode(mode: str, device: torch.device, system: KVOffloadSystem
     if mode in ("graph", "piecewise") and device.type != "cuda":
         raise ConfigError(f"decode_mode={mode} needs CUDA; use decode_mode=eager or auto on the CPU")
     if mode == "graph" and not system.supports_cuda_graph:
-        raise ConfigError(f"system {system.name} cannot be captured whole in a CUDA graph; "
-                          f"use decode_mode=piecewise (or auto)")
+        raise ConfigError(
+            f"system {system.name} cannot be captured whole in a CUDA graph; use decode_mode=piecewise (or auto)"
+        )
     if mode != "auto":
         return mode
     if device.type != "cuda":
@@ -247,8 +274,10 @@ def resolve_decode_mode(mode: str, device: torch.device, system: KVOffloadSystem
 
 def check_length(cfg: ModelConfig, seqlen: int, gen_tokens: int) -> None:
     if seqlen + gen_tokens > cfg.max_position_embeddings:
-        raise ConfigError(f"seqlen={seqlen} + gen_tokens={gen_tokens} exceeds {cfg.name}'s "
-                          f"max_position_embeddings={cfg.max_position_embeddings}")
+        raise ConfigError(
+            f"seqlen={seqlen} + gen_tokens={gen_tokens} exceeds {cfg.name}'s "
+            f"max_position_embeddings={cfg.max_position_embeddings}"
+        )
 
 
 @dataclass
@@ -294,6 +323,7 @@ def host_available_bytes() -> int:
 class Limits:
     """What a run may use: the host's available RAM and the device budget (None where none applies: a CPU run
     without hardware.gpu_mem_gb)."""
+
     device: torch.device
     host: int
     budget: int | None
@@ -330,13 +360,15 @@ def shortfall(plan: MemoryPlan, limits: Limits) -> tuple[str, str] | None:
         return "host", (
             f"needs about {host_need / GB:.1f} GB of RAM on this host (weights {plan.weights / GB:.1f}, KV "
             f"{(plan.kv_device + plan.kv_host) / GB:.1f}, activations {plan.activations / GB:.1f}) but "
-            f"{limits.host / GB:.1f} GB is available")
+            f"{limits.host / GB:.1f} GB is available"
+        )
     if limits.budget is not None and plan.device_total > limits.budget:
         where = f" ({limits.where})" if limits.where else ""
         return "device", (
             f"needs about {plan.device_total / GB:.1f} GB of GPU memory (weights {plan.weights / GB:.1f}, KV "
             f"{plan.kv_device / GB:.1f}, activations {plan.activations / GB:.1f}) but the budget is "
-            f"{limits.budget / GB:.1f} GB{where}")
+            f"{limits.budget / GB:.1f} GB{where}"
+        )
     return None
 
 
@@ -350,12 +382,19 @@ def largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
     return lo
 
 
-def ways_out(plan: MemoryPlan, limits: Limits, short: str, estimate: Callable[[KVSpec], MemoryPlan] | None,
-             spec: KVSpec | None, model_name: str | None) -> str:
+def ways_out(
+    plan: MemoryPlan,
+    limits: Limits,
+    short: str,
+    estimate: Callable[[KVSpec], MemoryPlan] | None,
+    spec: KVSpec | None,
+    model_name: str | None,
+) -> str:
     """The ways out of a run that does not fit, for this system, device and shortage: first the changes that fit
     by the same estimate (bfloat16 instead of float32, the longest prompt, the largest batch), then the others."""
     fitting: list[str] = []
     if estimate is not None and spec is not None:
+
         def fits(sp: KVSpec) -> bool:
             try:
                 return shortfall(estimate(sp), limits) is None
@@ -373,8 +412,11 @@ def ways_out(plan: MemoryPlan, limits: Limits, short: str, estimate: Callable[[K
                 bases.append(("dtype=bfloat16 with ", bf16))
         for label, base in bases:
             gen = base.max_len - base.prompt_tokens
-            n = largest(lambda t, base=base, gen=gen: fits(replace(base, max_len=t + gen, prompt_len=t)), 1,
-                        base.prompt_tokens - 1)
+            n = largest(
+                lambda t, base=base, gen=gen: fits(replace(base, max_len=t + gen, prompt_len=t)),
+                1,
+                base.prompt_tokens - 1,
+            )
             if n is not None:
                 fitting.append(f"{label}seqlen={tokens_text(n // 1024 * 1024 if n >= 1024 else n)} or shorter")
             b = largest(lambda b, base=base: fits(replace(base, batch=b)), 1, base.batch - 1)
@@ -398,9 +440,15 @@ def ways_out(plan: MemoryPlan, limits: Limits, short: str, estimate: Callable[[K
     return f"Ways out: {', '.join(other)}."
 
 
-def check_memory(plan: MemoryPlan, device: torch.device, gpu_mem_gb: float | None, what: str,
-                 estimate: Callable[[KVSpec], MemoryPlan] | None = None, spec: KVSpec | None = None,
-                 model_name: str | None = None) -> int | None:
+def check_memory(
+    plan: MemoryPlan,
+    device: torch.device,
+    gpu_mem_gb: float | None,
+    what: str,
+    estimate: Callable[[KVSpec], MemoryPlan] | None = None,
+    spec: KVSpec | None = None,
+    model_name: str | None = None,
+) -> int | None:
     """Refuses a run that cannot fit, with the ways out (estimate(spec) -> MemoryPlan re-plans a changed run, to
     say which changes would fit). Returns the KV system's device-memory budget in bytes, or None where no budget
     applies (a CPU run without hardware.gpu_mem_gb). On a CPU run, gpu_mem_gb emulates a card's memory."""

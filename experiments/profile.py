@@ -6,6 +6,7 @@ an existing file (data/profiles/smollm2.json is committed) is only replaced with
     python -m experiments.profile model=smollm2 seqlen=3k workload.gen_tokens=64 workload.stop_at_eos=false \
         +profile_out=/tmp/smollm2.json
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,17 +16,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.fullattn import FullAttn
+from experiments import preflight
+from experiments.execute import load_tokenizer, weights_source
+from experiments.records import environment, refuse, write_measurement
+from experiments.timing import link_gb_s
+from experiments.workloads import build_prompt
 from kvoffload.errors import ConfigError
 from kvoffload.generate import generate
 from kvoffload.kv.interface import KVSpec
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import build_decoder
 from kvoffload.paths import ROOT
-from experiments import preflight
-from experiments.execute import load_tokenizer, weights_source
-from experiments.records import environment, refuse, write_measurement
-from experiments.timing import link_gb_s
-from experiments.workloads import build_prompt
 
 
 class QueryRecorder(FullAttn):
@@ -68,12 +69,24 @@ def decode_real(cfg: DictConfig, make_kv, min_steps: int = 3) -> tuple[ModelConf
     device = preflight.resolve_device(cfg.device)
     dtype = preflight.resolve_dtype(cfg.dtype, device)
     tokenizer = load_tokenizer(source, cfg.model)
-    prompt = build_prompt(cfg.workload.prompt, seqlen, batch, seed, tokenizer, model_cfg.vocab_size,
-                          numbers.needle_depth)
+    prompt = build_prompt(
+        cfg.workload.prompt, seqlen, batch, seed, tokenizer, model_cfg.vocab_size, numbers.needle_depth
+    )
     model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), seed, device, dtype)
     kv = make_kv(model_cfg, seqlen)
-    kv.allocate(KVSpec(model_cfg.num_layers, batch, seqlen + gen, model_cfg.num_heads,
-                       model_cfg.num_kv_heads, model_cfg.head_dim, dtype, device, link_gb_s=link_gb_s(device)))
+    kv.allocate(
+        KVSpec(
+            model_cfg.num_layers,
+            batch,
+            seqlen + gen,
+            model_cfg.num_heads,
+            model_cfg.num_kv_heads,
+            model_cfg.head_dim,
+            dtype,
+            device,
+            link_gb_s=link_gb_s(device),
+        )
+    )
     generate(model, kv, prompt.tokens.to(device), gen)  # no early stop: every step is a sample
     desc = f"{weights_desc}; {prompt.kind} prompt of {seqlen} tokens, {gen} greedy steps, batch {batch}"
     return model_cfg, kv, desc
@@ -81,8 +94,9 @@ def decode_real(cfg: DictConfig, make_kv, min_steps: int = 3) -> tuple[ModelConf
 
 def profile(cfg: DictConfig) -> dict:
     model_cfg, queries, desc = record_queries(cfg)
-    sims = torch.stack([adjacent_similarity(queries[layer], model_cfg.group_size)
-                        for layer in range(model_cfg.num_layers)])  # [L, S-1, B, Hkv]
+    sims = torch.stack(
+        [adjacent_similarity(queries[layer], model_cfg.group_size) for layer in range(model_cfg.num_layers)]
+    )  # [L, S-1, B, Hkv]
     per_head = sims.flatten(1, 2)  # [L, samples, Hkv]
     return {
         "model": model_cfg.name,
@@ -113,8 +127,10 @@ def main(cfg: DictConfig) -> None:
         refuse(e)
     data, out = write_measurement(profile, cfg, lambda d: out)
     s = torch.tensor(data["s_hat"])
-    print(f"s_hat over {s.numel()} heads: mean {s.mean():.3f}, min {s.min():.3f}, "
-          f"{(s > 0.8).float().mean() * 100:.0f}% above 0.8 -> {out}")
+    print(
+        f"s_hat over {s.numel()} heads: mean {s.mean():.3f}, min {s.min():.3f}, "
+        f"{(s > 0.8).float().mean() * 100:.0f}% above 0.8 -> {out}"
+    )
 
 
 if __name__ == "__main__":

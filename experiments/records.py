@@ -1,6 +1,7 @@
 """Run records: one folder per run under results_dir, named after the run's overrides as resolved values (so a
 sweep that is run again finds its finished runs, however a value was spelled), holding record.json written
 atomically; and the end-of-sweep summary (a Hydra callback)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -126,8 +127,12 @@ def git_commit(repo: Path) -> dict[str, Any]:
     # The launcher's word wins: the GPU machine's copy of the tree may carry a stale .git (or none) whose HEAD
     # is not the commit its files come from.
     if os.environ.get("CLO_GIT_COMMIT") or not commit:
-        return {"commit": os.environ.get("CLO_GIT_COMMIT", "unknown"), "dirty": None, "from": "CLO_GIT_COMMIT",
-                "local_git_head": commit or None}
+        return {
+            "commit": os.environ.get("CLO_GIT_COMMIT", "unknown"),
+            "dirty": None,
+            "from": "CLO_GIT_COMMIT",
+            "local_git_head": commit or None,
+        }
     return {"commit": commit, "dirty": dirty}
 
 
@@ -217,15 +222,17 @@ class SweepSummary(Callback):
 
         overrides = [ov for _, ov, _, _ in self.jobs]
         common = set.intersection(*map(set, overrides)) if len(overrides) > 1 else set()
-        rows = [(str(num), status, " ".join(o for o in ov if o not in common and not hidden(o)) or "(no overrides)",
-                 error) for num, ov, status, error in self.jobs]
+        rows = [
+            (str(num), status, " ".join(o for o in ov if o not in common and not hidden(o)) or "(no overrides)", error)
+            for num, ov, status, error in self.jobs
+        ]
         counts = {s: sum(r[1] == s for r in rows) for s in ("ok", "skipped", "failed")}
         jobs = f"{len(rows)} job" + ("s" if len(rows) != 1 else "")
         shared = [o for o in overrides[0] if o in common and not hidden(o)]
-        head = (f"[sweep] {jobs}: {counts['ok']} ok, {counts['skipped']} skipped, {counts['failed']} failed"
-                + (f" (all with {' '.join(shared)})" if shared else ""))
+        head = f"[sweep] {jobs}: {counts['ok']} ok, {counts['skipped']} skipped, {counts['failed']} failed" + (
+            f" (all with {' '.join(shared)})" if shared else ""
+        )
         w0 = max(len(r[0]) for r in rows)
         w2 = max(len(r[2]) for r in rows)
-        lines = [head] + [f"  #{n:<{w0}}  {s:<7}  {ov:<{w2}}" + (f"  error: {e}" if e else "")
-                          for n, s, ov, e in rows]
+        lines = [head] + [f"  #{n:<{w0}}  {s:<7}  {ov:<{w2}}" + (f"  error: {e}" if e else "") for n, s, ov, e in rows]
         return "\n".join(line.rstrip() for line in lines)

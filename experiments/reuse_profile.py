@@ -22,6 +22,7 @@ file also reads as a reuse profile (clo.policy.persistent.load_profile). Writes 
     python -m experiments.reuse_profile seqlen=7680 workload.gen_tokens=64 workload.stop_at_eos=false \\
         [+reuse.topk_ratio=0.1 +reuse.sink=16 +reuse.recent=64] [+reuse_out=...] [force=true]
 """
+
 from __future__ import annotations
 
 import math
@@ -35,14 +36,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.fullattn import FullAttn
+from experiments import preflight
+from experiments.profile import decode_real
+from experiments.records import environment, git_commit
 from kvoffload.errors import ConfigError
 from kvoffload.model.config import ModelConfig
 from kvoffload.offload.budget import select_budget, split_prompt
 from kvoffload.offload.retrieval import ExactRetriever, select_topk
 from kvoffload.paths import ROOT, repo_path, write_json_atomic
-from experiments import preflight
-from experiments.profile import decode_real
-from experiments.records import environment, git_commit
 
 # The budget every sparse system shares by default (conf/system/clo.yaml, retroinfer.yaml): top-k 10 % of the
 # prompt with the sink and recent window counted in it.
@@ -78,22 +79,25 @@ class ReuseProbe(FullAttn):
         self.sink, self.recent, self.n_mid = split_prompt(prompt_len, budget["sink"], budget["recent"])
         self.k_sel = select_budget(prompt_len, budget["topk_ratio"], budget["sink"], budget["recent"])
         if not 0 < self.k_sel < self.n_mid:
-            raise ConfigError(f"top-k {self.k_sel} of a middle of {self.n_mid} tokens: nothing to select; "
-                              "a longer seqlen")
+            raise ConfigError(
+                f"top-k {self.k_sel} of a middle of {self.n_mid} tokens: nothing to select; a longer seqlen"
+            )
         self.group, self.lags = model_cfg.group_size, tuple(sorted(lags))
-        self.exact = ExactRetriever(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                                    torch.device("cpu"))
+        self.exact = ExactRetriever(
+            model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, torch.device("cpu")
+        )
         self.heads = torch.arange(model_cfg.num_kv_heads)
         L = model_cfg.num_layers
-        self.samples = {m: {lag: [[] for _ in range(L)] for lag in (self.lags if m in METRICS[:2] else (0,))}
-                        for m in METRICS}
+        self.samples = {
+            m: {lag: [[] for _ in range(L)] for lag in (self.lags if m in METRICS[:2] else (0,))} for m in METRICS
+        }
         self.history = [deque(maxlen=self.lags[-1]) for _ in range(L)]  # (q, top-k) of the last steps
         self.q_spec: dict[int, torch.Tensor] = {}
         self.queries = [[] for _ in range(L)] if keep_queries else None  # (q, q_spec) per step, for tests
 
     def prefill(self, layer, k, v):
         super().prefill(layer, k, v)
-        self.exact.index(layer, k[:, :, self.sink: self.sink + self.n_mid].float().cpu().clone())
+        self.exact.index(layer, k[:, :, self.sink : self.sink + self.n_mid].float().cpu().clone())
 
     def prepare(self, layer, q_spec):
         self.q_spec[layer] = q_spec.float().cpu().clone()
@@ -144,15 +148,18 @@ def summarise(per_layer: list[list[torch.Tensor]], num_kv_heads: int) -> dict:
             head[f"q{int(p * 100)}"].append(x.quantile(p, dim=0) if x is not None else nan)
         layer["mean"].append(float(x.mean()) if x is not None else float("nan"))
         layer["median"].append(float(x.flatten().median()) if x is not None else float("nan"))
-    out = {"per_head": {k: _json(torch.stack(rows)) for k, rows in head.items()},
-           "per_layer": {k: _json(torch.tensor(v)) for k, v in layer.items()}}
+    out = {
+        "per_head": {k: _json(torch.stack(rows)) for k, rows in head.items()},
+        "per_layer": {k: _json(torch.tensor(v)) for k, v in layer.items()},
+    }
     counts = [0 if x is None else x.shape[0] for x in stacks]
     out["samples_per_head"] = max(counts) if counts else 0
     out["layers"] = [i for i in range(L) if counts[i]]
     defined = [x for x in stacks if x is not None]
     allx = torch.cat([x.flatten() for x in defined]) if defined else torch.empty(0)
-    out["all_heads"] = {"mean": round(float(allx.mean()), 5), "median": round(float(allx.median()), 5)} \
-        if allx.numel() else None
+    out["all_heads"] = (
+        {"mean": round(float(allx.mean()), 5), "median": round(float(allx.median()), 5)} if allx.numel() else None
+    )
     return out
 
 
@@ -162,8 +169,11 @@ def budget_of(cfg: DictConfig) -> dict:
     if unknown:
         raise ConfigError(f"reuse.{min(unknown)}: unknown; valid: {', '.join(BUDGET)}")
     budget = {**BUDGET, **extra}
-    budget["topk_ratio"], budget["sink"], budget["recent"] = (float(budget["topk_ratio"]), int(budget["sink"]),
-                                                              int(budget["recent"]))
+    budget["topk_ratio"], budget["sink"], budget["recent"] = (
+        float(budget["topk_ratio"]),
+        int(budget["sink"]),
+        int(budget["recent"]),
+    )
     return budget
 
 
@@ -193,19 +203,33 @@ def measure(cfg: DictConfig, decode=decode_real) -> dict:
     budget = budget_of(cfg)
     git = git_commit(ROOT)  # the tree the measurement starts from
     t0 = time.perf_counter()
-    model_cfg, probe, desc = decode(cfg, lambda model_cfg, prompt_len: ReuseProbe(model_cfg, prompt_len, budget),
-                                    min_steps=3)
+    model_cfg, probe, desc = decode(
+        cfg, lambda model_cfg, prompt_len: ReuseProbe(model_cfg, prompt_len, budget), min_steps=3
+    )
     wall = time.perf_counter() - t0
     hkv = model_cfg.num_kv_heads
     metrics = {m: summarise(probe.samples[m][1 if m in METRICS[:2] else 0], hkv) for m in METRICS}
-    lags = {m: {str(lag): {"per_head_mean": summarise(probe.samples[m][lag], hkv)["per_head"]["mean"],
-                           "all_heads_mean": (summarise(probe.samples[m][lag], hkv)["all_heads"] or {}).get("mean")}
-                for lag in probe.lags} for m in METRICS[:2]}
+    lags = {
+        m: {
+            str(lag): {
+                "per_head_mean": summarise(probe.samples[m][lag], hkv)["per_head"]["mean"],
+                "all_heads_mean": (summarise(probe.samples[m][lag], hkv)["all_heads"] or {}).get("mean"),
+            }
+            for lag in probe.lags
+        }
+        for m in METRICS[:2]
+    }
     prompt_len = preflight.parse_tokens(cfg.seqlen)
     return {
-        "experiment": "reuse_profile", "model": model_cfg.name, "source": desc,
-        "budget": {**budget, "k": probe.k_sel, "middle_tokens": probe.n_mid,
-                   "rule": "kvoffload.offload.budget.select_budget; exact scores sum_j q_j . k over the group"},
+        "experiment": "reuse_profile",
+        "model": model_cfg.name,
+        "source": desc,
+        "budget": {
+            **budget,
+            "k": probe.k_sel,
+            "middle_tokens": probe.n_mid,
+            "rule": "kvoffload.offload.budget.select_budget; exact scores sum_j q_j . k over the group",
+        },
         "decode_steps": len(probe.samples["query_cos"][1][0]) + 1,
         "metrics": metrics,
         "lags": lags,
@@ -213,9 +237,14 @@ def measure(cfg: DictConfig, decode=decode_real) -> dict:
         "provenance": {
             "command": command_line(cfg),
             "weights": desc.split(";")[0],
-            "prompt": {"kind": str(cfg.workload.prompt), "resolved": resolved_prompt(desc), "tokens": prompt_len,
-                       "needle_depth": float(cfg.workload.needle_depth), "seed": int(cfg.seed),
-                       "batch": int(cfg.batch)},
+            "prompt": {
+                "kind": str(cfg.workload.prompt),
+                "resolved": resolved_prompt(desc),
+                "tokens": prompt_len,
+                "needle_depth": float(cfg.workload.needle_depth),
+                "seed": int(cfg.seed),
+                "batch": int(cfg.batch),
+            },
             "greedy_tokens": int(cfg.workload.gen_tokens),
             "git": git,
             "wall_s": round(wall, 1),
@@ -247,8 +276,10 @@ def main(cfg: DictConfig) -> None:
     for m in METRICS:
         a = data["metrics"][m]["all_heads"]
         print(f"{m:>18}: mean {a['mean']:.3f}, median {a['median']:.3f}")
-    print(f"k = {data['budget']['k']} of {data['budget']['middle_tokens']} middle tokens, "
-          f"{data['decode_steps']} decode steps, {data['provenance']['wall_s']} s -> {path}")
+    print(
+        f"k = {data['budget']['k']} of {data['budget']['middle_tokens']} middle tokens, "
+        f"{data['decode_steps']} decode steps, {data['provenance']['wall_s']} s -> {path}"
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ it is) and README.md (the distributions, per layer and over all heads, generated
 
     python -m experiments.reuse_profile_readme data/profiles/smollm2-reuse.json results/reuse_profile_smollm2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,34 +65,54 @@ def readme(data: dict, record_name: str = "record.json") -> str:
     for key, name in NAMES.items():
         a = m[key]["all_heads"]
         layers = m[key]["layers"]
-        lines.append(f"| {name} | {_f(a['mean'])} | {_f(a['median'])} | {m[key]['samples_per_head']} | "
-                     f"{layers[0]}..{layers[-1]} |")
+        lines.append(
+            f"| {name} | {_f(a['mean'])} | {_f(a['median'])} | {m[key]['samples_per_head']} | "
+            f"{layers[0]}..{layers[-1]} |"
+        )
     lags = data["lags"]
-    lines += ["", "By lag (mean over all heads): the cosine and the overlap of step t with step t - lag.", "",
-              "| lag | " + " | ".join(lags["query_cos"]) + " |", "|---|" + "---|" * len(lags["query_cos"])]
+    lines += [
+        "",
+        "By lag (mean over all heads): the cosine and the overlap of step t with step t - lag.",
+        "",
+        "| lag | " + " | ".join(lags["query_cos"]) + " |",
+        "|---|" + "---|" * len(lags["query_cos"]),
+    ]
     for key in ("query_cos", "topk_overlap"):
         lines.append(f"| {NAMES[key][4:]} | " + " | ".join(_f(v["all_heads_mean"]) for v in lags[key].values()) + " |")
     s_hat = torch.tensor([[float("nan") if v is None else v for v in row] for row in data["s_hat"]])
     ar1 = [float(s_hat.pow(int(lag)).nanmean()) for lag in lags["query_cos"]]
-    lines += ["| an AR(1) chain at each head's lag-1 mean (s_hat^lag, mean over heads) | "
-              + " | ".join(_f(v) for v in ar1) + " |",
-              ""]
+    lines += [
+        "| an AR(1) chain at each head's lag-1 mean (s_hat^lag, mean over heads) | "
+        + " | ".join(_f(v) for v in ar1)
+        + " |",
+        "",
+    ]
     real_last = lags["query_cos"][list(lags["query_cos"])[-1]]["all_heads_mean"]
     if real_last is not None and real_last > ar1[-1] + 0.05:
-        lines.append(f"An AR(1) direction process (experiments/query_process.py) forgets at rho^lag; the real queries "
-                     f"do not (lag {list(lags['query_cos'])[-1]}: {real_last:.3f} against {ar1[-1]:.3f}): they keep a "
-                     "persistent part, and the top-k with them.")
+        lines.append(
+            f"An AR(1) direction process (experiments/query_process.py) forgets at rho^lag; the real queries "
+            f"do not (lag {list(lags['query_cos'])[-1]}: {real_last:.3f} against {ar1[-1]:.3f}): they keep a "
+            "persistent part, and the top-k with them."
+        )
     lines.append("The process also makes the speculative query equal to the real one: (c) and (d) are 1 under it.")
     lines += comparisons(data)
-    lines += ["", "## Per layer (mean / median over the layer's heads and steps)", "",
-              "| layer | " + " | ".join(NAMES[k][:3] + " " + NAMES[k][4:] for k in NAMES) + " |",
-              "|---|" + "---|" * len(NAMES)]
+    lines += [
+        "",
+        "## Per layer (mean / median over the layer's heads and steps)",
+        "",
+        "| layer | " + " | ".join(NAMES[k][:3] + " " + NAMES[k][4:] for k in NAMES) + " |",
+        "|---|" + "---|" * len(NAMES),
+    ]
     L = len(m["query_cos"]["per_layer"]["mean"])
     for layer in range(L):
         cells = [f"{_f(m[k]['per_layer']['mean'][layer])} / {_f(m[k]['per_layer']['median'][layer])}" for k in NAMES]
         lines.append(f"| {layer} | " + " | ".join(cells) + " |")
-    lines += ["", "Per KV head: `metrics.<metric>.per_head` (mean, std, q10, q50, q90) and `lags.<metric>.<lag>` "
-              "in the record; `s_hat` = (a)'s per-head mean, so the file also reads as a reuse profile.", ""]
+    lines += [
+        "",
+        "Per KV head: `metrics.<metric>.per_head` (mean, std, q10, q50, q90) and `lags.<metric>.<lag>` "
+        "in the record; `s_hat` = (a)'s per-head mean, so the file also reads as a reuse profile.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -106,10 +127,12 @@ def comparisons(data: dict) -> list[str]:
         theirs = torch.tensor(ref["s_hat"], dtype=torch.float64)
         if theirs.shape == s_hat.shape:
             r = torch.corrcoef(torch.stack([s_hat.flatten(), theirs.flatten()]))[0, 1]
-            out.append(f"- (a) against `data/profiles/{model}.json` ({ref.get('source', '?').split('; ')[-1]}): mean "
-                       f"{s_hat.mean():.3f} here vs {theirs.mean():.3f} there, "
-                       f"{(s_hat > 0.8).double().mean() * 100:.0f}% vs {(theirs > 0.8).double().mean() * 100:.0f}% "
-                       f"of heads above 0.8, per-head correlation {r:.2f}.")
+            out.append(
+                f"- (a) against `data/profiles/{model}.json` ({ref.get('source', '?').split('; ')[-1]}): mean "
+                f"{s_hat.mean():.3f} here vs {theirs.mean():.3f} there, "
+                f"{(s_hat > 0.8).double().mean() * 100:.0f}% vs {(theirs > 0.8).double().mean() * 100:.0f}% "
+                f"of heads above 0.8, per-head correlation {r:.2f}."
+            )
     sel = repo_path(f"results/speculative_selection_{model}/record.json")
     if sel.is_file():
         rec = json.loads(sel.read_text())
@@ -118,11 +141,13 @@ def comparisons(data: dict) -> list[str]:
         mine = torch.tensor(data["metrics"]["spec_topk_overlap"]["per_head"]["mean"][first:], dtype=torch.float64)
         if theirs.shape == mine.shape:
             r = torch.corrcoef(torch.stack([mine.flatten(), theirs.flatten()]))[0, 1]
-            out.append(f"- (d) against `results/speculative_selection_{model}/record.json` (its recall of the exact "
-                       "top-k "
-                       f"by the speculative query's exact top-k, the same quantity; {rec['source'].split('; ')[-1]}): "
-                       f"mean over layers {rec['layers']} {mine.mean():.3f} here vs {theirs.mean():.3f} there, "
-                       f"per-head correlation {r:.2f}.")
+            out.append(
+                f"- (d) against `results/speculative_selection_{model}/record.json` (its recall of the exact "
+                "top-k "
+                f"by the speculative query's exact top-k, the same quantity; {rec['source'].split('; ')[-1]}): "
+                f"mean over layers {rec['layers']} {mine.mean():.3f} here vs {theirs.mean():.3f} there, "
+                f"per-head correlation {r:.2f}."
+            )
     return ["", "## Against the other measurements of this model", "", *out] if out else []
 
 

@@ -5,6 +5,7 @@ as resolved values (records.run_identity). A run whose record exists is skipped 
 sweep a failing run records its error and the sweep goes on, and the sweep ends with a table of its jobs
 (records.SweepSummary) and exit status 1 if any failed. Bad input (a ConfigError wherever it is raised, an
 unknown key) ends a single run with one `error:` line and exit status 2, before any long work."""
+
 from __future__ import annotations
 
 import sys
@@ -16,9 +17,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from kvoffload.paths import write_json_atomic
 from experiments import preflight
 from experiments.records import config_error, finished, one_line, record_path, refuse, run_identity
+from kvoffload.paths import write_json_atomic
 
 
 def summary(rec: dict) -> str:
@@ -30,14 +31,23 @@ def summary(rec: dict) -> str:
         f"== {rec['system']} | {rec['model']} ({rec['weights']}) | {rec['prompt']['kind']} prompt of "
         f"{rec['prompt']['tokens']} tokens x batch {rec['batch']} on {rec['environment']['device']}",
         f"   answer: {found} (expected {ans['expected']}, generated {ans['text']!r})",
-        f"   prefill {m['prefill_s']:.2f} s ({m['prefill_tokens_per_s']:.0f} tok/s); decode {m['decode_tokens_per_s']:.2f}"
+        f"   prefill {m['prefill_s']:.2f} s ({m['prefill_tokens_per_s']:.0f} tok/s);"
+        f" decode {m['decode_tokens_per_s']:.2f}"
         f" tok/s, {m['decode_ms_per_step']:.2f} ms/step = {m['step_over_floor']:.2f}x the dense memory floor "
         f"({m['dense_floor_ms_per_step']:.3f} ms at {m['bandwidth_gb_s']:.0f} GB/s)",
         "   per step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()),
-        *([f"   the system's own floor (device bytes it reads, link bytes it moves): {m['system_floor_ms_per_step']:.3f}"
-           f" ms; step = {m['step_over_system_floor']:.2f}x it"] if m.get("system_floor_ms_per_step") else []),
+        *(
+            [
+                "   the system's own floor (device bytes it reads, link bytes it moves): "
+                f"{m['system_floor_ms_per_step']:.3f}"
+                f" ms; step = {m['step_over_system_floor']:.2f}x it"
+            ]
+            if m.get("system_floor_ms_per_step")
+            else []
+        ),
         f"   KV memory: device {m['kv_device_gb']:.3f} GB, host {m['kv_host_gb']:.3f} GB; hit rate "
-        f"{m['hit_rate'] if m['hit_rate'] is not None else 'n/a'}; host->device {m['bytes_h2d_per_step'] / 1e6:.2f} MB/step",
+        f"{m['hit_rate'] if m['hit_rate'] is not None else 'n/a'};"
+        f" host->device {m['bytes_h2d_per_step'] / 1e6:.2f} MB/step",
     ]
     return "\n".join(lines)
 
@@ -50,15 +60,22 @@ def log_wandb(cfg: DictConfig, rec: dict, name: str) -> None:
     mode = cfg.wandb.mode
     if mode == "auto":
         mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    run = wandb.init(project=cfg.wandb.project, name=name, mode=mode, config=rec["config"],
-                     dir=str(Path(cfg.wandb.dir).resolve()), reinit="finish_previous",
-                     settings=wandb.Settings(silent=True))
+    run = wandb.init(
+        project=cfg.wandb.project,
+        name=name,
+        mode=mode,
+        config=rec["config"],
+        dir=str(Path(cfg.wandb.dir).resolve()),
+        reinit="finish_previous",
+        settings=wandb.Settings(silent=True),
+    )
     try:
         run.summary.update({k: v for k, v in rec["metrics"].items() if not isinstance(v, dict)})
         run.summary.update({f"phase_ms/{k}": v for k, v in rec["metrics"]["phase_ms_per_step"].items()})
         for i, s in enumerate(rec["steps"]):
-            run.log({"step_ms": s["phase_ms"]["total"], **{f"phase_ms/{k}": v for k, v in s["phase_ms"].items()}},
-                    step=i)
+            run.log(
+                {"step_ms": s["phase_ms"]["total"], **{f"phase_ms/{k}": v for k, v in s["phase_ms"].items()}}, step=i
+            )
     finally:
         run.finish()
 
@@ -77,15 +94,23 @@ def task(cfg: DictConfig) -> dict:
         print(f"[run] skip: {path} exists (force=true repeats it)", file=sys.stderr)
         return {"status": "skipped", "error": None, "record": str(path)}
     system_name = choices.get("system", "?")
-    base = {"run": path.parent.name, "overrides": overrides, "identity": identity,
-            "config": OmegaConf.to_container(cfg, resolve=True)}
+    base = {
+        "run": path.parent.name,
+        "overrides": overrides,
+        "identity": identity,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
     try:
         rec = {"status": "ok", **base, **execute(cfg, system_name)}
     except Exception as e:  # noqa: BLE001 - recorded, then re-raised or survived (multirun)
         err = config_error(e)
-        kind, message = ("config", one_line(err)) if err is not None else ("crash", one_line(f"{type(e).__name__}: {e}"))
-        write_json_atomic(path, {"status": "failed", "error_kind": kind, "error": message,
-                                 "traceback": traceback.format_exc(), **base})
+        kind, message = (
+            ("config", one_line(err)) if err is not None else ("crash", one_line(f"{type(e).__name__}: {e}"))
+        )
+        write_json_atomic(
+            path,
+            {"status": "failed", "error_kind": kind, "error": message, "traceback": traceback.format_exc(), **base},
+        )
         if hc.mode == RunMode.MULTIRUN:
             print(f"[run] FAILED ({kind}): {message}\n      recorded in {path}; the sweep continues", file=sys.stderr)
             return {"status": "failed", "error": message, "record": str(path)}
@@ -131,7 +156,9 @@ def release_memory() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        empty_host = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(torch._C, "_host_emptyCache", None)
+        empty_host = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(
+            torch._C, "_host_emptyCache", None
+        )
         if empty_host is not None:
             empty_host()
 

@@ -15,6 +15,7 @@ candidates) and the others.
     python -m experiments.speculative_selection system=clo seqlen=3k workload.gen_tokens=32 \
         workload.stop_at_eos=false [+selection_out=results/speculative_selection_smollm2/record.json]
 """
+
 from __future__ import annotations
 
 import math
@@ -25,16 +26,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.fullattn import FullAttn
-from kvoffload.errors import ConfigError
-from kvoffload.offload.budget import select_budget, split_prompt
-from kvoffload.model.config import ModelConfig
-from kvoffload.paths import ROOT
 from clo.policy.persistent import load_profile
 from clo.policy.thresholds import load_importance, thresholds
-from kvoffload.offload.retrieval import ExactRetriever, HashRetriever, select_topk
 from experiments import preflight
 from experiments.profile import decode_real
 from experiments.records import environment, write_measurement
+from kvoffload.errors import ConfigError
+from kvoffload.model.config import ModelConfig
+from kvoffload.offload.budget import select_budget, split_prompt
+from kvoffload.offload.retrieval import ExactRetriever, HashRetriever, select_topk
+from kvoffload.paths import ROOT
 
 SELECTIONS = ("hash_real", "hash_speculative", "exact_speculative", "exact_real")
 
@@ -50,20 +51,23 @@ class SelectionProbe(FullAttn):
         self.sink, self.recent, self.n_mid = split_prompt(prompt_len, sys_cfg["sink"], sys_cfg["recent"])
         self.k_sel = select_budget(prompt_len, sys_cfg["topk_ratio"], sys_cfg["sink"], sys_cfg["recent"])
         if not 0 < self.k_sel < self.n_mid:
-            raise ConfigError(f"top-k {self.k_sel} of a middle of {self.n_mid} tokens: nothing to select; "
-                              "a longer seqlen")
+            raise ConfigError(
+                f"top-k {self.k_sel} of a middle of {self.n_mid} tokens: nothing to select; a longer seqlen"
+            )
         self.first_layer, self.group = first_layer, model_cfg.group_size
         args = (model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, torch.device("cpu"))
         self.hash = HashRetriever(*args, rbit=sys_cfg["rbit"], seed=sys_cfg["seed"])
         self.exact = ExactRetriever(*args)
         shape = (model_cfg.num_layers, model_cfg.num_kv_heads)
-        self.sums = {f"{m}_{s}": torch.zeros(shape, dtype=torch.float64) for m in ("recall", "mass") for s in SELECTIONS}
+        self.sums = {
+            f"{m}_{s}": torch.zeros(shape, dtype=torch.float64) for m in ("recall", "mass") for s in SELECTIONS
+        }
         self.samples = torch.zeros(shape, dtype=torch.long)
         self.q_spec: dict[int, torch.Tensor] = {}
 
     def prefill(self, layer, k, v):
         super().prefill(layer, k, v)
-        mid = k[:, :, self.sink: self.sink + self.n_mid].float().cpu()
+        mid = k[:, :, self.sink : self.sink + self.n_mid].float().cpu()
         self.hash.index(layer, mid)
         self.exact.index(layer, mid)
 
@@ -83,8 +87,12 @@ class SelectionProbe(FullAttn):
             return select_topk(retriever.scores(layer, query, heads), self.k_sel, 0, method="torch")  # [B, Hkv, k]
 
         best = top(self.exact, q)
-        chosen = {"hash_real": top(self.hash, q), "hash_speculative": top(self.hash, q_spec),
-                  "exact_speculative": top(self.exact, q_spec), "exact_real": best}
+        chosen = {
+            "hash_real": top(self.hash, q),
+            "hash_speculative": top(self.hash, q_spec),
+            "exact_speculative": top(self.exact, q_spec),
+            "exact_real": best,
+        }
         b, hkv, _, d = self.exact.keys[layer].shape
         logits = torch.einsum("bkgd,bktd->bkgt", q.view(b, hkv, self.group, d), self.exact.keys[layer])
         attn = torch.softmax(logits / math.sqrt(d), -1).mean(2)  # [B, Hkv, T_mid], the group's mean
@@ -100,8 +108,11 @@ def hard_heads(sys_cfg: dict, model_cfg: ModelConfig) -> torch.Tensor:
     """[L, Hkv] bool: Eq. 11's hard-to-reuse heads under CLO's thresholds (persistent or prefetch candidates)."""
     L, hkv = model_cfg.num_layers, model_cfg.num_kv_heads
     importance, _ = load_importance(sys_cfg["importance"], L, hkv)
-    tau = thresholds(importance, sys_cfg["eta"], sys_cfg["n"]) if sys_cfg["adaptive_threshold"] \
+    tau = (
+        thresholds(importance, sys_cfg["eta"], sys_cfg["n"])
+        if sys_cfg["adaptive_threshold"]
         else torch.full((L, hkv), sys_cfg["eta"])
+    )
     s_hat, _ = load_profile(sys_cfg["profile"], L, hkv)
     return tau - (s_hat - sys_cfg["epsilon"]) > 0
 
@@ -109,10 +120,13 @@ def hard_heads(sys_cfg: dict, model_cfg: ModelConfig) -> torch.Tensor:
 def measure(cfg: DictConfig) -> dict:
     sys_cfg = OmegaConf.to_container(cfg.system, resolve=True)
     if not str(sys_cfg.get("_target_", "")).endswith(".CLO"):
-        raise ConfigError("run with system=clo: its sink, recent, top-k, rbit, thresholds and profile set the selection")
+        raise ConfigError(
+            "run with system=clo: its sink, recent, top-k, rbit, thresholds and profile set the selection"
+        )
     first = max(int(sys_cfg["dense_layers"]), 1)  # layer 0 has no speculative query
     model_cfg, probe, desc = decode_real(
-        cfg, lambda model_cfg, prompt_len: SelectionProbe(model_cfg, prompt_len, sys_cfg, first))
+        cfg, lambda model_cfg, prompt_len: SelectionProbe(model_cfg, prompt_len, sys_cfg, first)
+    )
     n = probe.samples.clamp_min(1)
     per_head = {key: (val / n).float() for key, val in probe.sums.items()}
     hard = hard_heads(sys_cfg, model_cfg)
@@ -122,15 +136,24 @@ def measure(cfg: DictConfig) -> dict:
     def mean(x, mask):
         return round(float(x[mask].mean()), 4) if mask.any() else None
 
-    summary = {group: {key: mean(val, mask) for key, val in per_head.items()}
-               for group, mask in (("hard_heads", hard & sparse), ("other_heads", ~hard & sparse),
-                                   ("all_heads", sparse))}
+    summary = {
+        group: {key: mean(val, mask) for key, val in per_head.items()}
+        for group, mask in (("hard_heads", hard & sparse), ("other_heads", ~hard & sparse), ("all_heads", sparse))
+    }
     return {
-        "experiment": "speculative_selection", "model": model_cfg.name, "source": desc,
-        "retriever": probe.hash.weights_source, "rbit": sys_cfg["rbit"], "k": probe.k_sel, "middle_tokens": probe.n_mid,
-        "layers": f"{first}..{model_cfg.num_layers - 1}", "steps_per_head": int(probe.samples[first:].max()),
-        "hard_heads": int((hard & sparse).sum()), "summary": summary,
-        "per_head": {key: val.tolist() for key, val in per_head.items()}, "hard": hard.tolist(),
+        "experiment": "speculative_selection",
+        "model": model_cfg.name,
+        "source": desc,
+        "retriever": probe.hash.weights_source,
+        "rbit": sys_cfg["rbit"],
+        "k": probe.k_sel,
+        "middle_tokens": probe.n_mid,
+        "layers": f"{first}..{model_cfg.num_layers - 1}",
+        "steps_per_head": int(probe.samples[first:].max()),
+        "hard_heads": int((hard & sparse).sum()),
+        "summary": summary,
+        "per_head": {key: val.tolist() for key, val in per_head.items()},
+        "hard": hard.tolist(),
         "environment": environment(preflight.resolve_device(cfg.device)),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
@@ -138,8 +161,13 @@ def measure(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    data, out = write_measurement(measure, cfg, lambda d: Path(
-        cfg.get("selection_out") or ROOT / "results" / f"speculative_selection_{d['model']}" / "record.json"))
+    data, out = write_measurement(
+        measure,
+        cfg,
+        lambda d: Path(
+            cfg.get("selection_out") or ROOT / "results" / f"speculative_selection_{d['model']}" / "record.json"
+        ),
+    )
     for group, vals in data["summary"].items():
         print(f"{group:>12} " + " ".join(f"{k}={v}" for k, v in vals.items()))
     print(f"-> {out}")

@@ -1,9 +1,10 @@
 """Where a decode step's GPU time goes, from a Chrome trace (`trace_dir=...` of the run command, or the layer
-benchmark's --trace): per stream, the kernels' busy time; on the compute stream (the one of the longest kernel), its idle gaps and the
-kernel of another stream that ended just before each gap closed (what the compute stream waited for).
+benchmark's --trace): per stream, the kernels' busy time; on the compute stream (the one of the longest kernel), its
+idle gaps and the kernel of another stream that ended just before each gap closed (what the compute stream waited for).
 
     python -m experiments.step_timeline results/.../decode_step.trace.json [--gaps 15]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,13 @@ from pathlib import Path
 
 def kernels(path: Path) -> list[dict]:
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
-    return sorted(({"name": e["name"], "stream": e["args"].get("stream"), "start": e["ts"], "end": e["ts"] + e["dur"]}
-                   for e in events), key=lambda k: k["start"])
+    return sorted(
+        (
+            {"name": e["name"], "stream": e["args"].get("stream"), "start": e["ts"], "end": e["ts"] + e["dur"]}
+            for e in events
+        ),
+        key=lambda k: k["start"],
+    )
 
 
 def summary(ks: list[dict], n_gaps: int) -> dict:
@@ -33,16 +39,27 @@ def summary(ks: list[dict], n_gaps: int) -> dict:
         if b["start"] - a["end"] > 1.0:
             others = [k for k in ks if k["stream"] != compute and k["end"] <= b["start"] + 0.5]
             waited = max(others, key=lambda k: k["end"])["name"][:50] if others else None
-            gaps.append({"at_us": round(a["end"] - ks[0]["start"], 1), "idle_us": round(b["start"] - a["end"], 1),
-                         "next": b["name"][:40], "after_other_stream": waited})
+            gaps.append(
+                {
+                    "at_us": round(a["end"] - ks[0]["start"], 1),
+                    "idle_us": round(b["start"] - a["end"], 1),
+                    "next": b["name"][:40],
+                    "after_other_stream": waited,
+                }
+            )
     kernel_time = defaultdict(float)
     for k in ks:
         kernel_time[(k["stream"], k["name"][:50])] += k["end"] - k["start"]
     top = sorted(kernel_time.items(), key=lambda kv: -kv[1])[:20]
-    return {"span_us": round(span, 1), "kernels": len(ks), "busy_us_by_stream": busy, "compute_stream": compute,
-            "compute_idle_us": round(sum(g["idle_us"] for g in gaps), 1),
-            "largest_gaps": sorted(gaps, key=lambda g: -g["idle_us"])[:n_gaps],
-            "top_kernels_us": [{"stream": s, "name": n, "us": round(t, 1)} for (s, n), t in top]}
+    return {
+        "span_us": round(span, 1),
+        "kernels": len(ks),
+        "busy_us_by_stream": busy,
+        "compute_stream": compute,
+        "compute_idle_us": round(sum(g["idle_us"] for g in gaps), 1),
+        "largest_gaps": sorted(gaps, key=lambda g: -g["idle_us"])[:n_gaps],
+        "top_kernels_us": [{"stream": s, "name": n, "us": round(t, 1)} for (s, n), t in top],
+    }
 
 
 def main() -> None:

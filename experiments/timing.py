@@ -1,5 +1,6 @@
 """Bandwidths and kernel times measured in the run itself, so every floor is computed against this machine's
 numbers."""
+
 from __future__ import annotations
 
 import functools

@@ -6,6 +6,7 @@ correctness is tests/test_gemv.py's; kvoffload.kernels.gemv.launch_params is cho
 
     python -m experiments.tune_gemv --out results/bench/gemv_tuning.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,12 +16,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from experiments.bench_clo import DEV, LLAMA3
+from experiments.records import environment
 from experiments.timing import copy_bandwidth_gb_s, replay_ms
 from kvoffload.kernels.dense_ops import silu_mul
 from kvoffload.kernels.gemv import gemv_triton, launch_params
 from kvoffload.paths import write_json_atomic
-from experiments.bench_clo import DEV, LLAMA3
-from experiments.records import environment
 
 SWEEP = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8)))
 
@@ -28,9 +29,14 @@ SWEEP = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8)))
 def shapes(cfg) -> dict[str, tuple[int, int, bool]]:
     """name -> (N, K, gated) of a decode step's projections."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    return {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, False), "q (speculative)": (cfg.num_heads * d, h, False),
-            "o": (h, cfg.num_heads * d, False), "gate_up + silu_mul": (2 * i, h, True), "down": (h, i, False),
-            "lm_head": (cfg.vocab_size, h, False)}
+    return {
+        "qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, False),
+        "q (speculative)": (cfg.num_heads * d, h, False),
+        "o": (h, cfg.num_heads * d, False),
+        "gate_up + silu_mul": (2 * i, h, True),
+        "down": (h, i, False),
+        "lm_head": (cfg.vocab_size, h, False),
+    }
 
 
 def main() -> None:
@@ -41,14 +47,24 @@ def main() -> None:
     rows = []
     for name, (n, k, gated) in shapes(LLAMA3).items():
         nbytes = n * k * 2
-        copies = max(1, -(-256 * 2 ** 20 // nbytes))  # >= 256 MB in all: each read comes from HBM
+        copies = max(1, -(-256 * 2**20 // nbytes))  # >= 256 MB in all: each read comes from HBM
         ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
         x = torch.randn(1, 1, k, device=DEV, dtype=torch.bfloat16)
 
         def timed(kernel: str, one, **params) -> float:
             us = replay_ms(lambda: [one(w) for w in ws], reps=4) * 1e3 / copies
-            rows.append({"projection": name, "n": n, "k": k, "kernel": kernel, **params, "us": round(us, 2),
-                         "gb_s": round(nbytes / us / 1e3, 1), "of_copy": round(nbytes / us / 1e3 / hbm, 3)})
+            rows.append(
+                {
+                    "projection": name,
+                    "n": n,
+                    "k": k,
+                    "kernel": kernel,
+                    **params,
+                    "us": round(us, 2),
+                    "gb_s": round(nbytes / us / 1e3, 1),
+                    "of_copy": round(nbytes / us / 1e3 / hbm, 3),
+                }
+            )
             print(rows[-1], flush=True)
             return us
 
@@ -57,9 +73,19 @@ def main() -> None:
         timed("triton (default)", lambda w: gemv_triton(x, w, gated=gated), params=list(launch_params(gated)))
         for p in SWEEP:
             timed("triton", lambda w, p=p: gemv_triton(x, w, gated=gated, params=p), params=list(p))
-    write_json_atomic(args.out, {"bench": "tune_gemv", "model": LLAMA3.name, "batch": 1, "dtype": "bfloat16",
-                                 "weights": "random (timing only)", "hbm_gb_s": round(hbm, 1), "rows": rows,
-                                 "environment": environment(DEV)})
+    write_json_atomic(
+        args.out,
+        {
+            "bench": "tune_gemv",
+            "model": LLAMA3.name,
+            "batch": 1,
+            "dtype": "bfloat16",
+            "weights": "random (timing only)",
+            "hbm_gb_s": round(hbm, 1),
+            "rows": rows,
+            "environment": environment(DEV),
+        },
+    )
 
 
 if __name__ == "__main__":

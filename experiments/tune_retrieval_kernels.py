@@ -7,6 +7,7 @@ tests/test_clo_kernels.py's.
 
     python -m experiments.tune_retrieval_kernels --out results/bench/retrieval_tuning.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,13 +15,13 @@ from pathlib import Path
 
 import torch
 
+from experiments.bench_clo import DEV, LLAMA3
+from experiments.records import environment
 from experiments.timing import copy_bandwidth_gb_s, replay_ms
 from kvoffload.kernels.hash_score import encode_query_triton, hash_scores_triton
 from kvoffload.kernels.radix_keys import radix_work
 from kvoffload.kernels.radix_topk import radix_topk
 from kvoffload.paths import write_json_atomic
-from experiments.bench_clo import DEV, LLAMA3
-from experiments.records import environment
 
 
 def main() -> None:
@@ -40,38 +41,69 @@ def main() -> None:
 
     def timed(kernel: str, heads: int, floor_bytes: int, fn, **params) -> None:
         us = replay_ms(fn, reps=20) * 1e3
-        rows.append({"kernel": kernel, "heads": heads, **params, "us": round(us, 2),
-                     "floor_us": round(floor_bytes / hbm, 2)})
+        rows.append(
+            {"kernel": kernel, "heads": heads, **params, "us": round(us, 2), "floor_us": round(floor_bytes / hbm, 2)}
+        )
         print(rows[-1], flush=True)
 
     for h in (6, 2):
         heads = torch.arange(h, device=DEV)
         for chunk in (16, 32, 64, 128):
-            timed("encode_query", h, proj[:h].nbytes, lambda: encode_query_triton(q, proj, heads, g, chunk),
-                  chunk=chunk)
+            timed(
+                "encode_query", h, proj[:h].nbytes, lambda: encode_query_triton(q, proj, heads, g, chunk), chunk=chunk
+            )
         qcodes = encode_query_triton(q, proj, heads, g)
         for block_t in (256, 512, 1024, 2048):
             for warps in (4, 8):
-                timed("hash_scores", h, h * t * (rbit // 8 + 4 + 4),
-                      lambda: hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t, warps),
-                      block_t=block_t, num_warps=warps)
+                timed(
+                    "hash_scores",
+                    h,
+                    h * t * (rbit // 8 + 4 + 4),
+                    lambda: hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t, warps),
+                    block_t=block_t,
+                    num_warps=warps,
+                )
         # scores then select, the select's first pass counted by the scores' kernel (CLO's) or by its own pass
         for block_t in (256, 1024):
             for counted in (False, True):
+
                 def scores_then_select():
                     work = radix_work(h, codes.device) if counted else None
                     s = hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t, hist=work)[0]
                     return radix_topk(s, k, work=work)
-                timed("hash_scores + radix_topk", h, h * t * (rbit // 8 + 4 + 4 + 4 * (5 - counted)) + h * k * 8,
-                      scores_then_select, block_t=block_t, first_pass_counted=counted)
+
+                timed(
+                    "hash_scores + radix_topk",
+                    h,
+                    h * t * (rbit // 8 + 4 + 4 + 4 * (5 - counted)) + h * k * 8,
+                    scores_then_select,
+                    block_t=block_t,
+                    first_pass_counted=counted,
+                )
         scores = hash_scores_triton(codes, norms, qcodes, rbit, heads)[0]  # [h, T]: one row per head
         for block in (2048, 4096, 8192, 16384):
             for warps in (4, 8, 16):
-                timed("radix_topk", h, h * t * 4 * 5 + h * k * 8,  # five reads of the scores, the indices written
-                      lambda: radix_topk(scores, k, block=block, num_warps=warps), block=block, num_warps=warps)
-    write_json_atomic(args.out, {"bench": "tune_retrieval_kernels", "seqlen": t, "k": k, "rbit": rbit,
-                                 "weights": "random codes, norms, projections and queries (timing only)",
-                                 "hbm_gb_s": round(hbm / 1e3, 1), "rows": rows, "environment": environment(DEV)})
+                timed(
+                    "radix_topk",
+                    h,
+                    h * t * 4 * 5 + h * k * 8,  # five reads of the scores, the indices written
+                    lambda: radix_topk(scores, k, block=block, num_warps=warps),
+                    block=block,
+                    num_warps=warps,
+                )
+    write_json_atomic(
+        args.out,
+        {
+            "bench": "tune_retrieval_kernels",
+            "seqlen": t,
+            "k": k,
+            "rbit": rbit,
+            "weights": "random codes, norms, projections and queries (timing only)",
+            "hbm_gb_s": round(hbm / 1e3, 1),
+            "rows": rows,
+            "environment": environment(DEV),
+        },
+    )
 
 
 if __name__ == "__main__":

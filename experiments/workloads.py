@@ -1,5 +1,6 @@
 """Prompts for the decode workload: a pass-key needle in a haystack (needs a tokenizer, scored), or uniform
 random token ids (for synthetic weights, where text means nothing)."""
+
 from __future__ import annotations
 
 import random
@@ -10,7 +11,7 @@ import torch
 from kvoffload.errors import ConfigError
 
 PROMPTS = ("auto", "needle", "random")
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = "What is the pass key? Answer with the number only."
 
 
@@ -22,8 +23,9 @@ class Prompt:
     meta: dict = field(default_factory=dict)
 
 
-def build_prompt(kind: str, seqlen: int, batch: int, seed: int, tokenizer=None, vocab_size: int = 0,
-                 needle_depth: float = 0.5) -> Prompt:
+def build_prompt(
+    kind: str, seqlen: int, batch: int, seed: int, tokenizer=None, vocab_size: int = 0, needle_depth: float = 0.5
+) -> Prompt:
     if kind not in PROMPTS:
         raise ConfigError(f"workload.prompt={kind!r}; valid: {', '.join(PROMPTS)}")
     if kind == "auto":
@@ -38,8 +40,9 @@ def build_prompt(kind: str, seqlen: int, batch: int, seed: int, tokenizer=None, 
 
 def _chat_ids(tokenizer, text: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
+        out = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
     return tokenizer(text)["input_ids"]
 
@@ -55,12 +58,13 @@ def needle_prompt(tokenizer, seqlen: int, batch: int, seed: int, depth: float) -
     wrapper = _chat_ids(tokenizer, intro + marker + "\n" + QUESTION)
     marker_ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
     at = _find(wrapper, marker_ids)
-    head, tail = wrapper[:at], wrapper[at + len(marker_ids):]
+    head, tail = wrapper[:at], wrapper[at + len(marker_ids) :]
     needle_ids = tokenizer(needle, add_special_tokens=False)["input_ids"]
     room = seqlen - len(head) - len(tail) - len(needle_ids)
     if room < 16:
-        raise ConfigError(f"seqlen={seqlen} is too short for a needle prompt (needs at least "
-                          f"{seqlen - room + 16} tokens)")
+        raise ConfigError(
+            f"seqlen={seqlen} is too short for a needle prompt (needs at least {seqlen - room + 16} tokens)"
+        )
     filler_ids = tokenizer(FILLER, add_special_tokens=False)["input_ids"]
     hay = (filler_ids * (room // len(filler_ids) + 1))[:room]
     cut = int(round(depth * room))
@@ -71,6 +75,6 @@ def needle_prompt(tokenizer, seqlen: int, batch: int, seed: int, depth: float) -
 
 def _find(seq: list[int], sub: list[int]) -> int:
     for i in range(len(seq) - len(sub) + 1):
-        if seq[i:i + len(sub)] == sub:
+        if seq[i : i + len(sub)] == sub:
             return i
     raise ValueError("chat template changed the haystack placeholder; cannot build the needle prompt")

@@ -1,11 +1,12 @@
 """Greedy generation over a KV system: prefill, then one decode step per token, with per-step statistics.
 On CUDA the decode step can be captured once in a CUDA graph and replayed (gpt-fast's 'reduce-overhead'):
 at batch 1 an eager step is bound by its dozens of kernel launches per layer, not by memory."""
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -38,8 +39,15 @@ class DecodeStep:
     stream, so that lazily created library state exists before capture), then the graph is captured and every
     call from then on replays it. Inputs and output live in static buffers."""
 
-    def __init__(self, model: Decoder, kv: KVOffloadSystem, batch: int, device: torch.device, mode: str = "eager",
-                 warmup: int = 2):
+    def __init__(
+        self,
+        model: Decoder,
+        kv: KVOffloadSystem,
+        batch: int,
+        device: torch.device,
+        mode: str = "eager",
+        warmup: int = 2,
+    ):
         if mode not in DECODE_MODES:
             raise ValueError(f"decode mode {mode!r}; valid: {', '.join(DECODE_MODES)}")
         self.model, self.kv, self.warmup, self.mode, self.batch = model, kv, warmup, mode, batch
@@ -128,5 +136,10 @@ def generate(
         if on_token is not None:
             on_token(i)
     _sync(dev)
-    return Generation(torch.stack(out, dim=1), prefill_s, time.perf_counter() - t0, steps,
-                      steady_from=0 if decode_mode == "eager" else step.warmup + 1)
+    return Generation(
+        torch.stack(out, dim=1),
+        prefill_s,
+        time.perf_counter() - t0,
+        steps,
+        steady_from=0 if decode_mode == "eager" else step.warmup + 1,
+    )

@@ -1,5 +1,6 @@
 """Where the repository's own files lie (defaults name data files relative to the repository root), and the
 one way every result and data file is written: atomically, so nothing is ever half-written."""
+
 from __future__ import annotations
 
 import json

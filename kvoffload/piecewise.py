@@ -4,6 +4,7 @@ attention calls, which touches no KV system, is captured once per layer and repl
 decode() runs eagerly. Every system then pays the same graph-replayed cost for the projections and the MLP,
 and an eager step's time is the system's, not that of the dense work's kernel launches from Python, which no
 system needs."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ system has several (decode modes), its fastest. A graph-replayed step has no pha
 
     python -m plots.fig2_breakdown results/runs --out plots/fig2_breakdown.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,14 @@ def plot(root: Path, out: Path) -> dict[str, dict[str, float]]:
     ax.set_ylabel("per-layer decode latency, % of FullAttn")
     ax.legend(fontsize=7)
     save(fig, out)
-    return {n: {**v, "percent_of_fullattn": sum(v.values()) / ideal * 100,
-                "decode_mode": fastest[n].get("decode_mode", "eager")} for n, v in by_system.items()}
+    return {
+        n: {
+            **v,
+            "percent_of_fullattn": sum(v.values()) / ideal * 100,
+            "decode_mode": fastest[n].get("decode_mode", "eager"),
+        }
+        for n, v in by_system.items()
+    }
 
 
 def main() -> None:

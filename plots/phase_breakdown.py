@@ -3,6 +3,7 @@ dense memory floor. Graph-replayed runs have no per-phase timing: their bar is a
 
     python -m plots.phase_breakdown results/gpu_smoke_llama3 --out plots/phase_breakdown.png
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """Load run records (record.json / record_*.json) under a folder into flat rows for plotting."""
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,14 @@ def load_records(root: Path, status: str = "ok") -> list[dict[str, Any]]:
         if rec.get("status") != status:
             continue
         cfg = rec["config"]
-        rows.append({
-            "path": str(path),
-            "label": f"{rec['system']}\n{rec['model']} {cfg['seqlen']} b{rec['batch']} {rec.get('decode_mode', 'eager')}",
-            "record": rec,
-        })
+        rows.append(
+            {
+                "path": str(path),
+                "label": f"{rec['system']}\n{rec['model']} {cfg['seqlen']} b{rec['batch']} "
+                f"{rec.get('decode_mode', 'eager')}",
+                "record": rec,
+            }
+        )
     return rows
 
 

@@ -1,4 +1,5 @@
 """Independent references the system tests compare against: plain loops over the full KV, no system code."""
+
 import math
 
 import torch
@@ -15,8 +16,9 @@ def topk_middle(qs: torch.Tensor, keys: torch.Tensor, sink: int, recent: int, k_
     return mid[(qs @ keys[mid].T).sum(0).topk(k_sel).indices]
 
 
-def top_blocks_middle(qs: torch.Tensor, keys: torch.Tensor, sink: int, recent: int, block_size: int,
-                      n_blocks: int) -> torch.Tensor:
+def top_blocks_middle(
+    qs: torch.Tensor, keys: torch.Tensor, sink: int, recent: int, block_size: int, n_blocks: int
+) -> torch.Tensor:
     """One KV head: the middle cut into blocks of block_size consecutive tokens (the last one partial when
     block_size does not divide the middle), each block scored by its best token (sum over the query group of
     q_j . k); the tokens of the n_blocks best blocks (a partial block: only its real tokens)."""
@@ -44,14 +46,20 @@ def exact_topk_attention(k0, v0, data, sink, recent, k_sel, dense_layers=0, sele
             res = torch.empty_like(q)
             for b in range(b_):
                 for h in range(hkv):
-                    keys, vals, qs = k0[layer, b, h], v0[layer, b, h], q[b, h * g:(h + 1) * g]
-                    q_sel = qs if select is None else select[step][layer][b, h * g:(h + 1) * g]
-                    top = topk_middle(q_sel, keys, sink, recent, k_sel) if block_size is None else \
-                        top_blocks_middle(q_sel, keys, sink, recent, block_size, k_sel)
-                    sel = torch.arange(t0) if layer < dense_layers else torch.cat(
-                        [torch.arange(sink), torch.arange(t0 - recent, t0), top])
+                    keys, vals, qs = k0[layer, b, h], v0[layer, b, h], q[b, h * g : (h + 1) * g]
+                    q_sel = qs if select is None else select[step][layer][b, h * g : (h + 1) * g]
+                    top = (
+                        topk_middle(q_sel, keys, sink, recent, k_sel)
+                        if block_size is None
+                        else top_blocks_middle(q_sel, keys, sink, recent, block_size, k_sel)
+                    )
+                    sel = (
+                        torch.arange(t0)
+                        if layer < dense_layers
+                        else torch.cat([torch.arange(sink), torch.arange(t0 - recent, t0), top])
+                    )
                     kk, vv = torch.cat([keys[sel], gen_k[b, h]]), torch.cat([vals[sel], gen_v[b, h]])
-                    res[b, h * g:(h + 1) * g] = torch.softmax(qs @ kk.T / math.sqrt(d), -1) @ vv
+                    res[b, h * g : (h + 1) * g] = torch.softmax(qs @ kk.T / math.sqrt(d), -1) @ vv
             row.append(res)
         out.append(row)
     return out

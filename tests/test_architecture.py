@@ -1,5 +1,6 @@
 """The layers of pyproject.toml's import-linter contracts: kernels under the seam and the shared offloading
 plumbing, systems over them, the runner and plots on top; no cycles."""
+
 import os
 
 import pytest

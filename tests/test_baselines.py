@@ -2,6 +2,7 @@
 exact retriever (any cache size) RetroInfer-style output equals exact top-k attention recomputed from the full KV;
 InfiniGen-style does too with the real query; the CPU LRU matches a plain OrderedDict LRU, and the statistics a
 run reports match that independent count; memory is the real buffers; bad input is refused."""
+
 import json
 import math
 import os
@@ -18,10 +19,10 @@ import baselines.lru
 from baselines.infinigen import InfiniGen
 from baselines.lru import BlockLRU
 from baselines.retroinfer import RetroInfer
-from kvoffload.errors import ConfigError
-from kvoffload.kv.interface import KVSpec
 from clo.plan import k_select
 from clo.system import CLO
+from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import KVSpec
 from tests.reference import exact_topk_attention, topk_middle
 
 B, H, HKV, D, L, T0, STEPS = 2, 8, 2, 16, 3, 123, 4  # T0 - sink - recent = 111: a partial last block
@@ -50,8 +51,14 @@ def feed(system, seed=0, speculate_with_true_query=False):
     system.end_prefill(T0)
     outs, data, stats = [], [], []
     for _ in range(STEPS):
-        step = [(torch.randn(B, H, D, generator=g), torch.randn(B, HKV, D, generator=g),
-                 torch.randn(B, HKV, D, generator=g)) for _ in range(L)]
+        step = [
+            (
+                torch.randn(B, H, D, generator=g),
+                torch.randn(B, HKV, D, generator=g),
+                torch.randn(B, HKV, D, generator=g),
+            )
+            for _ in range(L)
+        ]
         data.append(step)
         system.begin_step()
         row = []
@@ -81,8 +88,14 @@ def assert_outputs(got, want):
 @pytest.mark.parametrize("cache_multiple", [100.0, 1.0])  # holds everything | evicts and bypasses every step
 @pytest.mark.parametrize("block_size", [8, 5])
 def test_retroinfer_with_exact_retriever_equals_exact_topk_attention(cache_multiple, block_size):
-    s = make(RetroInfer, retriever="exact", block_size=block_size, cache_multiple=cache_multiple, dense_layers=1,
-             selection="token")
+    s = make(
+        RetroInfer,
+        retriever="exact",
+        block_size=block_size,
+        cache_multiple=cache_multiple,
+        dense_layers=1,
+        selection="token",
+    )
     got, (k0, v0, data), stats = feed(s)
     assert_outputs(got, reference(k0, v0, data, dense_layers=1))
     if cache_multiple > 10:  # everything fits: after the first step only newly retrieved blocks miss
@@ -125,7 +138,8 @@ def test_infinigen_partial_channels_recover_most_of_the_exact_topk():
     g = torch.Generator().manual_seed(3)
     # keys with a few dominant directions (as real keys): the partial channels then carry most of q.k
     keys = torch.randn(B, HKV, T0, 4, generator=g) @ torch.randn(4, D, generator=g) * 3 + 0.1 * torch.randn(
-        B, HKV, T0, D, generator=g)
+        B, HKV, T0, D, generator=g
+    )
     for layer in range(L):
         s.prefill(layer, keys, torch.randn(B, HKV, T0, D, generator=g))
     s.end_prefill(T0)
@@ -134,7 +148,7 @@ def test_infinigen_partial_channels_recover_most_of_the_exact_topk():
     got = s.pending.pop(0)[0][:, :, :, 0]  # fetched keys [B, HKV, k, D]
     for b in range(B):
         for h in range(HKV):
-            want = set(exact_topk(q[b, h * G:(h + 1) * G], keys[b, h]).tolist())
+            want = set(exact_topk(q[b, h * G : (h + 1) * G], keys[b, h]).tolist())
             fetched = {int(torch.nonzero((keys[b, h] == row).all(-1))[0]) for row in got[b, h]}
             assert len(want & fetched) >= 0.8 * K_SEL
 
@@ -165,11 +179,13 @@ class OrderedDictLRU:
 
 def random_step(g, rows, n_blocks, most=14, width=16):
     """Each row's distinct blocks, sorted (0 to most - 1 of them), and the [rows, width] padded int32 tensor."""
-    sets = [sorted(set(torch.randint(0, n_blocks, (int(torch.randint(0, most, (1,), generator=g)),),
-                                     generator=g).tolist())) for _ in range(rows)]
+    sets = [
+        sorted(set(torch.randint(0, n_blocks, (int(torch.randint(0, most, (1,), generator=g)),), generator=g).tolist()))
+        for _ in range(rows)
+    ]
     padded = torch.full((rows, width), n_blocks, dtype=torch.int32)
     for r, blocks in enumerate(sets):
-        padded[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        padded[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
     return sets, padded
 
 
@@ -238,7 +254,7 @@ def test_retroinfer_statistics_match_an_independent_trace():
     for step, inputs in enumerate(data):
         hits = lookups = 0
         for (layer, b, h), ref in refs.items():
-            top = exact_topk(inputs[layer][0][b, h * G:(h + 1) * G], k0[layer, b, h])
+            top = exact_topk(inputs[layer][0][b, h * G : (h + 1) * G], k0[layer, b, h])
             hit, miss, _ = ref.step(sorted(set(((top - SINK) // bs).tolist())))
             hits, lookups = hits + hit, lookups + hit + miss
         st = stats[step]
@@ -250,10 +266,17 @@ def test_retroinfer_statistics_match_an_independent_trace():
     assert 0 < sum(x.hits for x in stats) < sum(x.lookups for x in stats)
 
 
-@pytest.mark.parametrize("cls, kw", [(RetroInfer, {}), (RetroInfer, {"selection": "token"}),
-                                     (RetroInfer, {"retriever": "exact", "block_size": 5, "selection": "token"}),
-                                     (RetroInfer, {"retriever": "wave", "wave_segment": 40}),
-                                     (InfiniGen, {}), (InfiniGen, {"oracle_query": True})])
+@pytest.mark.parametrize(
+    "cls, kw",
+    [
+        (RetroInfer, {}),
+        (RetroInfer, {"selection": "token"}),
+        (RetroInfer, {"retriever": "exact", "block_size": 5, "selection": "token"}),
+        (RetroInfer, {"retriever": "wave", "wave_segment": 40}),
+        (InfiniGen, {}),
+        (InfiniGen, {"oracle_query": True}),
+    ],
+)
 def test_memory_is_the_real_buffers_and_matches_the_estimate(cls, kw):
     s = make(cls, dense_layers=1, **kw)
     feed(s)
@@ -268,30 +291,35 @@ def test_memory_is_the_real_buffers_and_matches_the_estimate(cls, kw):
     est = s.estimate_memory(spec())  # (no prompt_len: a prompt of max_len) refuses a too small budget
     with pytest.raises(ConfigError, match="budget"):
         cls(**{**dict(sink=SINK, recent=RECENT, topk_ratio=RATIO, dense_layers=1), **kw}).allocate(
-            spec(est.device_bytes - 1))
+            spec(est.device_bytes - 1)
+        )
     cls(**{**dict(sink=SINK, recent=RECENT, topk_ratio=RATIO, dense_layers=1), **kw}).allocate(spec(est.device_bytes))
 
 
 def test_budget_rule_is_clos():
     for t0 in (50, 123, 3072, 131072):
         clo = CLO(sink=SINK, recent=RECENT, topk_ratio=RATIO)
-        assert RetroInfer(sink=SINK, recent=RECENT, topk_ratio=RATIO, selection="token").k_select(t0) == \
-            k_select(clo.cfg, t0)
+        assert RetroInfer(sink=SINK, recent=RECENT, topk_ratio=RATIO, selection="token").k_select(t0) == k_select(
+            clo.cfg, t0
+        )
 
 
-@pytest.mark.parametrize("make_bad, match", [
-    (lambda: RetroInfer(block_size=0), "block_size"),
-    (lambda: RetroInfer(cache_multiple=0.5), "working set"),
-    (lambda: RetroInfer(cpu_threads=0), "cpu_threads"),
-    (lambda: InfiniGen(cpu_threads=0), "cpu_threads"),
-    (lambda: RetroInfer(retriever="ivf"), "retriever"),
-    (lambda: RetroInfer(retriever="wave", wave_cluster_size=0), "cluster_size"),
-    (lambda: RetroInfer(transfer="dma"), "transfer"),
-    (lambda: RetroInfer(uva_programs=0), "uva_programs"),
-    (lambda: InfiniGen(topk="heap"), "topk"),
-    (lambda: InfiniGen(channel_fraction=0.0), "channel_fraction"),
-    (lambda: InfiniGen(dense_layers=L + 1).allocate(spec()), "dense_layers"),
-])
+@pytest.mark.parametrize(
+    "make_bad, match",
+    [
+        (lambda: RetroInfer(block_size=0), "block_size"),
+        (lambda: RetroInfer(cache_multiple=0.5), "working set"),
+        (lambda: RetroInfer(cpu_threads=0), "cpu_threads"),
+        (lambda: InfiniGen(cpu_threads=0), "cpu_threads"),
+        (lambda: RetroInfer(retriever="ivf"), "retriever"),
+        (lambda: RetroInfer(retriever="wave", wave_cluster_size=0), "cluster_size"),
+        (lambda: RetroInfer(transfer="dma"), "transfer"),
+        (lambda: RetroInfer(uva_programs=0), "uva_programs"),
+        (lambda: InfiniGen(topk="heap"), "topk"),
+        (lambda: InfiniGen(channel_fraction=0.0), "channel_fraction"),
+        (lambda: InfiniGen(dense_layers=L + 1).allocate(spec()), "dense_layers"),
+    ],
+)
 def test_bad_input_is_a_config_error(make_bad, match):
     with pytest.raises(ConfigError, match=match):
         make_bad()
@@ -304,10 +332,22 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("system", ["retroinfer", "infinigen"])
 def test_run_command_with_real_smollm2(system, tmp_path):
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0"}
-    p = subprocess.run([sys.executable, "-m", "experiments.run", f"system={system}", "wandb.enabled=false",
-                        f"results_dir={tmp_path / 'results'}",
-                        f"hydra.run.dir={tmp_path / 'out'}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=900)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.run",
+            f"system={system}",
+            "wandb.enabled=false",
+            f"results_dir={tmp_path / 'results'}",
+            f"hydra.run.dir={tmp_path / 'out'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     (path,) = (tmp_path / "results").glob("*/record.json")
     rec = json.loads(path.read_text())
@@ -328,10 +368,10 @@ def test_real_smollm2_needle_answers_equal_fullattn(smollm2_folder):
     from transformers import AutoTokenizer
 
     from baselines.fullattn import FullAttn
+    from experiments.workloads import build_prompt
     from kvoffload.generate import generate
     from kvoffload.model.config import ModelConfig
     from kvoffload.model.weights import hf_decoder
-    from experiments.workloads import build_prompt
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfgs = {name: compose("config", overrides=[f"system={name}"]) for name in ("retroinfer", "infinigen")}
@@ -341,10 +381,12 @@ def test_real_smollm2_needle_answers_equal_fullattn(smollm2_folder):
     prompt = build_prompt("needle", 3072, 1, 0, tok)
 
     def text(system):
-        system.allocate(KVSpec(mcfg.num_layers, 1, 3072 + 24, mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim,
-                               torch.float32, CPU))
-        return tok.decode(generate(model, system, prompt.tokens, 24, {tok.eos_token_id}).tokens[0],
-                          skip_special_tokens=True)
+        system.allocate(
+            KVSpec(mcfg.num_layers, 1, 3072 + 24, mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, torch.float32, CPU)
+        )
+        return tok.decode(
+            generate(model, system, prompt.tokens, 24, {tok.eos_token_id}).tokens[0], skip_special_tokens=True
+        )
 
     want = text(FullAttn())
     assert prompt.answer in want
@@ -392,8 +434,15 @@ def test_wave_index_recovers_planted_clusters_and_retrieves_the_best_first():
 def test_wave_index_with_one_key_per_cluster_is_the_exact_retriever():
     """cluster_size 1: every key its own centroid, the layout the token order, the scores q . k: RetroInfer with
     the wave index equals exact top-k attention, as with the exact retriever."""
-    s = make(RetroInfer, retriever="wave", wave_cluster_size=1, block_size=5, cache_multiple=100.0,
-             dense_layers=1, selection="token")
+    s = make(
+        RetroInfer,
+        retriever="wave",
+        wave_cluster_size=1,
+        block_size=5,
+        cache_multiple=100.0,
+        dense_layers=1,
+        selection="token",
+    )
     got, (k0, v0, data), _ = feed(s)
     assert_outputs(got, reference(k0, v0, data, dense_layers=1))
 

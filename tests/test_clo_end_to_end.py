@@ -1,16 +1,17 @@
 """CLO inside the decoder: the speculative one-layer-ahead path, persistent heads and dense layers together;
 with real SmolLM2 weights, the same greedy answer as FullAttn on the default needle prompt."""
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from baselines.fullattn import FullAttn
+from clo.system import CLO
 from kvoffload.generate import generate
 from kvoffload.kv.interface import KVSpec
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import hf_decoder, synthetic_decoder
-from clo.system import CLO
 from tests.reference import write_profile
 from tests.test_config import CONF
 
@@ -19,15 +20,36 @@ CPU = torch.device("cpu")
 
 def run(model, system, prompt, n, stop=frozenset()):
     cfg = model.cfg
-    system.allocate(KVSpec(cfg.num_layers, prompt.shape[0], prompt.shape[1] + n, cfg.num_heads, cfg.num_kv_heads,
-                           cfg.head_dim, torch.float32, CPU))
+    system.allocate(
+        KVSpec(
+            cfg.num_layers,
+            prompt.shape[0],
+            prompt.shape[1] + n,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            torch.float32,
+            CPU,
+        )
+    )
     return generate(model, system, prompt, n, stop)
 
 
 def test_full_budget_clo_generates_fullattn_tokens_with_every_part_on(tmp_path):
-    cfg = ModelConfig(name="t", family="llama", hidden_size=128, intermediate_size=256, num_layers=5, num_heads=8,
-                      num_kv_heads=2, head_dim=16, vocab_size=500, rope_theta=1e4, rms_norm_eps=1e-5,
-                      max_position_embeddings=2048)
+    cfg = ModelConfig(
+        name="t",
+        family="llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=5,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=500,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+    )
     model = synthetic_decoder(cfg, 0, CPU, torch.float32)
     prompt = torch.randint(0, 500, (2, 300), generator=torch.Generator().manual_seed(0))
     # a profile that makes some heads hard: persistent heads and prefetch heads both exist
@@ -46,8 +68,14 @@ def test_full_budget_clo_generates_fullattn_tokens_with_every_part_on(tmp_path):
 @pytest.mark.slow
 # the default CLO (on CPU its measured link leaves every hard head to prefetch), and a near-zero link, which makes
 # every hard head persistent, selecting with either query
-@pytest.mark.parametrize("overrides", [[], ["system.link_gb_s=1e-6", "system.persist_query=real"],
-                                       ["system.link_gb_s=1e-6", "system.persist_query=speculative"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["system.link_gb_s=1e-6", "system.persist_query=real"],
+        ["system.link_gb_s=1e-6", "system.persist_query=speculative"],
+    ],
+)
 def test_real_smollm2_needle_answer_equals_fullattn(smollm2_folder, overrides):
     from transformers import AutoTokenizer
 

@@ -4,16 +4,16 @@ The references run everywhere; the Triton kernels run on the GPU (`-m gpu`) and,
 triton installed, in the Triton interpreter: TRITON_INTERPRET=1 python -m pytest tests/test_clo_kernels.py
 (the variable must be set before triton is imported, hence not set here).
 """
+
 import os
 
 import pytest
 import torch
 
-from kvoffload.kernels.hash_score import hash_scores_ref
+from kvoffload.kernels.hash_score import hash_scores_ref, pack_signs
 from kvoffload.kernels.head_cache import lookup_and_update_ref
 from kvoffload.kernels.radix_keys import count_first_pass_ref, radix_work
 from kvoffload.kernels.uva_gather import uva_gather_ref
-from kvoffload.kernels.hash_score import pack_signs
 from kvoffload.offload.retrieval import HashRetriever
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -47,8 +47,11 @@ def lookup_case(b, hc, g_, d, dtype, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hc, g_, d, generator=gen)
     # labels near q for some heads, unrelated for others, so both hits and misses occur
-    labels = torch.where(torch.rand(b, hc, 1, 1, generator=gen) < 0.5, q + 0.3 * torch.randn(q.shape, generator=gen),
-                         torch.randn(q.shape, generator=gen))
+    labels = torch.where(
+        torch.rand(b, hc, 1, 1, generator=gen) < 0.5,
+        q + 0.3 * torch.randn(q.shape, generator=gen),
+        torch.randn(q.shape, generator=gen),
+    )
     labels[0, 0] = 0.0  # an empty slot's label: cos = 0, as torch.cosine_similarity with eps
     valid = torch.rand(b, hc, generator=gen) < 0.8
     tau = torch.rand(hc, generator=gen) * 1.6 - 0.6
@@ -128,8 +131,7 @@ def check_hash_scores(device, b, hk, h, t, g_, rbit, use_heads, block_t=256):
     miss[0, 0], miss[-1, -1] = True, False
     need = torch.cat([miss, torch.ones(b, 1, dtype=torch.bool)], 1)
     hist = radix_work(b * got.shape[1], device)
-    got = hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t=block_t, miss=miss.to(device),
-                             hist=hist).cpu()
+    got = hash_scores_triton(codes, norms, qcodes, rbit, heads, block_t=block_t, miss=miss.to(device), hist=hist).cpu()
     torch.testing.assert_close(got[need], want[need], rtol=1e-6, atol=1e-5)
     # the radix select's first pass, counted beside the scores: exactly torch's count of the scored rows
     counted = radix_work(b * got.shape[1], "cpu")
@@ -137,7 +139,7 @@ def check_hash_scores(device, b, hk, h, t, g_, rbit, use_heads, block_t=256):
     rows = need.flatten()
     first = lambda w: w[: rows.numel() * 256].view(-1, 256)
     assert torch.equal(first(hist.cpu())[rows], first(counted)[rows]) and first(hist.cpu())[rows].sum() > 0
-    assert not hist.cpu()[rows.numel() * 256:].any()  # the later passes' histograms and the counters untouched
+    assert not hist.cpu()[rows.numel() * 256 :].any()  # the later passes' histograms and the counters untouched
 
 
 def check_lookup(device, b, hc, g_, d, dtype, aggregation):
@@ -165,12 +167,13 @@ def check_radix_topk(device, r, t, k, kind, block):
     from kvoffload.kernels.radix_topk import radix_topk, topk_ref
 
     gen = torch.Generator().manual_seed(r * t + k)
-    scores = {"randn": lambda: torch.randn(r, t, generator=gen),
-              "ties": lambda: torch.randint(0, 7, (r, t), generator=gen).float(),  # the k-th value is shared
-              "negative": lambda: -torch.rand(r, t, generator=gen) * 1e-3,
-              # consecutive floats above 1: the keys differ in their low bits only, so the last pass decides
-              "ulps": lambda: 1.0 + torch.stack([torch.randperm(t, generator=gen) for _ in range(r)]).float() * 2**-23,
-              }[kind]()
+    scores = {
+        "randn": lambda: torch.randn(r, t, generator=gen),
+        "ties": lambda: torch.randint(0, 7, (r, t), generator=gen).float(),  # the k-th value is shared
+        "negative": lambda: -torch.rand(r, t, generator=gen) * 1e-3,
+        # consecutive floats above 1: the keys differ in their low bits only, so the last pass decides
+        "ulps": lambda: 1.0 + torch.stack([torch.randperm(t, generator=gen) for _ in range(r)]).float() * 2**-23,
+    }[kind]()
     launch = {"block": block} if block else {}
     # rows as one sequence of r heads; with `miss`, the first r - 1 only where they missed (CLO's hits are not
     # selected: their rows stay as they were)
@@ -178,8 +181,12 @@ def check_radix_topk(device, r, t, k, kind, block):
     counted = radix_work(r, device)  # the first pass counted before (as hash_scores(hist=) does), three left
     count_first_pass_ref(scores.to(device), counted)
     for m, work in ((None, None), (miss, None), (None, counted.clone()), (miss, counted)):
-        got = radix_topk(scores.to(device), k, offset=5, miss=None if m is None else m.to(device), work=work,
-                         **launch).cpu() - 5
+        got = (
+            radix_topk(
+                scores.to(device), k, offset=5, miss=None if m is None else m.to(device), work=work, **launch
+            ).cpu()
+            - 5
+        )
         assert got.shape == (r, k)
         for row, idx in enumerate(got):
             if m is not None and row < r - 1 and not m[0, row]:
@@ -190,17 +197,33 @@ def check_radix_topk(device, r, t, k, kind, block):
 
 
 @interpreter
-@pytest.mark.parametrize("r,t,k,kind", [(3, 1000, 100, "randn"), (2, 777, 777, "randn"), (2, 500, 1, "randn"),
-                                        (4, 1000, 300, "ties"), (2, 600, 50, "negative"), (2, 900, 333, "ulps")])
+@pytest.mark.parametrize(
+    "r,t,k,kind",
+    [
+        (3, 1000, 100, "randn"),
+        (2, 777, 777, "randn"),
+        (2, 500, 1, "randn"),
+        (4, 1000, 300, "ties"),
+        (2, 600, 50, "negative"),
+        (2, 900, 333, "ulps"),
+    ],
+)
 def test_radix_topk_interpreted(r, t, k, kind):
     pytest.importorskip("triton")
     check_radix_topk("cpu", r, t, k, kind, block=128)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("r,t,k,kind", [(8, 131072, 13028, "randn"), (6, 131072, 13028, "ties"),
-                                        (2, 5000, 5000, "negative"), (3, 70000, 1, "randn"),
-                                        (2, 131072, 13028, "ulps")])
+@pytest.mark.parametrize(
+    "r,t,k,kind",
+    [
+        (8, 131072, 13028, "randn"),
+        (6, 131072, 13028, "ties"),
+        (2, 5000, 5000, "negative"),
+        (3, 70000, 1, "randn"),
+        (2, 131072, 13028, "ulps"),
+    ],
+)
 @pytest.mark.parametrize("block", [None, 4096])  # None: radix_topk's default (2048 keys, 4 warps)
 def test_radix_topk_triton_matches_ref(r, t, k, kind, block):
     pytest.importorskip("triton")
@@ -234,8 +257,9 @@ def test_encode_query_interpreted(g_, d, rbit, chunk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("g_,d,rbit,dtype", [(4, 128, 256, torch.bfloat16), (5, 64, 128, torch.float16),
-                                             (4, 128, 256, torch.float32)])
+@pytest.mark.parametrize(
+    "g_,d,rbit,dtype", [(4, 128, 256, torch.bfloat16), (5, 64, 128, torch.float16), (4, 128, 256, torch.float32)]
+)
 def test_encode_query_triton_matches_ref(g_, d, rbit, dtype):
     pytest.importorskip("triton")
     check_encode_query("cuda", 2, 8, g_, d, rbit, dtype)

@@ -1,15 +1,16 @@
 """CLO's policy pieces on their own: thresholds (Eq. 7-9), GQA aggregation (Eq. 10), the persistent-head plan
 (Eq. 11-13), importance and profile files, and the hash retriever's bit arithmetic."""
+
 import math
 
 import pytest
 import torch
 
-from kvoffload.errors import ConfigError
 from clo.policy.persistent import heads_per_layer_time, load_profile, plan_persistent_heads
 from clo.policy.thresholds import load_importance, thresholds
-from kvoffload.kernels.head_cache import aggregate_similarity
+from kvoffload.errors import ConfigError
 from kvoffload.kernels.hash_score import hamming, pack_signs
+from kvoffload.kernels.head_cache import aggregate_similarity
 from kvoffload.offload.retrieval import ExactRetriever, HashRetriever, select_topk
 
 
@@ -125,6 +126,8 @@ def test_hash_ranking_tracks_exact_ranking():
     hr.index(0, keys)
     ex.index(0, keys)
     h = torch.arange(1)
-    top_h, top_e = set(select_topk(hr.scores(0, q, h), 200, 0).flatten().tolist()), set(
-        select_topk(ex.scores(0, q, h), 200, 0).flatten().tolist())
+    top_h, top_e = (
+        set(select_topk(hr.scores(0, q, h), 200, 0).flatten().tolist()),
+        set(select_topk(ex.scores(0, q, h), 200, 0).flatten().tolist()),
+    )
     assert len(top_h & top_e) / 200 > 0.5

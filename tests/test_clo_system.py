@@ -1,15 +1,16 @@
 """CLO's invariants through the KVOffloadSystem API (CPU reference path): forced misses with the exact
 retriever equal exact top-k attention recomputed from scratch; top-k 100% equals FullAttn; statistics and
 memory match an independent count; a hit leaves the slot alone; bad input is refused."""
+
 import math
 
 import pytest
 import torch
 
 from baselines.fullattn import FullAttn
+from clo.system import CLO
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec
-from clo.system import CLO
 from tests.reference import exact_topk_attention, first_head_hard, write_profile
 
 B, H, HKV, D, L, T0, STEPS = 2, 8, 2, 16, 3, 120, 5
@@ -46,9 +47,15 @@ def feed(systems, seed=0, steps=STEPS, speculative=False):
         s.end_prefill(T0)
     outs, data = [[] for _ in systems], []
     for _ in range(steps):
-        step = [(torch.randn(B, H, D, generator=g), torch.randn(B, HKV, D, generator=g),
-                 torch.randn(B, HKV, D, generator=g)) + ((torch.randn(B, H, D, generator=g),) if speculative else ())
-                for _ in range(L)]
+        step = [
+            (
+                torch.randn(B, H, D, generator=g),
+                torch.randn(B, HKV, D, generator=g),
+                torch.randn(B, HKV, D, generator=g),
+            )
+            + ((torch.randn(B, H, D, generator=g),) if speculative else ())
+            for _ in range(L)
+        ]
         data.append(step)
         for s, o in zip(systems, outs):
             s.begin_step()
@@ -85,8 +92,12 @@ def test_topk_100_percent_equals_fullattn():
 
 def device_bytes_held(clo: CLO) -> int:
     """An independent count: the bytes of every device tensor the stores and the retriever hold."""
-    tensors = [t for st in clo.stores for t in (st.slots, st.slot_idx, st.labels, st.valid, st.window, st.persist)
-               if t is not None]
+    tensors = [
+        t
+        for st in clo.stores
+        for t in (st.slots, st.slot_idx, st.labels, st.valid, st.window, st.persist)
+        if t is not None
+    ]
     return sum(t.nbytes for t in tensors) + sum(k.nbytes for k in clo.retriever.keys)
 
 
@@ -153,8 +164,16 @@ def test_persistent_heads_select_with_the_configured_query(tmp_path, persist_que
     persist_query=speculative, from the speculative one too. Layer 0 has no layer before it: the real query."""
     profile = write_profile(tmp_path / "first_head_hard.json", first_head_hard(L, HKV))
     # tau = 2 everywhere (every lookup misses); epsilon = -2 keeps head 1 easy under it (Eq. 11)
-    clo = make(persistent=True, speculative=True, persist_query=persist_query, threshold_override=2.0,
-               epsilon=-2.0, profile=profile, layer_time_ms=0.1, link_gb_s=1e-3)
+    clo = make(
+        persistent=True,
+        speculative=True,
+        persist_query=persist_query,
+        threshold_override=2.0,
+        epsilon=-2.0,
+        profile=profile,
+        layer_time_ms=0.1,
+        link_gb_s=1e-3,
+    )
     (got,), (k0, v0, data) = feed([clo], seed=7, speculative=True)
     assert all(st.persist is not None and st.nc == HKV - 1 for st in clo.stores)
     select = []
@@ -172,8 +191,15 @@ def test_persistent_heads_select_with_the_configured_query(tmp_path, persist_que
             torch.testing.assert_close(got[s][layer], want[s][layer], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(retriever="hash"), dict(persistent=True, speculative=True),
-                                dict(dense_layers=1, retriever="hash", persistent=True, speculative=True)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(retriever="hash"),
+        dict(persistent=True, speculative=True),
+        dict(dense_layers=1, retriever="hash", persistent=True, speculative=True),
+    ],
+)
 def test_memory_estimate_is_what_allocate_and_prefill_hold(tmp_path, kw):
     """From the shapes alone, with the prompt length given, the estimate is the memory the stores hold after the
     prefill and the steps, part by part (the generated tokens' window rows included); without it, the prompt is
@@ -214,16 +240,30 @@ def test_speculative_prepare_drives_the_lookup():
     clo.end_step()
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(topk_ratio=1.5), "top-k"), (dict(topk_ratio=0.0), "top-k"), (dict(eta=1.2), "eta"),
-    (dict(eta=-1.0), "eta"), (dict(gqa_aggregation="max"), "gqa_aggregation"), (dict(retriever="lsh"), "retriever"),
-    (dict(transfer="dma"), "transfer"), (dict(cpu_threads=0), "cpu_threads"), (dict(topk="heap"), "topk"),
-    (dict(uva_programs=0), "uva_programs"), (dict(persist_query="next"), "persist_query"),
-    (dict(persist_query="speculative", speculative=False), "persist_query"),
-    (dict(threshold_override=5.0), "threshold_override"), (dict(n=0.0), "n=0.0"), (dict(rbit=12), "rbit"),
-    (dict(epsilon=3.0), "epsilon"), (dict(layer_time_ms=0.0), "layer_time_ms"), (dict(link_gb_s=-1.0), "link_gb_s"),
-    (dict(retreiver="hash"), "retreiver"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(topk_ratio=1.5), "top-k"),
+        (dict(topk_ratio=0.0), "top-k"),
+        (dict(eta=1.2), "eta"),
+        (dict(eta=-1.0), "eta"),
+        (dict(gqa_aggregation="max"), "gqa_aggregation"),
+        (dict(retriever="lsh"), "retriever"),
+        (dict(transfer="dma"), "transfer"),
+        (dict(cpu_threads=0), "cpu_threads"),
+        (dict(topk="heap"), "topk"),
+        (dict(uva_programs=0), "uva_programs"),
+        (dict(persist_query="next"), "persist_query"),
+        (dict(persist_query="speculative", speculative=False), "persist_query"),
+        (dict(threshold_override=5.0), "threshold_override"),
+        (dict(n=0.0), "n=0.0"),
+        (dict(rbit=12), "rbit"),
+        (dict(epsilon=3.0), "epsilon"),
+        (dict(layer_time_ms=0.0), "layer_time_ms"),
+        (dict(link_gb_s=-1.0), "link_gb_s"),
+        (dict(retreiver="hash"), "retreiver"),
+    ],
+)
 def test_bad_configuration(kw, match):
     with pytest.raises(ConfigError, match=match):
         CLO(**kw)
@@ -245,8 +285,16 @@ def test_the_estimate_and_the_allocation_share_one_plan(monkeypatch, tmp_path):
     calls = []
     real = clo.system.make_plan
     monkeypatch.setattr(clo.system, "make_plan", lambda *a: calls.append(a) or real(*a))
-    s = CLO(**{**BASE, "profile": write_profile(tmp_path / "p.json", first_head_hard(L, HKV)), "persistent": True,
-               "speculative": True, "layer_time_ms": 0.1, "link_gb_s": 1e-3})
+    s = CLO(
+        **{
+            **BASE,
+            "profile": write_profile(tmp_path / "p.json", first_head_hard(L, HKV)),
+            "persistent": True,
+            "speculative": True,
+            "layer_time_ms": 0.1,
+            "link_gb_s": 1e-3,
+        }
+    )
     s.estimate_memory(spec(budget=10**9))
     planned = s.plan
     s.allocate(spec(budget=10**9))
@@ -259,8 +307,13 @@ def test_a_tight_budget_demotes_the_least_hard_persistent_heads(tmp_path):
     s_hat = first_head_hard(L, HKV)
     for row in s_hat:
         row[1] = 0.5  # head 1 hard too, less than head 0
-    kw = dict(profile=write_profile(tmp_path / "p.json", s_hat), persistent=True, speculative=True,
-              layer_time_ms=0.1, link_gb_s=1e-3)
+    kw = dict(
+        profile=write_profile(tmp_path / "p.json", s_hat),
+        persistent=True,
+        speculative=True,
+        layer_time_ms=0.1,
+        link_gb_s=1e-3,
+    )
     free = CLO(**{**BASE, **kw})
     need = free.estimate_memory(spec()).device_bytes
     assert all(set(p) == {0, 1} for p in free.plan.heads.persistent)

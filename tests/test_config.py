@@ -1,14 +1,15 @@
 """Every config group composes, every system instantiates, and the sequence-length syntax parses."""
+
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from experiments.preflight import parse_tokens
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVOffloadSystem
 from kvoffload.model.config import ModelConfig
-from experiments.preflight import parse_tokens
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -22,8 +23,7 @@ def options(group: str) -> list[str]:
 @pytest.mark.parametrize("workload", options("workload"))
 def test_every_combination_composes(model, system, workload):
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=[f"model={model}", f"system={system}", f"workload={workload}",
-                                           "seqlen=128k"])
+        cfg = compose("config", overrides=[f"model={model}", f"system={system}", f"workload={workload}", "seqlen=128k"])
     mc = ModelConfig.from_mapping(cfg.model)
     assert mc.name == model and mc.num_heads % mc.num_kv_heads == 0
     assert isinstance(instantiate(cfg.system), KVOffloadSystem)
@@ -41,8 +41,10 @@ def test_paper_model_shapes():
     assert 7.9e9 < llama.num_params < 8.1e9 and 14.6e9 < qwen.num_params < 14.9e9
 
 
-@pytest.mark.parametrize("text,tokens", [(4096, 4096), ("4096", 4096), ("4k", 4096), ("128k", 131072),
-                                         ("128K", 131072), ("1m", 1048576), ("0.5k", 512)])
+@pytest.mark.parametrize(
+    "text,tokens",
+    [(4096, 4096), ("4096", 4096), ("4k", 4096), ("128k", 131072), ("128K", 131072), ("1m", 1048576), ("0.5k", 512)],
+)
 def test_parse_tokens(text, tokens):
     assert parse_tokens(text) == tokens
 
@@ -53,8 +55,10 @@ def test_parse_tokens_rejects(bad):
         parse_tokens(bad)
 
 
-@pytest.mark.parametrize("tokens,text", [(4096, "4k"), (131072, "128k"), (1048576, "1m"), (7680, "7680"),
-                                         (64, "64"), (1536, "1536"), (2 * 1048576, "2m")])
+@pytest.mark.parametrize(
+    "tokens,text",
+    [(4096, "4k"), (131072, "128k"), (1048576, "1m"), (7680, "7680"), (64, "64"), (1536, "1536"), (2 * 1048576, "2m")],
+)
 def test_tokens_text_is_the_short_spelling(tokens, text):
     from experiments.preflight import tokens_text
 
@@ -86,19 +90,31 @@ def test_every_shown_command_passes_the_key_check():
     profile_overrides = shown_overrides("experiments.profile")
     assert any(o.startswith("+profile_out=") for o in profile_overrides)
     check_override_keys(profile_overrides, extra=("profile_out",))
-    check_override_keys(["hydra.verbose=true", "hydra/launcher=basic", "~trace_dir", "++seqlen=1k",
-                         "hydra.sweeper.params.seqlen=1k", "model.path=/x", "system@other=clo"])
+    check_override_keys(
+        [
+            "hydra.verbose=true",
+            "hydra/launcher=basic",
+            "~trace_dir",
+            "++seqlen=1k",
+            "hydra.sweeper.params.seqlen=1k",
+            "model.path=/x",
+            "system@other=clo",
+        ]
+    )
 
 
-@pytest.mark.parametrize("override,extra,words", [
-    ("+sytem=clo", (), ["'sytem'", "did you mean system?", "seqlen", "experiment"]),
-    ("sytem=clo", (), ["'sytem'"]),
-    ("~sytem", (), ["'sytem'"]),
-    ("+profile_out=x.json", (), ["'profile_out'"]),  # experiments.run does not read it
-    ("+system.etaa=0.5", (), ["system.etaa", "conf/system/*.yaml"]),
-    ("+workload.gen_token=4", (), ["workload.gen_token", "conf/workload/*.yaml"]),
-    ("+hardware.gpu_mem=4", (), ["hardware.gpu_mem", "conf/config.yaml"]),
-])
+@pytest.mark.parametrize(
+    "override,extra,words",
+    [
+        ("+sytem=clo", (), ["'sytem'", "did you mean system?", "seqlen", "experiment"]),
+        ("sytem=clo", (), ["'sytem'"]),
+        ("~sytem", (), ["'sytem'"]),
+        ("+profile_out=x.json", (), ["'profile_out'"]),  # experiments.run does not read it
+        ("+system.etaa=0.5", (), ["system.etaa", "conf/system/*.yaml"]),
+        ("+workload.gen_token=4", (), ["workload.gen_token", "conf/workload/*.yaml"]),
+        ("+hardware.gpu_mem=4", (), ["hardware.gpu_mem", "conf/config.yaml"]),
+    ],
+)
 def test_unknown_keys_are_refused(override, extra, words):
     from experiments.preflight import check_override_keys
 
@@ -125,24 +141,27 @@ def composed(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-@pytest.mark.parametrize("override,message", [
-    ("batch=abc", "batch='abc': expected a whole number"),
-    ("batch=0", "batch=0 must be at least 1"),
-    ("batch=1.5", "batch=1.5: expected a whole number"),
-    ("seed=x", "seed='x': expected a whole number"),
-    ("seed=-1", "seed=-1 must be at least 0"),
-    ("seqlen=lots", "seqlen='lots'"),
-    ("workload.gen_tokens=two", "workload.gen_tokens='two'"),
-    ("workload.warmup_steps=-1", "workload.warmup_steps=-1 must be at least 0"),
-    ("workload.needle_depth=1.5", "workload.needle_depth=1.5 must lie in [0, 1]"),
-    ("hardware.gpu_mem_gb=lots", "hardware.gpu_mem_gb='lots': expected a number or null"),
-    ("hardware.gpu_mem_gb=0", "hardware.gpu_mem_gb=0 must be above 0"),
-    ("hardware.hbm_gb_s=fast", "hardware.hbm_gb_s='fast'"),
-    ("hardware.gpu_mem_gb=true", "hardware.gpu_mem_gb=True: expected a number"),
-    ("force=maybe", "force='maybe': expected true or false"),
-    ("profile_phases=1", "profile_phases=1: expected true or false"),
-    ("workload.stop_at_eos=no", "workload.stop_at_eos='no'"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("batch=abc", "batch='abc': expected a whole number"),
+        ("batch=0", "batch=0 must be at least 1"),
+        ("batch=1.5", "batch=1.5: expected a whole number"),
+        ("seed=x", "seed='x': expected a whole number"),
+        ("seed=-1", "seed=-1 must be at least 0"),
+        ("seqlen=lots", "seqlen='lots'"),
+        ("workload.gen_tokens=two", "workload.gen_tokens='two'"),
+        ("workload.warmup_steps=-1", "workload.warmup_steps=-1 must be at least 0"),
+        ("workload.needle_depth=1.5", "workload.needle_depth=1.5 must lie in [0, 1]"),
+        ("hardware.gpu_mem_gb=lots", "hardware.gpu_mem_gb='lots': expected a number or null"),
+        ("hardware.gpu_mem_gb=0", "hardware.gpu_mem_gb=0 must be above 0"),
+        ("hardware.hbm_gb_s=fast", "hardware.hbm_gb_s='fast'"),
+        ("hardware.gpu_mem_gb=true", "hardware.gpu_mem_gb=True: expected a number"),
+        ("force=maybe", "force='maybe': expected true or false"),
+        ("profile_phases=1", "profile_phases=1: expected true or false"),
+        ("workload.stop_at_eos=no", "workload.stop_at_eos='no'"),
+    ],
+)
 def test_bad_numbers_are_config_errors(override, message):
     from experiments.preflight import check_numbers
 
@@ -201,6 +220,19 @@ def test_config_error_is_unwrapped_from_instantiate():
 def test_command_line_overrides_leave_hydras_flags_out():
     from experiments.preflight import command_line_overrides
 
-    argv = ["--multirun", "-sc", "install=bash", "--config-name", "config", "seqlen=1k", "+experiment=ablation",
-            "~trace_dir", "--cfg", "job", "-p", "system", "system=clo,fullattn"]
+    argv = [
+        "--multirun",
+        "-sc",
+        "install=bash",
+        "--config-name",
+        "config",
+        "seqlen=1k",
+        "+experiment=ablation",
+        "~trace_dir",
+        "--cfg",
+        "job",
+        "-p",
+        "system",
+        "system=clo,fullattn",
+    ]
     assert command_line_overrides(argv) == ["seqlen=1k", "+experiment=ablation", "~trace_dir", "system=clo,fullattn"]

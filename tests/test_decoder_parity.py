@@ -1,5 +1,6 @@
 """Our decoder against transformers' reference implementations: random small configs of both families (with
 Llama-3 rope scaling), and the real SmolLM2 weights; greedy decoding through FullAttn against generate()."""
+
 import json
 
 import pytest
@@ -13,14 +14,25 @@ from kvoffload.model.config import ModelConfig
 from kvoffload.model.decoder import Decoder
 from kvoffload.model.weights import hf_decoder
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=300, max_position_embeddings=4096, rms_norm_eps=1e-5)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+)
 
 
 def fullattn(cfg: ModelConfig, batch: int, max_len: int, dtype=torch.float32) -> FullAttn:
     kv = FullAttn()
-    kv.allocate(KVSpec(cfg.num_layers, batch, max_len, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype,
-                       torch.device("cpu")))
+    kv.allocate(
+        KVSpec(
+            cfg.num_layers, batch, max_len, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device("cpu")
+        )
+    )
     return kv
 
 
@@ -45,8 +57,19 @@ def check_prefill_and_decode(ref, ours: Decoder, seq: int = 40, batch: int = 2, 
         torch.testing.assert_close(got, want[:, t], atol=atol, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        None,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ],
+)
 @pytest.mark.parametrize("chunk", [8192, 7])  # 7: the prompt's projections and norms in chunks, as at 512K
 def test_llama_random_matches_transformers(rope_scaling, chunk, monkeypatch):
     monkeypatch.setattr("kvoffload.model.decoder.PREFILL_CHUNK", chunk)
@@ -75,9 +98,19 @@ def test_llama3_scaling_changes_frequencies():
     from kvoffload.model.rope import inverse_frequencies
 
     base = ModelConfig.from_hf({**SMALL, "rope_theta": 500000.0})
-    scaled = ModelConfig.from_hf({**SMALL, "rope_theta": 500000.0, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32}})
+    scaled = ModelConfig.from_hf(
+        {
+            **SMALL,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        }
+    )
     assert not torch.allclose(inverse_frequencies(base), inverse_frequencies(scaled))
 
 
@@ -109,10 +142,14 @@ def test_real_smollm2_greedy_matches_generate(smollm2_folder):
 
     ours, ref = real_models(smollm2_folder, torch.float32)
     tok = AutoTokenizer.from_pretrained(str(smollm2_folder))
-    ids = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Name three primary colours."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     n = 24
-    want = ref.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, min_new_tokens=n)[0, ids.shape[1]:]
+    want = ref.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, min_new_tokens=n)[0, ids.shape[1] :]
     got = generate(ours, fullattn(ours.cfg, 1, ids.shape[1] + n), ids, n).tokens[0]
     assert got.tolist() == want.tolist(), (tok.decode(got), tok.decode(want))
 
@@ -121,10 +158,15 @@ def test_hf_projections_fuse_in_order_and_incomplete_groups_stay():
     from kvoffload.model.decoder import fuse_hf_state
 
     p = "model.layers.2."
-    state = {p + "self_attn.q_proj.weight": torch.full((4, 3), 1.0), p + "self_attn.k_proj.weight": torch.full((2, 3), 2.0),
-             p + "self_attn.v_proj.weight": torch.full((2, 3), 3.0), p + "self_attn.q_proj.bias": torch.ones(4),
-             p + "self_attn.k_proj.bias": torch.ones(2), p + "self_attn.v_proj.bias": torch.ones(2),
-             p + "mlp.gate_proj.weight": torch.zeros(5, 3)}  # no up_proj: left for load_state_dict to report
+    state = {
+        p + "self_attn.q_proj.weight": torch.full((4, 3), 1.0),
+        p + "self_attn.k_proj.weight": torch.full((2, 3), 2.0),
+        p + "self_attn.v_proj.weight": torch.full((2, 3), 3.0),
+        p + "self_attn.q_proj.bias": torch.ones(4),
+        p + "self_attn.k_proj.bias": torch.ones(2),
+        p + "self_attn.v_proj.bias": torch.ones(2),
+        p + "mlp.gate_proj.weight": torch.zeros(5, 3),
+    }  # no up_proj: left for load_state_dict to report
     fused = fuse_hf_state(dict(state))
     assert fused[p + "self_attn.qkv_proj.weight"][:, 0].tolist() == [1.0] * 4 + [2.0] * 2 + [3.0] * 2
     assert fused[p + "self_attn.qkv_proj.bias"].shape == (8,)

@@ -1,14 +1,14 @@
 """The decoder's elementwise kernels (RMSNorm with its residual addition, decode RoPE, SiLU-multiply) against their
 torch references, in the Triton interpreter (TRITON_INTERPRET=1) and on the GPU; the references against the
 plain formulas everywhere."""
+
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvoffload.kernels.dense_ops import rms_norm_ref, rope_ref, silu_mul_ref
-from kvoffload.kernels.dense_ops import apply_rotary, cos_sin
+from kvoffload.kernels.dense_ops import apply_rotary, cos_sin, rms_norm_ref, rope_ref, silu_mul_ref
 from tests.reference import randn
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -18,7 +18,11 @@ gpu = pytest.mark.gpu
 
 # ---- the references ----------------------------------------------------------------------------------------
 def test_rms_norm_ref_normalises_the_sum():
-    x, add, w = randn(3, 64, seed=0, dtype=torch.float64), randn(3, 64, seed=1, dtype=torch.float64), randn(64, seed=2, dtype=torch.float64)
+    x, add, w = (
+        randn(3, 64, seed=0, dtype=torch.float64),
+        randn(3, 64, seed=1, dtype=torch.float64),
+        randn(64, seed=2, dtype=torch.float64),
+    )
     y, s = rms_norm_ref(x, w, 1e-6, add)
     assert torch.equal(s, x + add)
     torch.testing.assert_close(y / w, s / s.pow(2).mean(-1, keepdim=True).sqrt(), rtol=1e-6, atol=1e-9)
@@ -45,7 +49,7 @@ def close(got, want, device, atol=None):
     The kernels round once where the torch code rounds each product: rope's sums may differ by a step of their
     terms (~1e-2 for unit inputs)."""
     if device == "cpu":
-        torch.testing.assert_close(got, want, atol=2 ** -5, rtol=2 ** -6)
+        torch.testing.assert_close(got, want, atol=2**-5, rtol=2**-6)
     else:
         torch.testing.assert_close(got, want, atol=atol, rtol=None if atol is None else 1.6e-2)
 
@@ -74,8 +78,26 @@ def check_rope(device, b, total, heads, d, dtype, position):
     from kvoffload.model.config import ModelConfig
     from kvoffload.model.rope import inverse_frequencies
 
-    cfg = ModelConfig("t", "llama", 64, 128, 1, 4, 1, d, 10, 500000.0, 1e-5, 8192, rope_scaling={
-        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    cfg = ModelConfig(
+        "t",
+        "llama",
+        64,
+        128,
+        1,
+        4,
+        1,
+        d,
+        10,
+        500000.0,
+        1e-5,
+        8192,
+        rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     inv = inverse_frequencies(cfg)
     x = randn(b, total, d, dtype=dtype, device=device)
     pos = torch.tensor([position])
@@ -112,8 +134,15 @@ def test_silu_mul_interpreted():
 
 
 @gpu
-@pytest.mark.parametrize("n,dtype,with_add", [(4096, torch.bfloat16, True), (4096, torch.bfloat16, False),
-                                              (5120, torch.float32, True), (576, torch.bfloat16, True)])
+@pytest.mark.parametrize(
+    "n,dtype,with_add",
+    [
+        (4096, torch.bfloat16, True),
+        (4096, torch.bfloat16, False),
+        (5120, torch.float32, True),
+        (576, torch.bfloat16, True),
+    ],
+)
 def test_rms_norm_triton_matches_ref(n, dtype, with_add):
     check_rms_norm("cuda", 5, n, dtype, with_add)
 
@@ -152,9 +181,21 @@ def test_decode_inputs_pairs_the_speculative_query_exactly(device, family):
     from kvoffload.model.rope import inverse_frequencies
     from kvoffload.model.weights import synthetic_decoder
 
-    cfg = ModelConfig(name="t", family=family, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=64, vocab_size=100, rope_theta=1e4, rms_norm_eps=1e-5,
-                      max_position_embeddings=4096, attention_bias=family == "qwen2")
+    cfg = ModelConfig(
+        name="t",
+        family=family,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=100,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        attention_bias=family == "qwen2",
+    )
     model = synthetic_decoder(cfg, 0, torch.device(device), torch.bfloat16)
     layer, nxt = model.model.layers
     position, inv = torch.tensor([1234], device=device), inverse_frequencies(cfg).to(device)

@@ -6,6 +6,7 @@ not a multiple of the block size, shorter than a block, and empty.
   (b) RetroInfer-style with the exact retriever attends exactly the top-k tokens (token selection) or the top
       blocks, a partial last block included (block selection), of the same budget, with a cache as large as
       every block and with the smallest one."""
+
 import math
 
 import pytest
@@ -48,8 +49,17 @@ def make(cls, t0, **kw):
 def inputs(t0, seed=0):
     g = torch.Generator().manual_seed(seed)
     k0, v0 = torch.randn(L, B, HKV, t0, D, generator=g), torch.randn(L, B, HKV, t0, D, generator=g)
-    data = [[(torch.randn(B, H, D, generator=g), torch.randn(B, HKV, D, generator=g),
-              torch.randn(B, HKV, D, generator=g)) for _ in range(L)] for _ in range(STEPS)]
+    data = [
+        [
+            (
+                torch.randn(B, H, D, generator=g),
+                torch.randn(B, HKV, D, generator=g),
+                torch.randn(B, HKV, D, generator=g),
+            )
+            for _ in range(L)
+        ]
+        for _ in range(STEPS)
+    ]
     return k0, v0, data
 
 
@@ -76,7 +86,9 @@ def feed(system, k0, v0, data):
 def assert_outputs(got, want):
     for s, (g_row, w_row) in enumerate(zip(got, want)):
         for layer, (g, w) in enumerate(zip(g_row, w_row)):
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4, msg=lambda m, s=s, layer=layer: f"step {s} layer {layer}: {m}")
+            torch.testing.assert_close(
+                g, w, atol=1e-5, rtol=1e-4, msg=lambda m, s=s, layer=layer: f"step {s} layer {layer}: {m}"
+            )
 
 
 @pytest.mark.parametrize("t0", PROMPTS)
@@ -123,8 +135,8 @@ def test_block_selection_picks_the_partial_last_block_by_its_real_tokens():
     s = make(RetroInfer, t0, retriever="exact", topk_ratio=(SINK + RECENT + 8) / t0, dense_layers=0)
     assert s.k_select(t0) == BS
     k0, v0, data = inputs(t0, seed=1)
-    k0[:, :, :, SINK: SINK + 8] = -k0[:, :, :, SINK: SINK + 8].abs()  # first block: negative keys
-    k0[:, :, :, SINK + 8: SINK + 13] = k0[:, :, :, SINK + 8: SINK + 13].abs()  # partial block: positive
+    k0[:, :, :, SINK : SINK + 8] = -k0[:, :, :, SINK : SINK + 8].abs()  # first block: negative keys
+    k0[:, :, :, SINK + 8 : SINK + 13] = k0[:, :, :, SINK + 8 : SINK + 13].abs()  # partial block: positive
     data = [[(q.abs(), k, v) for q, k, v in step] for step in data]  # positive queries
     want = exact_topk_attention(k0, v0, data, SINK, RECENT, 1, block_size=BS)
     assert_outputs(feed(s, k0, v0, data), want)
@@ -152,14 +164,28 @@ def smollm2(smollm2_folder):
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=["system=fullattn"])
     mcfg = ModelConfig.from_mapping(cfg.model)
-    return mcfg, hf_decoder(mcfg, smollm2_folder, CPU, torch.float32), AutoTokenizer.from_pretrained(
-        str(smollm2_folder))
+    return (
+        mcfg,
+        hf_decoder(mcfg, smollm2_folder, CPU, torch.float32),
+        AutoTokenizer.from_pretrained(str(smollm2_folder)),
+    )
 
 
 def greedy_logits(model, mcfg, system, prompt):
     """Prefill, then REAL_STEPS greedy decode steps: the logits of every step [steps + 1, V]."""
-    system.allocate(KVSpec(mcfg.num_layers, 1, prompt.shape[1] + REAL_STEPS, mcfg.num_heads, mcfg.num_kv_heads,
-                           mcfg.head_dim, torch.float32, CPU, prompt_len=prompt.shape[1]))
+    system.allocate(
+        KVSpec(
+            mcfg.num_layers,
+            1,
+            prompt.shape[1] + REAL_STEPS,
+            mcfg.num_heads,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
+            torch.float32,
+            CPU,
+            prompt_len=prompt.shape[1],
+        )
+    )
     with torch.inference_mode():
         logits = [model.prefill(prompt, system)]
         for _ in range(REAL_STEPS):

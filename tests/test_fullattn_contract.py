@@ -1,5 +1,6 @@
 """The KVOffloadSystem contract, on FullAttn: what goes in at prefill and decode is what attention sees, the
 memory it reports is its real buffers, the budget is enforced, and every step reports every phase."""
+
 import pytest
 import torch
 
@@ -60,7 +61,11 @@ def test_budget_too_small_is_refused_before_allocating():
 
 def test_dense_reference_matches_explicit_softmax():
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(B, H, D, generator=g), torch.randn(B, HKV, 7, D, generator=g), torch.randn(B, HKV, 7, D, generator=g)
+    q, k, v = (
+        torch.randn(B, H, D, generator=g),
+        torch.randn(B, HKV, 7, D, generator=g),
+        torch.randn(B, HKV, 7, D, generator=g),
+    )
     kr, vr = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
     w = torch.softmax(torch.einsum("bhd,bhtd->bht", q, kr) / D**0.5, -1)
     torch.testing.assert_close(dense_decode_attention(q, k, v), torch.einsum("bht,bhtd->bhd", w, vr))
@@ -97,7 +102,11 @@ def test_static_shape_path_matches_eager():
             s.prefill(layer, k0[layer], v0[layer])
         s.end_prefill(9)
     for _ in range(4):
-        q, k1, v1 = torch.randn(B, H, D, generator=g), torch.randn(B, HKV, D, generator=g), torch.randn(B, HKV, D, generator=g)
+        q, k1, v1 = (
+            torch.randn(B, H, D, generator=g),
+            torch.randn(B, HKV, D, generator=g),
+            torch.randn(B, HKV, D, generator=g),
+        )
         outs = []
         for s in systems:
             s.begin_step()

@@ -1,4 +1,5 @@
 """GPU versions against their CPU references (run on the GPU machine: pytest -m gpu)."""
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -12,9 +13,20 @@ from kvoffload.model.decoder import Decoder
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
-TINY = ModelConfig(name="tiny", family="llama", hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
-                   num_kv_heads=2, head_dim=64, vocab_size=2000, rope_theta=1e4, rms_norm_eps=1e-5,
-                   max_position_embeddings=4096)
+TINY = ModelConfig(
+    name="tiny",
+    family="llama",
+    hidden_size=512,
+    intermediate_size=1024,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    vocab_size=2000,
+    rope_theta=1e4,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=4096,
+)
 
 
 def cuda_spec(*shape_and_dtype) -> KVSpec:
@@ -38,12 +50,18 @@ def test_fullattn_decode_matches_reference(backend, length):
     kv.end_prefill(length)
     kv.begin_step()
     q = torch.randn(b, h, d, device=CUDA, dtype=torch.bfloat16, generator=g)
-    k1, v1 = torch.randn(b, hkv, d, device=CUDA, dtype=torch.bfloat16, generator=g), torch.randn(b, hkv, d, device=CUDA, dtype=torch.bfloat16, generator=g)
+    k1, v1 = (
+        torch.randn(b, hkv, d, device=CUDA, dtype=torch.bfloat16, generator=g),
+        torch.randn(b, hkv, d, device=CUDA, dtype=torch.bfloat16, generator=g),
+    )
     out = kv.decode(1, q, k1, v1)
     stats = kv.end_step()
     assert kv.backend == backend and stats.phase_ms["attention"] > 0
-    ref = dense_decode_attention(q.float().cpu(), torch.cat([k[1], k1[:, :, None]], 2).float().cpu(),
-                                 torch.cat([v[1], v1[:, :, None]], 2).float().cpu())
+    ref = dense_decode_attention(
+        q.float().cpu(),
+        torch.cat([k[1], k1[:, :, None]], 2).float().cpu(),
+        torch.cat([v[1], v1[:, :, None]], 2).float().cpu(),
+    )
     assert not out.isnan().any()
     rel = (out.float().cpu() - ref).norm() / ref.norm()
     assert rel < 1e-2, rel
@@ -51,8 +69,15 @@ def test_fullattn_decode_matches_reference(backend, length):
 
 def test_decoder_on_cuda_matches_transformers():
     torch.manual_seed(0)
-    hf = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                     num_key_value_heads=2, vocab_size=1000, rope_theta=500000.0)
+    hf = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        rope_theta=500000.0,
+    )
     ref = LlamaForCausalLM(hf).eval()
     ours = Decoder(ModelConfig.from_hf(ref.config.to_dict(), "tiny"))
     ours.load_state_dict(ref.state_dict(), strict=False)
@@ -90,12 +115,16 @@ def test_piecewise_graphs_generate_the_eager_tokens(system):
     for a system that is capturable whole, one with a speculative query and two that sync with the host."""
     from baselines.infinigen import InfiniGen
     from baselines.retroinfer import RetroInfer
+    from clo.system import CLO
     from kvoffload.generate import generate
     from kvoffload.model.weights import synthetic_decoder
-    from clo.system import CLO
 
-    make = {"fullattn": FullAttn, "clo": lambda: CLO(dense_layers=1, layer_time_ms=0.1),
-            "retroinfer": lambda: RetroInfer(dense_layers=1), "infinigen": lambda: InfiniGen(dense_layers=1)}[system]
+    make = {
+        "fullattn": FullAttn,
+        "clo": lambda: CLO(dense_layers=1, layer_time_ms=0.1),
+        "retroinfer": lambda: RetroInfer(dense_layers=1),
+        "infinigen": lambda: InfiniGen(dense_layers=1),
+    }[system]
     model = synthetic_decoder(TINY, 0, CUDA, torch.float32)
     prompt = torch.randint(0, 2000, (2, 1000), device=CUDA)
     runs = []
@@ -112,9 +141,9 @@ def test_piecewise_graphs_generate_the_eager_tokens(system):
 def test_clo_graph_replay_generates_the_eager_tokens(topk_ratio):
     """The whole CLO step (lookup, retrieval, UVA transfer on the side stream, hybrid attention) replayed from a
     CUDA graph gives the eager tokens; at top-k 100% both give FullAttn's; no host sync inside a step."""
+    from clo.system import CLO
     from kvoffload.generate import generate
     from kvoffload.model.weights import synthetic_decoder
-    from clo.system import CLO
 
     model = synthetic_decoder(TINY, 0, CUDA, torch.bfloat16)
     prompt = torch.randint(0, 2000, (2, 1000), device=CUDA)
@@ -143,10 +172,10 @@ def test_clo_side_stream_reads_its_own_query():
     replayed graph too: the side stream's lookups read the speculative query they were given, not memory the
     compute stream has since reused (a race that lowered the hit rate at 128K: results/LEDGER.md, row
     429bbc0_race)."""
+    from clo.system import CLO
+    from experiments.query_process import ProfileQueryProcess
     from kvoffload.generate import generate
     from kvoffload.model.weights import synthetic_decoder
-    from experiments.query_process import ProfileQueryProcess
-    from clo.system import CLO
 
     model = synthetic_decoder(TINY, 0, CUDA, torch.bfloat16)
     model.query_process = ProfileQueryProcess(torch.ones(4, 2), 4, CUDA, "rho = 1")
@@ -163,9 +192,9 @@ def test_clo_persistent_heads_overlapped_attention(tmp_path, mode):
     prefetch it), decode's overlapped attention (the cached head's part on its own stream while the persistent
     head's top-k is selected, then one merge) equals one launch over every head, and graph replay gives the
     eager tokens; also with the persistent head selected one layer ahead (persist_query=speculative)."""
+    from clo.system import CLO
     from kvoffload.generate import generate
     from kvoffload.model.weights import synthetic_decoder
-    from clo.system import CLO
     from tests.reference import first_head_hard, write_profile
 
     profile = write_profile(tmp_path / "one_hard_head.json", first_head_hard(TINY.num_layers, 2))
@@ -177,8 +206,14 @@ def test_clo_persistent_heads_overlapped_attention(tmp_path, mode):
         # claim output places by atomics), and attention sums the rows in that order; the bf16 rounding of
         # the sums then differs, and greedy tokens of a random model follow (graph and eager differed with it:
         # results/LEDGER.md, row 6b386b6_radix_order)
-        kv = CLO(dense_layers=1, profile=profile, layer_time_ms=0.1, link_gb_s=1e-3, topk="torch",
-                 persist_query="speculative" if mode == "speculative" else "real")
+        kv = CLO(
+            dense_layers=1,
+            profile=profile,
+            layer_time_ms=0.1,
+            link_gb_s=1e-3,
+            topk="torch",
+            persist_query="speculative" if mode == "speculative" else "real",
+        )
         kv.allocate(cuda_spec(4, 2, 3040, 8, 2, 64, torch.bfloat16), PhaseTimer(CUDA, enabled=not graph))
         if mode == "one_launch":
             kv.attn_stream = None  # every head in one launch after the top-k

@@ -1,4 +1,5 @@
 """Kernel references (the specification) on the CPU; the fast versions against them on the GPU."""
+
 import os
 
 import pytest
@@ -40,8 +41,9 @@ def test_merge_of_disjoint_parts_is_attention_over_their_union():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 32, 8, 128, 32768), (4, 32, 8, 128, 5000), (2, 40, 8, 128, 1000),
-                                   (3, 9, 3, 64, 777)])
+@pytest.mark.parametrize(
+    "shape", [(1, 32, 8, 128, 32768), (4, 32, 8, 128, 5000), (2, 40, 8, 128, 1000), (3, 9, 3, 64, 777)]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_attention_triton_matches_ref(shape, dtype):
     from kvoffload.kernels.decode_attention import decode_attention_triton
@@ -68,14 +70,18 @@ def test_decode_attention_triton_broadcast_lengths_and_fp32():
 
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(3, 8, 64, device="cuda", generator=g)
-    k, v = torch.randn(3, 600, 2, 64, device="cuda", generator=g), torch.randn(3, 600, 2, 64, device="cuda", generator=g)
+    k, v = (
+        torch.randn(3, 600, 2, 64, device="cuda", generator=g),
+        torch.randn(3, 600, 2, 64, device="cuda", generator=g),
+    )
     lengths = torch.tensor([450], device="cuda").expand(3)
     got, want = decode_attention_triton(q, k, v, lengths), decode_attention_ref(q, k, v, lengths)
     assert (got - want).norm() / want.norm() < 1e-2  # tl.dot may use tf32 for fp32 inputs
 
 
-def check_hybrid_attention(device, b, hkv, g_, d, caps, dtype, n_indexed=0, persist_len=0, attention=None,
-                           permuted=False):
+def check_hybrid_attention(
+    device, b, hkv, g_, d, caps, dtype, n_indexed=0, persist_len=0, attention=None, permuted=False
+):
     """hybrid_attention (or `attention`, called as it is) over two buffers laid out as CLO keeps them
     ([B, Hkv, T, 2, D], read through transposed views) equals attention over their concatenation. With
     n_indexed, the last heads' second-buffer rows are those of a third buffer (persist_len tokens) at random
@@ -104,25 +110,31 @@ def check_hybrid_attention(device, b, hkv, g_, d, caps, dtype, n_indexed=0, pers
     picked = persist.gather(2, idx[..., None, None].expand(-1, -1, -1, 2, d))  # [B, n_indexed, caps[1], 2, D]
     rows = torch.cat([bufs[1], picked], 1).cpu()
     for i in range(b):  # the reference: one buffer holding the valid rows of both
-        k = torch.cat([bufs[0][i:i + 1, :, : lens[0][i]].cpu(), rows[i:i + 1, :, : lens[1][i]]], dim=2)
-        want = decode_attention_ref(q[i:i + 1].cpu(), k[:, :, :, 0].transpose(1, 2), k[:, :, :, 1].transpose(1, 2),
-                                    torch.tensor([k.shape[2]]))
+        k = torch.cat([bufs[0][i : i + 1, :, : lens[0][i]].cpu(), rows[i : i + 1, :, : lens[1][i]]], dim=2)
+        want = decode_attention_ref(
+            q[i : i + 1].cpu(), k[:, :, :, 0].transpose(1, 2), k[:, :, :, 1].transpose(1, 2), torch.tensor([k.shape[2]])
+        )
         assert (got[i] - want[0].float()).norm() / want.norm() < 1e-2
 
 
 @pytest.mark.parametrize("n_indexed", [0, 1])
 @pytest.mark.parametrize("permuted", [False, True])
 def test_hybrid_attention_reference(n_indexed, permuted):
-    check_hybrid_attention("cpu", 2, 3, 3, 16, (40, 300), torch.float32, n_indexed, persist_len=500,
-                           permuted=permuted)
+    check_hybrid_attention("cpu", 2, 3, 3, 16, (40, 300), torch.float32, n_indexed, persist_len=500, permuted=permuted)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
-@pytest.mark.parametrize("caps, lens", [((40, 300), ([40, 7], [300, 123])),
-                                        # 3 + 47 splits: the merge takes them in two chunks; a sequence with no
-                                        # rows in the first buffer
-                                        ((150, 3000), ([0, 150], [3000, 1]))])
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run the kernel on the CPU"
+)
+@pytest.mark.parametrize(
+    "caps, lens",
+    [
+        ((40, 300), ([40, 7], [300, 123])),
+        # 3 + 47 splits: the merge takes them in two chunks; a sequence with no
+        # rows in the first buffer
+        ((150, 3000), ([0, 150], [3000, 1])),
+    ],
+)
 def test_hybrid_attention_interpreted(caps, lens):
     pytest.importorskip("triton")
     from kvoffload.kernels import decode_attention as da
@@ -139,8 +151,9 @@ def test_hybrid_attention_interpreted(caps, lens):
     torch.testing.assert_close(got_lse, lse, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run the kernel on the CPU"
+)
 @pytest.mark.parametrize("hkv, n_indexed", [(3, 1), (2, 2)])  # 2, 2: every head indexed, the slots hold none
 @pytest.mark.parametrize("in_parts", [False, True])
 @pytest.mark.parametrize("permuted", [False, True])
@@ -159,8 +172,9 @@ def test_hybrid_attention_indexed_interpreted(hkv, n_indexed, in_parts, permuted
         parts.split(parts.nc, hkv, indexed)
         return parts.merge()[0]
 
-    check_hybrid_attention("cpu", 2, hkv, 2, 16, (70, 130), torch.float32, n_indexed, persist_len=400,
-                           attention=kernel, permuted=permuted)
+    check_hybrid_attention(
+        "cpu", 2, hkv, 2, 16, (70, 130), torch.float32, n_indexed, persist_len=400, attention=kernel, permuted=permuted
+    )
 
 
 @pytest.mark.gpu

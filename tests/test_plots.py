@@ -1,4 +1,5 @@
 """Figures are made from records: the phase-breakdown plot reads the committed GPU smoke records."""
+
 from pathlib import Path
 
 from plots.phase_breakdown import plot

@@ -1,5 +1,6 @@
 """The memory preflight's ways out: they depend on the system, the device and what would fit by the same
 estimate (bfloat16 instead of float32, the longest prompt, the largest batch)."""
+
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -22,8 +23,9 @@ def setup(model: str, system: str, seqlen: int, batch: int = 1, dtype=torch.floa
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={model}", f"system={system}", *extra])
     mc = ModelConfig.from_mapping(cfg.model)
-    spec = KVSpec(mc.num_layers, batch, seqlen + gen, mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype, CPU,
-                  prompt_len=seqlen)
+    spec = KVSpec(
+        mc.num_layers, batch, seqlen + gen, mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype, CPU, prompt_len=seqlen
+    )
 
     def estimate(s: KVSpec) -> preflight.MemoryPlan:
         return preflight.plan_memory(mc, instantiate(cfg.system), s, s.prompt_tokens)
@@ -75,14 +77,25 @@ def test_already_bfloat16_no_dtype_suggestion_and_the_longest_prompt_that_fits(m
 def test_the_largest_batch_that_fits(monkeypatch):
     err, spec, estimate = refusal(monkeypatch, 4, "smollm2", "fullattn", 8000, 64, torch.bfloat16)
     b = int(re.search(r"batch=(\d+)", err).group(1))
-    assert 1 <= b < 64 and fits(estimate, replace(spec, batch=b), 4) and not fits(estimate, replace(spec, batch=b + 1), 4)
+    assert (
+        1 <= b < 64 and fits(estimate, replace(spec, batch=b), 4) and not fits(estimate, replace(spec, batch=b + 1), 4)
+    )
     assert "model=smollm2" not in err  # already the small model
 
 
 @pytest.mark.parametrize("system,offload", [("fullattn", True), ("clo", False), ("retroinfer", False)])
 def test_an_offloading_system_is_suggested_only_to_fullattn_when_device_memory_is_short(monkeypatch, system, offload):
-    err, *_ = refusal(monkeypatch, 1000, "llama3", system, 131072, 1, torch.bfloat16, 20.0,
-                      "model.reuse_profile=data/profiles/llama3-from-smollm2.json")
+    err, *_ = refusal(
+        monkeypatch,
+        1000,
+        "llama3",
+        system,
+        131072,
+        1,
+        torch.bfloat16,
+        20.0,
+        "model.reuse_profile=data/profiles/llama3-from-smollm2.json",
+    )
     assert "GPU memory" in err and "a larger hardware.gpu_mem_gb" in err and "more RAM" not in err
     assert ("offloading system" in err) is offload
     assert "instead of fullattn" not in err

@@ -1,6 +1,7 @@
 """experiments.reuse_profile: the top-k overlap on hand-made sets, every metric recomputed from the recorded queries
 with the tests' own reference top-k, and the command writing its file and refusing to overwrite it. A tiny random
 model stands in for the real weights (the command itself refuses synthetic weights)."""
+
 import json
 
 import pytest
@@ -8,6 +9,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from experiments import preflight
+from experiments.reuse_profile import METRICS, group_cosine, measure, run, topk_overlap
+from experiments.reuse_profile_readme import readme
 from kvoffload.errors import ConfigError
 from kvoffload.generate import generate
 from kvoffload.kv.interface import KVSpec
@@ -15,22 +19,38 @@ from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import synthetic_decoder
 from kvoffload.offload.budget import select_budget
 from kvoffload.paths import ROOT
-from experiments import preflight
-from experiments.reuse_profile import METRICS, group_cosine, measure, run, topk_overlap
-from experiments.reuse_profile_readme import readme
 from tests.reference import topk_middle
 from tests.test_config import CONF
 
-TINY = ["model.name=tiny", "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=3",
-        "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16", "model.vocab_size=256",
-        "model.weights=synthetic", "workload.prompt=random"]
+TINY = [
+    "model.name=tiny",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_layers=3",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.head_dim=16",
+    "model.vocab_size=256",
+    "model.weights=synthetic",
+    "workload.prompt=random",
+]
 
 
 def config(tmp_path, *overrides, out="reuse.json"):
     """The tiny model at 1200 tokens: the default budget selects k = 120 - 16 - 64 = 40 of 1120 middle tokens."""
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("config", overrides=["seqlen=1200", "workload.gen_tokens=12", "workload.stop_at_eos=false",
-                                            "device=cpu", f"+reuse_out={tmp_path / out}", *TINY, *overrides])
+        return compose(
+            "config",
+            overrides=[
+                "seqlen=1200",
+                "workload.gen_tokens=12",
+                "workload.stop_at_eos=false",
+                "device=cpu",
+                f"+reuse_out={tmp_path / out}",
+                *TINY,
+                *overrides,
+            ],
+        )
 
 
 def tiny_decode(cfg, make_kv, min_steps=3, keep=None):
@@ -44,8 +64,18 @@ def tiny_decode(cfg, make_kv, min_steps=3, keep=None):
     if keep is not None:
         kv.queries = [[] for _ in range(model_cfg.num_layers)]
         keep.append(kv)
-    kv.allocate(KVSpec(model_cfg.num_layers, int(cfg.batch), seqlen + gen, model_cfg.num_heads,
-                       model_cfg.num_kv_heads, model_cfg.head_dim, torch.float32, torch.device("cpu")))
+    kv.allocate(
+        KVSpec(
+            model_cfg.num_layers,
+            int(cfg.batch),
+            seqlen + gen,
+            model_cfg.num_heads,
+            model_cfg.num_kv_heads,
+            model_cfg.head_dim,
+            torch.float32,
+            torch.device("cpu"),
+        )
+    )
     generate(model, kv, prompt, gen)
     return model_cfg, kv, f"synthetic tiny; random prompt of {seqlen} tokens, {gen} greedy steps, batch {cfg.batch}"
 
@@ -84,8 +114,9 @@ def test_metrics_match_a_reference_recomputation(tmp_path):
     full = [torch.cat([torch.zeros(hkv, sink, 16), keys[layer], torch.zeros(hkv, recent, 16)], 1) for layer in range(L)]
 
     def ref_topk(layer, q):  # q [H, D] -> per KV head the set of middle tokens (absolute)
-        return [set(topk_middle(q[h * g:(h + 1) * g], full[layer][h], sink, recent, k_sel).tolist())
-                for h in range(hkv)]
+        return [
+            set(topk_middle(q[h * g : (h + 1) * g], full[layer][h], sink, recent, k_sel).tolist()) for h in range(hkv)
+        ]
 
     for layer in range(L):
         steps = probe.queries[layer]
@@ -106,19 +137,33 @@ def test_metrics_match_a_reference_recomputation(tmp_path):
             assert rec["metrics"]["spec_query_cos"]["per_head"]["mean"][0] == [None, None]
             assert rec["metrics"]["spec_topk_overlap"]["per_layer"]["mean"][0] is None
             continue
-        cos = torch.stack([torch.nn.functional.cosine_similarity(qs[0], q[0], dim=-1).view(hkv, g).mean(-1)
-                           for q, qs in steps])
-        ov = torch.stack([torch.tensor([len(a & b) / k_sel
-                                        for a, b in zip(ref_topk(layer, qs[0]), ref_topk(layer, q[0]))])
-                          for q, qs in steps])
-        torch.testing.assert_close(torch.tensor(rec["metrics"]["spec_query_cos"]["per_head"]["mean"][layer]),
-                                   cos.mean(0).float(), atol=1e-4, rtol=0)
-        torch.testing.assert_close(torch.tensor(rec["metrics"]["spec_topk_overlap"]["per_head"]["mean"][layer]),
-                                   ov.mean(0).float(), atol=1e-4, rtol=0)
+        cos = torch.stack(
+            [torch.nn.functional.cosine_similarity(qs[0], q[0], dim=-1).view(hkv, g).mean(-1) for q, qs in steps]
+        )
+        ov = torch.stack(
+            [
+                torch.tensor([len(a & b) / k_sel for a, b in zip(ref_topk(layer, qs[0]), ref_topk(layer, q[0]))])
+                for q, qs in steps
+            ]
+        )
+        torch.testing.assert_close(
+            torch.tensor(rec["metrics"]["spec_query_cos"]["per_head"]["mean"][layer]),
+            cos.mean(0).float(),
+            atol=1e-4,
+            rtol=0,
+        )
+        torch.testing.assert_close(
+            torch.tensor(rec["metrics"]["spec_topk_overlap"]["per_head"]["mean"][layer]),
+            ov.mean(0).float(),
+            atol=1e-4,
+            rtol=0,
+        )
         assert rec["metrics"]["spec_query_cos"]["per_layer"]["mean"][layer] == pytest.approx(
-            float(cos.mean()), abs=1e-4)
+            float(cos.mean()), abs=1e-4
+        )
         assert rec["metrics"]["spec_topk_overlap"]["per_layer"]["median"][layer] == pytest.approx(
-            float(ov.flatten().median()), abs=1e-4)
+            float(ov.flatten().median()), abs=1e-4
+        )
         # a speculative query is another query: it differs from the real one
         assert cos.mean() < 0.9999
     for m in METRICS:

@@ -1,5 +1,6 @@
 """The run command as a user runs it: the default needle run, a sweep that survives a failing run and resumes,
 W&B offline logging, and bad input refused with a clear message before any long work."""
+
 import json
 import os
 import subprocess
@@ -16,9 +17,23 @@ def run(*args: str, tmp: Path, check: bool = True) -> subprocess.CompletedProces
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0"}
     flags = [a for a in args if a.startswith("--")]  # hydra wants its flags before the overrides
     overrides = [a for a in args if not a.startswith("--")]
-    p = subprocess.run([sys.executable, "-m", "experiments.run", *flags, f"results_dir={tmp / 'results'}",
-                        f"hydra.run.dir={tmp / 'out'}", f"hydra.sweep.dir={tmp / 'multi'}", *overrides],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.run",
+            *flags,
+            f"results_dir={tmp / 'results'}",
+            f"hydra.run.dir={tmp / 'out'}",
+            f"hydra.sweep.dir={tmp / 'multi'}",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if check:
         assert p.returncode == 0, p.stderr[-3000:]
     return p
@@ -44,7 +59,7 @@ def test_default_run_finds_the_needle_with_real_weights(tmp_path):
 
 def sweep_table(stderr: str) -> dict[str, tuple[str, str]]:
     """The end-of-sweep table: {the job's overrides: (status, error)}."""
-    lines = stderr[stderr.index("[sweep]"):].splitlines()[1:]
+    lines = stderr[stderr.index("[sweep]") :].splitlines()[1:]
     rows = {}
     for line in lines:
         left, _, error = line.partition("  error: ")
@@ -97,12 +112,15 @@ def single_error(p: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["system=clo", "system.eta=1.5"], "system=clo: eta=1.5"),
-    (["system=clo", "system.topk_ratio=0"], "system=clo: topk_ratio=0"),
-    (["system=clo", "system.topk=bogus"], "valid: radix, torch"),
-    (["system=infinigen", "system.channel_fraction=0"], "system=infinigen: channel_fraction=0"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["system=clo", "system.eta=1.5"], "system=clo: eta=1.5"),
+        (["system=clo", "system.topk_ratio=0"], "system=clo: topk_ratio=0"),
+        (["system=clo", "system.topk=bogus"], "valid: radix, torch"),
+        (["system=infinigen", "system.channel_fraction=0"], "system=infinigen: channel_fraction=0"),
+    ],
+)
 def test_a_systems_own_bad_setting_is_a_config_error(tmp_path, args, message):
     """Raised in the system's constructor, inside hydra.utils.instantiate: one line and status 2, like the
     runner's own checks, not Hydra's "Error in call to target" wrapper."""
@@ -119,11 +137,14 @@ def test_a_systems_bad_setting_in_a_sweep_is_recorded_as_config(tmp_path):
     assert rec["error_kind"] == "config"
 
 
-@pytest.mark.parametrize("arg,message", [
-    ("batch=abc", "batch='abc': expected a whole number"),
-    ("hardware.gpu_mem_gb=lots", "hardware.gpu_mem_gb='lots': expected a number or null"),
-    ("workload.gen_tokens=0", "workload.gen_tokens=0 must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "arg,message",
+    [
+        ("batch=abc", "batch='abc': expected a whole number"),
+        ("hardware.gpu_mem_gb=lots", "hardware.gpu_mem_gb='lots': expected a number or null"),
+        ("workload.gen_tokens=0", "workload.gen_tokens=0 must be at least 1"),
+    ],
+)
 def test_bad_numbers_are_one_line(tmp_path, arg, message):
     assert message in single_error(run("seqlen=64", *FAST, arg, tmp=tmp_path, check=False))
 
@@ -196,9 +217,23 @@ def test_profile_refuses_to_overwrite_a_profile(tmp_path):
     committed = ROOT / "data" / "profiles" / "smollm2.json"
     before = committed.read_bytes()
     for out in ([f"+profile_out={committed.relative_to(ROOT)}"], []):  # as the README had it, and the default
-        p = subprocess.run([sys.executable, "-m", "experiments.profile", "model=smollm2", "seqlen=3k",
-                            "workload.gen_tokens=64", "workload.stop_at_eos=false", f"hydra.run.dir={tmp_path / 'o'}",
-                            *out], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "experiments.profile",
+                "model=smollm2",
+                "seqlen=3k",
+                "workload.gen_tokens=64",
+                "workload.stop_at_eos=false",
+                f"hydra.run.dir={tmp_path / 'o'}",
+                *out,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         line = single_error(p)
         assert "smollm2.json exists" in line and "force=true" in line
     assert committed.read_bytes() == before
@@ -208,8 +243,17 @@ def test_profile_refuses_to_overwrite_a_profile(tmp_path):
 def test_profile_overwrites_with_force_true(tmp_path):
     mine = tmp_path / "mine.json"
     mine.write_text("{}")
-    args = [sys.executable, "-m", "experiments.profile", "model=smollm2", "seqlen=256", "workload.gen_tokens=4",
-            "workload.stop_at_eos=false", f"hydra.run.dir={tmp_path / 'o'}", f"+profile_out={mine}"]
+    args = [
+        sys.executable,
+        "-m",
+        "experiments.profile",
+        "model=smollm2",
+        "seqlen=256",
+        "workload.gen_tokens=4",
+        "workload.stop_at_eos=false",
+        f"hydra.run.dir={tmp_path / 'o'}",
+        f"+profile_out={mine}",
+    ]
     assert "exists" in single_error(subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120))
     assert mine.read_text() == "{}"
     p = subprocess.run([*args, "force=true"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -230,8 +274,16 @@ def test_weights_path_with_other_shapes(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path / "tiny"
-    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=100)).save_pretrained(folder)
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=100,
+        )
+    ).save_pretrained(folder)
     err = bad(tmp_path, f"model.path={folder}", "seqlen=64", *FAST[1:])
     assert "does not match model=smollm2" in err and "hidden_size" in err
 
@@ -246,9 +298,18 @@ def test_fig2_experiment_runs_every_system_and_plots(tmp_path):
     """The Figure 2 bundle as one command (tiny here: SmolLM2 shapes, synthetic weights, 1500 tokens)."""
     from plots.fig2_breakdown import plot
 
-    run("--multirun", "+experiment=fig2_breakdown", "model=smollm2", "model.weights=synthetic", "seqlen=1500",
-        "model.reuse_profile=data/profiles/smollm2.json", "workload.query_process=data/profiles/smollm2.json",
-        "workload.gen_tokens=5", "decode_mode=eager", tmp=tmp_path)  # piecewise graphs need CUDA
+    run(
+        "--multirun",
+        "+experiment=fig2_breakdown",
+        "model=smollm2",
+        "model.weights=synthetic",
+        "seqlen=1500",
+        "model.reuse_profile=data/profiles/smollm2.json",
+        "workload.query_process=data/profiles/smollm2.json",
+        "workload.gen_tokens=5",
+        "decode_mode=eager",
+        tmp=tmp_path,
+    )  # piecewise graphs need CUDA
     recs = records(tmp_path)
     assert sorted(r["system"] for r in recs.values()) == ["clo", "fullattn", "infinigen", "retroinfer"]
     assert all(r["status"] == "ok" and "synthetic AR(1)" in r["query_process"] for r in recs.values())
@@ -277,23 +338,37 @@ def test_the_launchers_commit_wins_over_a_stale_git(monkeypatch):
 
 def test_trace_dir_writes_one_decode_step(tmp_path):
     """trace_dir=: the profiler records one steady step (here, on a CPU, its operators) into a Chrome trace."""
-    run("seqlen=64", *FAST, "workload.gen_tokens=8", "workload.warmup_steps=0", "system=clo",
-        f"trace_dir={tmp_path / 'trace'}", tmp=tmp_path)
+    run(
+        "seqlen=64",
+        *FAST,
+        "workload.gen_tokens=8",
+        "workload.warmup_steps=0",
+        "system=clo",
+        f"trace_dir={tmp_path / 'trace'}",
+        tmp=tmp_path,
+    )
     events = json.loads((tmp_path / "trace" / "decode_step.trace.json").read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}
     assert any("index_copy" in n for n in names)  # the step's own work (the dense layers' KV append)
     trace = tmp_path / "trace" / "decode_step.trace.json"
-    p = subprocess.run([sys.executable, "-m", "experiments.step_timeline", str(trace)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "experiments.step_timeline", str(trace)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "no GPU kernels" in p.stderr
 
 
 def test_step_timeline_finds_the_compute_streams_gaps():
     from experiments.step_timeline import summary
 
-    ks = [{"name": "gemv", "stream": 1, "start": 0.0, "end": 65.0},
-          {"name": "topk", "stream": 2, "start": 10.0, "end": 70.0},  # the compute stream (longest kernel) waits for it
-          {"name": "attention", "stream": 1, "start": 71.0, "end": 80.0}]
+    ks = [
+        {"name": "gemv", "stream": 1, "start": 0.0, "end": 65.0},
+        {"name": "topk", "stream": 2, "start": 10.0, "end": 70.0},  # the compute stream (longest kernel) waits for it
+        {"name": "attention", "stream": 1, "start": 71.0, "end": 80.0},
+    ]
     out = summary(ks, 5)
     assert out["compute_stream"] == 1 and out["span_us"] == 80.0
     assert out["busy_us_by_stream"] == {1: 74.0, 2: 60.0} and out["compute_idle_us"] == 6.0
@@ -311,9 +386,13 @@ def test_sweep_summary_table_counts_every_outcome():
 
     cb = SweepSummary()
     cb.on_multirun_start(config=None)
-    outcomes = [({"status": "ok"}, JobStatus.COMPLETED), ({"status": "skipped"}, JobStatus.COMPLETED),
-                ({"status": "failed", "error": "seqlen=9000 exceeds it"}, JobStatus.COMPLETED),
-                (RuntimeError("boom\nsecond line"), JobStatus.FAILED), (None, JobStatus.COMPLETED)]
+    outcomes = [
+        ({"status": "ok"}, JobStatus.COMPLETED),
+        ({"status": "skipped"}, JobStatus.COMPLETED),
+        ({"status": "failed", "error": "seqlen=9000 exceeds it"}, JobStatus.COMPLETED),
+        (RuntimeError("boom\nsecond line"), JobStatus.FAILED),
+        (None, JobStatus.COMPLETED),
+    ]
     for i, (value, status) in enumerate(outcomes):
         ret = JobReturn(overrides=[f"seqlen={i}", "model=smollm2", "results_dir=/tmp/r"], status=status)
         ret._return_value = value
@@ -326,7 +405,10 @@ def test_sweep_summary_table_counts_every_outcome():
     with pytest.raises(SystemExit) as e:
         cb.on_multirun_end(config=None)
     assert e.value.code == 1
-    cb.on_job_end(config=OmegaConf.create({"hydra": {"job": {"num": 0}}}),
-                  job_return=SimpleNamespace(overrides=["seqlen=1"], status=JobStatus.COMPLETED,
-                                             _return_value={"status": "skipped"}))
+    cb.on_job_end(
+        config=OmegaConf.create({"hydra": {"job": {"num": 0}}}),
+        job_return=SimpleNamespace(
+            overrides=["seqlen=1"], status=JobStatus.COMPLETED, _return_value={"status": "skipped"}
+        ),
+    )
     cb.on_multirun_end(config=None)  # nothing failed: no exit

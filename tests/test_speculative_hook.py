@@ -1,5 +1,6 @@
 """The one-layer-ahead hook (spec 2.3): during layer l-1 of a decode step, a system that asks for it gets
 layer l's query computed from layer l-1's input, before layer l-1's attention runs."""
+
 import torch
 
 from baselines.fullattn import FullAttn
@@ -26,9 +27,20 @@ class Recorder(FullAttn):
 
 
 def test_prepare_gets_next_layers_query_one_layer_ahead():
-    cfg = ModelConfig(name="t", family="llama", hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-                      num_kv_heads=2, head_dim=16, vocab_size=100, rope_theta=1e4, rms_norm_eps=1e-5,
-                      max_position_embeddings=512)
+    cfg = ModelConfig(
+        name="t",
+        family="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=100,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+    )
     model = synthetic_decoder(cfg, 0, torch.device("cpu"), torch.float32)
     with torch.no_grad():  # layer 0 adds nothing to the residual: layer 1's input equals layer 0's input
         model.model.layers[0].self_attn.o_proj.weight.zero_()
@@ -39,8 +51,15 @@ def test_prepare_gets_next_layers_query_one_layer_ahead():
     kv.begin_step()
     model.decode(torch.tensor([5, 7]), kv.position, kv)
     kv.end_step()
-    assert kv.events == [("prepare", 1), ("decode", 0), ("prepare", 2), ("decode", 1), ("prepare", 3),
-                         ("decode", 2), ("decode", 3)]
+    assert kv.events == [
+        ("prepare", 1),
+        ("decode", 0),
+        ("prepare", 2),
+        ("decode", 1),
+        ("prepare", 3),
+        ("decode", 2),
+        ("decode", 3),
+    ]
     torch.testing.assert_close(kv.spec_q[1], kv.real_q[1])  # same input, so the speculation is exact
     assert not torch.allclose(kv.spec_q[2], kv.real_q[2])  # layer 1 changed the residual: an approximation
     cos = torch.nn.functional.cosine_similarity(kv.spec_q[2], kv.real_q[2], dim=-1)

@@ -1,18 +1,21 @@
 """experiments.speculative_selection with real SmolLM2 weights: the exact top-k of the real query scores recall 1,
 every other selection a fraction, and the speculative query really differs from the real one."""
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from kvoffload.errors import ConfigError
 from experiments.speculative_selection import measure
+from kvoffload.errors import ConfigError
 from tests.test_config import CONF
 
 
 def config(*overrides):
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("config", overrides=["seqlen=1k", "workload.gen_tokens=3", "workload.stop_at_eos=false",
-                                            "device=cpu", *overrides])
+        return compose(
+            "config",
+            overrides=["seqlen=1k", "workload.gen_tokens=3", "workload.stop_at_eos=false", "device=cpu", *overrides],
+        )
 
 
 @pytest.mark.slow

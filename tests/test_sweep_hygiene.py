@@ -1,5 +1,6 @@
 """Each job of a sweep starts from the memory the previous one had: what a job allocated is released before the
 next plans its memory (experiments.run.release_memory, run after every job)."""
+
 import gc
 import json
 import subprocess
@@ -35,8 +36,18 @@ def test_release_memory_frees_a_finished_jobs_system():
 def test_consecutive_sweep_jobs_start_with_the_same_free_device_memory(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    cmd = [sys.executable, "-m", "experiments.run", "--multirun", "model.weights=synthetic", "seqlen=4k",
-           "workload.gen_tokens=4", "wandb.enabled=false", f"results_dir={tmp_path}", "system=clo,fullattn,clo"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "--multirun",
+        "model.weights=synthetic",
+        "seqlen=4k",
+        "workload.gen_tokens=4",
+        "wandb.enabled=false",
+        f"results_dir={tmp_path}",
+        "system=clo,fullattn,clo",
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
     free = [json.loads(p.read_text())["environment"]["device_free_gb_at_start"] for p in tmp_path.glob("*/record.json")]
     assert len(free) == 2  # the third job is the first one again: skipped

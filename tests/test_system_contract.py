@@ -1,6 +1,7 @@
 """The contract every KV system keeps, for every yaml in conf/system/ (a new system's yaml is picked up by itself):
 it is built from its yaml by Hydra, estimates its memory from shapes alone, and then holds exactly that after
 allocation and prefill; it decodes on the CPU; what it reports holding is its real buffers."""
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -18,8 +19,17 @@ def build(name: str) -> tuple[KVOffloadSystem, KVSpec]:
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
         cfg = compose("config", overrides=[f"system={name}"])  # SmolLM2's shapes, and its profiles
     m = cfg.model
-    spec = KVSpec(m.num_layers, 2, T0 + STEPS, m.num_heads, m.num_kv_heads, m.head_dim, torch.float32,
-                  torch.device("cpu"), prompt_len=T0)
+    spec = KVSpec(
+        m.num_layers,
+        2,
+        T0 + STEPS,
+        m.num_heads,
+        m.num_kv_heads,
+        m.head_dim,
+        torch.float32,
+        torch.device("cpu"),
+        prompt_len=T0,
+    )
     return instantiate(cfg.system), spec
 
 
@@ -34,8 +44,9 @@ def test_every_system_has_a_yaml_and_a_class():
 def test_estimate_equals_what_is_allocated_and_decode_runs(name):
     system, spec = build(name)
     estimate = system.estimate_parts(spec)
-    assert system.estimate_memory(spec).device_bytes == sum(v for k, v in estimate.items()
-                                                            if k not in ("host", "host_metadata"))
+    assert system.estimate_memory(spec).device_bytes == sum(
+        v for k, v in estimate.items() if k not in ("host", "host_metadata")
+    )
     system.allocate(spec, PhaseTimer(spec.device, enabled=False))
     g = torch.Generator().manual_seed(0)
     shape = (spec.batch, spec.num_kv_heads, T0, spec.head_dim)
@@ -58,4 +69,3 @@ def test_estimate_equals_what_is_allocated_and_decode_runs(name):
     held = system.memory_held()
     assert held.device_bytes + held.host_bytes == sum(system.memory_parts().values())
     assert isinstance(system.describe(), dict)
-

@@ -1,4 +1,5 @@
 """The transfer engine's CPU-gather path (the baselines' path, and CLO's ablation) against the reference."""
+
 import pytest
 import torch
 

@@ -1,5 +1,6 @@
 """The headline command runs the paper's configuration: a paper-shape model on synthetic weights brings its
 reuse profile and its synthetic query process without any bundle; real weights keep their own queries."""
+
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf

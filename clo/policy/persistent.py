@@ -7,6 +7,7 @@ tables: testable anywhere.
 The N_persist hardest heads of a layer keep their full KV on the GPU; the other hard heads (at most N_p)
 are refreshed by speculative prefetch every step.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,15 +30,23 @@ class HeadPlan:
     demoted: list[list[int]] = field(default_factory=list)
 
     def summary(self) -> dict:
-        return {"n_p": self.n_p, "persistent_heads": sum(map(len, self.persistent)),
-                "prefetch_heads": sum(map(len, self.prefetch)), "demoted_heads": sum(map(len, self.demoted)),
-                "persistent": self.persistent, "prefetch": self.prefetch, "demoted": self.demoted}
+        return {
+            "n_p": self.n_p,
+            "persistent_heads": sum(map(len, self.persistent)),
+            "prefetch_heads": sum(map(len, self.prefetch)),
+            "demoted_heads": sum(map(len, self.demoted)),
+            "persistent": self.persistent,
+            "prefetch": self.prefetch,
+            "demoted": self.demoted,
+        }
 
     def without(self, demote: list[tuple[int, int]]) -> HeadPlan:
         """This plan with the (layer, head) pairs in `demote` moved from persistent to the cached path."""
         persistent = [sorted(set(p) - {h for l, h in demote if l == layer}) for layer, p in enumerate(self.persistent)]
-        demoted = [sorted({*(self.demoted[layer] if self.demoted else []), *{h for l, h in demote if l == layer}})
-                   for layer in range(len(self.persistent))]
+        demoted = [
+            sorted({*(self.demoted[layer] if self.demoted else []), *{h for l, h in demote if l == layer}})
+            for layer in range(len(self.persistent))
+        ]
         return HeadPlan(persistent, self.prefetch, self.n_p, self.difficulty, demoted)
 
 
@@ -48,8 +57,9 @@ def heads_per_layer_time(layer_time_s: float, link_bytes_per_s: float, head_byte
     return int(math.floor(layer_time_s * link_bytes_per_s / head_bytes))
 
 
-def plan_persistent_heads(tau: torch.Tensor, s_hat: torch.Tensor, epsilon: float, n_p: int,
-                          skip_layers: int = 0) -> HeadPlan:
+def plan_persistent_heads(
+    tau: torch.Tensor, s_hat: torch.Tensor, epsilon: float, n_p: int, skip_layers: int = 0
+) -> HeadPlan:
     """tau, s_hat: [layers, kv_heads]. Layers below skip_layers (kept dense) get no plan."""
     if tau.shape != s_hat.shape:
         raise ConfigError(f"profile shape {tuple(s_hat.shape)} does not match the model's {tuple(tau.shape)}")
@@ -78,6 +88,7 @@ def load_profile(source: str, num_layers: int, num_kv_heads: int) -> tuple[torch
     data = json.loads(path.read_text())
     s_hat = torch.tensor(data["s_hat"])
     if s_hat.shape != (num_layers, num_kv_heads):
-        raise ConfigError(f"profile {path.name} has shape {tuple(s_hat.shape)}, the model needs "
-                          f"({num_layers}, {num_kv_heads})")
+        raise ConfigError(
+            f"profile {path.name} has shape {tuple(s_hat.shape)}, the model needs ({num_layers}, {num_kv_heads})"
+        )
     return s_hat, f"profile {path.name} ({data.get('source', 'unknown source')})"

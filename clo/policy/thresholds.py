@@ -1,6 +1,7 @@
 """Importance-aware reuse thresholds (spec 2.2, Eq. 7-9); the GQA aggregation of Eq. 10 is
 kvoffload.kernels.head_cache.aggregate_similarity. Pure tensor math
 on [layers, kv_heads] tables: no model, no device state."""
+
 from __future__ import annotations
 
 import math
@@ -40,6 +41,8 @@ def load_importance(source: str, num_layers: int, num_kv_heads: int) -> tuple[to
     rows = [[float(x) for x in line.split()] for line in path.read_text().splitlines() if line.strip()]
     scores = torch.tensor(rows)
     if scores.shape != (num_layers, num_kv_heads):
-        raise ConfigError(f"importance file {path.name} has shape {tuple(scores.shape)}, the model needs "
-                          f"({num_layers}, {num_kv_heads}) (layers, kv heads)")
+        raise ConfigError(
+            f"importance file {path.name} has shape {tuple(scores.shape)}, the model needs "
+            f"({num_layers}, {num_kv_heads}) (layers, kv heads)"
+        )
     return scores.clamp(0.0, 1.0), f"DuoAttention gates from {path.parent.name}/{path.name}"

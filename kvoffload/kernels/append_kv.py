@@ -8,6 +8,7 @@
 `append_kv_ref` is the specification (three torch kernels: stack, the head permutation, index_copy); on CUDA
 `append_kv` is one Triton program per (sequence, head): one launch on a layer's critical path instead of three.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,16 +20,32 @@ except ImportError:  # CPU machines: the reference is used
     triton = None
 
 
-def append_kv_ref(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, order: torch.Tensor,
-                  at: torch.Tensor) -> None:
+def append_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, order: torch.Tensor, at: torch.Tensor
+) -> None:
     window.index_copy_(2, at, torch.stack([k, v], dim=2)[:, order, None])
 
 
 if triton is not None:
 
     @triton.jit
-    def _append_kv_kernel(K, V, W, Order, At, stride_kb, stride_kh, stride_vb, stride_vh, stride_wb, stride_wh,
-                          stride_wt, stride_wkv, HKV: tl.constexpr, D: tl.constexpr):
+    def _append_kv_kernel(
+        K,
+        V,
+        W,
+        Order,
+        At,
+        stride_kb,
+        stride_kh,
+        stride_vb,
+        stride_vh,
+        stride_wb,
+        stride_wh,
+        stride_wt,
+        stride_wkv,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+    ):
         b = tl.program_id(0) // HKV
         j = tl.program_id(0) % HKV
         src = tl.load(Order + j)
@@ -39,14 +56,29 @@ if triton is not None:
         tl.store(dst + stride_wkv, tl.load(V + b * stride_vb + src * stride_vh + d))
 
 
-def append_kv_triton(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, order: torch.Tensor,
-                     at: torch.Tensor) -> None:
+def append_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, order: torch.Tensor, at: torch.Tensor
+) -> None:
     b, hkv, d = k.shape
     assert d & (d - 1) == 0 and k.stride(2) == v.stride(2) == window.stride(4) == 1
     assert window.dtype == k.dtype == v.dtype and window.shape[1] == hkv == order.shape[0]
-    _append_kv_kernel[(b * hkv,)](k, v, window, order, at, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                  window.stride(0), window.stride(1), window.stride(2), window.stride(3),
-                                  HKV=hkv, D=d)
+    _append_kv_kernel[(b * hkv,)](
+        k,
+        v,
+        window,
+        order,
+        at,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        window.stride(0),
+        window.stride(1),
+        window.stride(2),
+        window.stride(3),
+        HKV=hkv,
+        D=d,
+    )
 
 
 def append_kv(k: torch.Tensor, v: torch.Tensor, window: torch.Tensor, order: torch.Tensor, at: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ kernel on CUDA and the reference elsewhere. With return_lse, each also returns t
 their top-k indices, each read where it lies, in one split launch and one merge. `SplitAttention` launches the
 split per range of KV heads, so that parts can run on different streams before the one merge.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,9 @@ except ImportError:  # CPU machines: the reference is used
     triton = None
 
 
-def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                         return_lse: bool = False):
+def decode_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, return_lse: bool = False
+):
     b, h, d = q.shape
     hkv = k.shape[2]
     qg = q.view(b, hkv, h // hkv, d).float()
@@ -61,14 +63,60 @@ if triton is not None:
         return qh
 
     @triton.jit
-    def _split_kernel(Q, QHeads, K, V, Lens, K2, V2, Lens2, PK, PV, Idx, NC, H0, NH, Out, M, L, sm_scale,
-                      stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                      stride_k2b, stride_k2t, stride_k2h, stride_v2b, stride_v2t, stride_v2h,
-                      stride_pkb, stride_pkt, stride_pkh, stride_pvb, stride_pvt, stride_pvh, stride_ib, stride_ih,
-                      HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                      SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS1: tl.constexpr,
-                      SPLIT_LEN2: tl.constexpr, TWO: tl.constexpr, INDIRECT: tl.constexpr, MAPPED: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+    def _split_kernel(
+        Q,
+        QHeads,
+        K,
+        V,
+        Lens,
+        K2,
+        V2,
+        Lens2,
+        PK,
+        PV,
+        Idx,
+        NC,
+        H0,
+        NH,
+        Out,
+        M,
+        L,
+        sm_scale,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_k2b,
+        stride_k2t,
+        stride_k2h,
+        stride_v2b,
+        stride_v2t,
+        stride_v2h,
+        stride_pkb,
+        stride_pkt,
+        stride_pkh,
+        stride_pvb,
+        stride_pvt,
+        stride_pvh,
+        stride_ib,
+        stride_ih,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        G_PAD: tl.constexpr,
+        D: tl.constexpr,
+        SPLITS: tl.constexpr,
+        SPLIT_LEN: tl.constexpr,
+        SPLITS1: tl.constexpr,
+        SPLIT_LEN2: tl.constexpr,
+        TWO: tl.constexpr,
+        INDIRECT: tl.constexpr,
+        MAPPED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """Splits 0..SPLITS1-1 cover the first buffer, the rest (TWO) the second: one launch for both. With
         INDIRECT, KV heads NC.. take the second buffer's rows from PK/PV (their head kvh - NC) at the token indices
         Idx: a persistent head's selected rows are read where they lie, not gathered first. A launch covers KV
@@ -105,8 +153,9 @@ if triton is not None:
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         qh = _query_head(QHeads, kvh, MAPPED)
-        q = tl.load(Q + b * stride_qb + (qh * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
-                    other=0.0)
+        q = tl.load(
+            Q + b * stride_qb + (qh * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0
+        )
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
@@ -133,9 +182,23 @@ if triton is not None:
         tl.store(L + row, l_i, mask=g < G)
 
     @triton.jit
-    def _merge_kernel(Out, M, L, O, Lse, QHeads, stride_ob, stride_oh,
-                      HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                      SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, MAPPED: tl.constexpr):
+    def _merge_kernel(
+        Out,
+        M,
+        L,
+        O,
+        Lse,
+        QHeads,
+        stride_ob,
+        stride_oh,
+        HKV: tl.constexpr,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+        CHUNK: tl.constexpr,
+        MAPPED: tl.constexpr,
+    ):
         """One program per query head, all its splits' maxima and sums in one load: the merge is a few loads
         deep, not one chain of loads per split (a serial loop over the splits waits on each split's loads in
         turn, on the layer's critical path)."""
@@ -157,8 +220,9 @@ if triton is not None:
         for s0 in range(0, SPLITS, CHUNK):
             sc = s0 + c
             wc = tl.exp(tl.load(M + (bh * SPLITS + sc) * G + g, mask=sc < SPLITS, other=float("-inf")) - m_safe)
-            part = tl.load(Out + ((bh * SPLITS + sc) * G + g)[:, None] * D + d[None, :], mask=(sc < SPLITS)[:, None],
-                           other=0.0)
+            part = tl.load(
+                Out + ((bh * SPLITS + sc) * G + g)[:, None] * D + d[None, :], mask=(sc < SPLITS)[:, None], other=0.0
+            )
             acc += tl.sum(part * wc[:, None], 0)
         qh = _query_head(QHeads, kvh, MAPPED)
         tl.store(O + b * stride_ob + (qh * G + g) * stride_oh + d, (acc / l_all).to(O.dtype.element_ty))
@@ -184,16 +248,27 @@ class SplitAttention:
     query heads of KV head q_heads[j] of q, and the output is in q's order (CLO's stores keep their heads
     permuted)."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                 second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, indexed_heads: int = 0,
-                 block_n: int = 64, num_warps: int = 4, q_heads: torch.Tensor | None = None, programs: int = 512):
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lengths: torch.Tensor,
+        second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        indexed_heads: int = 0,
+        block_n: int = 64,
+        num_warps: int = 4,
+        q_heads: torch.Tensor | None = None,
+        programs: int = 512,
+    ):
         b, h, d = q.shape
         self.hkv = hkv = k.shape[2]
         self.g = h // hkv
         self.nc = hkv - indexed_heads
         k2, v2, lengths2 = second if second is not None else (k, v, lengths)
-        assert q.stride(2) == k.stride(3) == v.stride(3) == k2.stride(3) == v2.stride(3) == 1, \
+        assert q.stride(2) == k.stride(3) == v.stride(3) == k2.stride(3) == v2.stride(3) == 1, (
             "head_dim must be the contiguous dimension"
+        )
         assert k2.shape[0] == b and k2.shape[2] == self.nc and k2.dtype == k.dtype
         assert b and k.shape[1] and k2.shape[1], "no sequence, or a buffer with no rows (hybrid_attention skips it)"
         check_offsets(k, v, k2, v2)
@@ -219,21 +294,67 @@ class SplitAttention:
         assert (indexed is not None) == (h1 > self.nc), "indices exactly when the range holds indexed heads"
         pk, pv, idx = indexed if indexed is not None else (k, v, lengths.view(b, 1, -1))
         if indexed is not None:
-            assert idx.shape == (b, self.hkv - self.nc, k2.shape[1]) and idx.stride(2) == 1, \
+            assert idx.shape == (b, self.hkv - self.nc, k2.shape[1]) and idx.stride(2) == 1, (
                 "one index per second-buffer row"
+            )
             assert pk.shape[0] == b and pk.shape[2:] == pv.shape[2:] == (self.hkv - self.nc, d)
             assert pk.stride(3) == pv.stride(3) == 1 and pk.dtype == pv.dtype == k.dtype
             check_offsets(pk, pv)
         _split_kernel[(b * (h1 - h0), self.splits)](
-            q, self._heads(), k, v, lengths, k2, v2, lengths2, pk, pv, idx, self.nc, h0, h1 - h0, self.part, self.m,
-            self.l_, 1.0 / math.sqrt(d), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-            v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2), v2.stride(0), v2.stride(1),
-            v2.stride(2), pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
-            idx.stride(0), idx.stride(1), HKV=self.hkv, G=self.g,
+            q,
+            self._heads(),
+            k,
+            v,
+            lengths,
+            k2,
+            v2,
+            lengths2,
+            pk,
+            pv,
+            idx,
+            self.nc,
+            h0,
+            h1 - h0,
+            self.part,
+            self.m,
+            self.l_,
+            1.0 / math.sqrt(d),
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            k2.stride(0),
+            k2.stride(1),
+            k2.stride(2),
+            v2.stride(0),
+            v2.stride(1),
+            v2.stride(2),
+            pk.stride(0),
+            pk.stride(1),
+            pk.stride(2),
+            pv.stride(0),
+            pv.stride(1),
+            pv.stride(2),
+            idx.stride(0),
+            idx.stride(1),
+            HKV=self.hkv,
+            G=self.g,
             G_PAD=max(16, triton.next_power_of_2(self.g)),  # tl.dot needs at least 16 rows; G of them are stored
-            D=d, SPLITS=self.splits, SPLIT_LEN=self.split_len, SPLITS1=self.splits1, SPLIT_LEN2=self.split_len2,
-            TWO=self.two, INDIRECT=indexed is not None, MAPPED=self.q_heads is not None, BLOCK_N=self.block_n,
-            num_warps=self.num_warps)
+            D=d,
+            SPLITS=self.splits,
+            SPLIT_LEN=self.split_len,
+            SPLITS1=self.splits1,
+            SPLIT_LEN2=self.split_len2,
+            TWO=self.two,
+            INDIRECT=indexed is not None,
+            MAPPED=self.q_heads is not None,
+            BLOCK_N=self.block_n,
+            num_warps=self.num_warps,
+        )
 
     def _heads(self) -> torch.Tensor:
         return self.q_heads if self.q_heads is not None else self.lse  # unread without MAPPED
@@ -241,40 +362,75 @@ class SplitAttention:
     def merge(self) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, d = self.out.shape
         splits_pad = triton.next_power_of_2(self.splits)
-        _merge_kernel[(b * h,)](self.part, self.m, self.l_, self.out, self.lse, self._heads(), self.out.stride(0),
-                                self.out.stride(1), HKV=self.hkv, G=self.g, D=d, SPLITS=self.splits,
-                                SPLITS_PAD=splits_pad, CHUNK=min(32, splits_pad), MAPPED=self.q_heads is not None)
+        _merge_kernel[(b * h,)](
+            self.part,
+            self.m,
+            self.l_,
+            self.out,
+            self.lse,
+            self._heads(),
+            self.out.stride(0),
+            self.out.stride(1),
+            HKV=self.hkv,
+            G=self.g,
+            D=d,
+            SPLITS=self.splits,
+            SPLITS_PAD=splits_pad,
+            CHUNK=min(32, splits_pad),
+            MAPPED=self.q_heads is not None,
+        )
         return self.out, self.lse
 
 
 def check_offsets(*buffers: torch.Tensor) -> None:
     for x in buffers:  # the kernel's offsets are int32
-        assert sum((n - 1) * s for n, s in zip(x.shape, x.stride())) < 2**31, \
+        assert sum((n - 1) * s for n, s in zip(x.shape, x.stride())) < 2**31, (
             "a KV buffer spans 2^31 elements or more: the attention kernel's int32 offsets would overflow"
+        )
 
 
-def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                            block_n: int = 64, num_warps: int = 4, return_lse: bool = False,
-                            second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                            indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                            q_heads: torch.Tensor | None = None, programs: int = 512):
+def decode_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    block_n: int = 64,
+    num_warps: int = 4,
+    return_lse: bool = False,
+    second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    q_heads: torch.Tensor | None = None,
+    programs: int = 512,
+):
     """Every head in one split launch and one merge (SplitAttention's arguments)."""
-    parts = SplitAttention(q, k, v, lengths, second, indexed[2].shape[1] if indexed is not None else 0,
-                           block_n, num_warps, q_heads, programs)
+    parts = SplitAttention(
+        q,
+        k,
+        v,
+        lengths,
+        second,
+        indexed[2].shape[1] if indexed is not None else 0,
+        block_n,
+        num_warps,
+        q_heads,
+        programs,
+    )
     parts.split(0, parts.hkv, indexed)
     out, lse = parts.merge()
     return (out, lse) if return_lse else out
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                     return_lse: bool = False):
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, return_lse: bool = False
+):
     if q.is_cuda and triton is not None:
         return decode_attention_triton(q, k, v, lengths, return_lse=return_lse)
     return decode_attention_ref(q, k, v, lengths, return_lse)
 
 
-def gather_indexed(second: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                   indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+def gather_indexed(
+    second: tuple[torch.Tensor, torch.Tensor, torch.Tensor], indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+):
     """The second buffer with the indexed heads' rows appended as heads (what the kernel reads in place):
     pk, pv [B, T, Hp, D], idx [B, Hp, k] -> row i of head nc + j is pk[b, idx[b, j, i], j]."""
     k2, v2, lengths2 = second
@@ -283,10 +439,13 @@ def gather_indexed(second: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     return torch.cat([k2, pk.gather(1, at)], 2), torch.cat([v2, pv.gather(1, at)], 2), lengths2
 
 
-def hybrid_attention(q: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                     second: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                     indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     q_heads: torch.Tensor | None = None) -> torch.Tensor:
+def hybrid_attention(
+    q: torch.Tensor,
+    first: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    second: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    q_heads: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Exact attention over the union of two KV buffers, each (k, v, lengths) as decode_attention takes them,
     read where they lie (spec 2.7). `indexed` = (pk, pv, idx): the last Hp KV heads' second-buffer rows are
     pk/pv [B, T, Hp, D] at the token indices idx [B, Hp, k] (CLO's persistent heads: their full KV on the
@@ -306,5 +465,6 @@ def hybrid_attention(q: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor, t
         second = gather_indexed(second, indexed)
     if empty:
         return decode_attention(q, *(second if first[0].shape[1] == 0 else first))
-    return merge_attention([decode_attention_ref(q, *first, return_lse=True),
-                            decode_attention_ref(q, *second, return_lse=True)])
+    return merge_attention(
+        [decode_attention_ref(q, *first, return_lse=True), decode_attention_ref(q, *second, return_lse=True)]
+    )

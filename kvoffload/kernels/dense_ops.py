@@ -8,13 +8,13 @@ dense work comes close to the time its weights take to stream (results/bench/REA
 below is the specification (the arithmetic of the torch code it replaces, rounding included); the public
 functions pick the Triton kernel for CUDA tensors and the reference elsewhere.
 """
+
 from __future__ import annotations
 
 import os
 
 import torch
 import torch.nn.functional as F
-
 
 try:
     import triton
@@ -49,8 +49,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (RMSNorm(x + add), x + add): HF Llama's norm, in fp32 and rounded to x's dtype before the weight."""
     if add is not None:
         x = x + add
@@ -99,14 +100,31 @@ def silu_mul(gate_up):
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(X, Add, W, Y, Sum, W2, Y2, N, eps, stride_x, stride_a, stride_y, stride_s, stride_y2,
-                         HAS_ADD: tl.constexpr, HAS_W2: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(
+        X,
+        Add,
+        W,
+        Y,
+        Sum,
+        W2,
+        Y2,
+        N,
+        eps,
+        stride_x,
+        stride_a,
+        stride_y,
+        stride_s,
+        stride_y2,
+        HAS_ADD: tl.constexpr,
+        HAS_W2: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         col = tl.arange(0, BLOCK)
         m = col < N
         x = tl.load(X + row * stride_x + col, mask=m, other=0.0)
         if HAS_ADD:  # rounded to x's dtype before the norm, as the torch addition is
-            x = (x.to(tl.float32) + tl.load(Add + row * stride_a + col, mask=m, other=0.0).to(tl.float32))
+            x = x.to(tl.float32) + tl.load(Add + row * stride_a + col, mask=m, other=0.0).to(tl.float32)
             x = x.to(Sum.dtype.element_ty)
             tl.store(Sum + row * stride_s + col, x, mask=m)
         xf = x.to(tl.float32)
@@ -115,12 +133,10 @@ if triton is not None:
         tl.store(Y + row * stride_y + col, (w.to(tl.float32) * y.to(tl.float32)).to(Y.dtype.element_ty), mask=m)
         if HAS_W2:  # a second norm of the same x (another layer's weight)
             w2 = tl.load(W2 + col, mask=m, other=0.0)
-            tl.store(Y2 + row * stride_y2 + col, (w2.to(tl.float32) * y.to(tl.float32)).to(Y2.dtype.element_ty),
-                     mask=m)
+            tl.store(Y2 + row * stride_y2 + col, (w2.to(tl.float32) * y.to(tl.float32)).to(Y2.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope_kernel(X, Pos, Inv, stride_b, stride_h, HEADS: tl.constexpr, HALF: tl.constexpr,
-                     NATIVE: tl.constexpr):
+    def _rope_kernel(X, Pos, Inv, stride_b, stride_h, HEADS: tl.constexpr, HALF: tl.constexpr, NATIVE: tl.constexpr):
         b = (tl.program_id(0) // HEADS).to(tl.int64)
         h = tl.program_id(0) % HEADS
         i = tl.arange(0, HALF)
@@ -162,10 +178,26 @@ def rms_norm_triton(x, weight, eps, add=None, weight2=None):
     s = torch.empty_like(x2) if add is not None else x2
     y2 = torch.empty(x2.shape, dtype=torch.result_type(weight2, x), device=x.device) if weight2 is not None else y
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, a2, weight, y, s, weight2 if weight2 is not None else weight, y2, n, eps,
-                                         x2.stride(0), a2.stride(0), y.stride(0), s.stride(0), y2.stride(0),
-                                         HAS_ADD=add is not None, HAS_W2=weight2 is not None,
-                                         BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2,
+            a2,
+            weight,
+            y,
+            s,
+            weight2 if weight2 is not None else weight,
+            y2,
+            n,
+            eps,
+            x2.stride(0),
+            a2.stride(0),
+            y.stride(0),
+            s.stride(0),
+            y2.stride(0),
+            HAS_ADD=add is not None,
+            HAS_W2=weight2 is not None,
+            BLOCK=triton.next_power_of_2(n),
+            num_warps=4 if n <= 4096 else 8,
+        )
     out = y.view(shape), (s.view(shape) if add is not None else x)
     return out if weight2 is None else (*out, y2.view(shape))
 
@@ -174,8 +206,17 @@ def rope_triton(x, heads, position, inv_freq):
     b, _, d = x.shape
     assert d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0 and x.stride(2) == 1, "head_dim a power of two, unit stride"
     if b and heads:
-        _rope_kernel[(b * heads,)](x, position, inv_freq.float().contiguous(), x.stride(0), x.stride(1), HEADS=heads,
-                                   HALF=d // 2, NATIVE=NATIVE, num_warps=1)
+        _rope_kernel[(b * heads,)](
+            x,
+            position,
+            inv_freq.float().contiguous(),
+            x.stride(0),
+            x.stride(1),
+            HEADS=heads,
+            HALF=d // 2,
+            NATIVE=NATIVE,
+            num_warps=1,
+        )
     return x
 
 
@@ -186,6 +227,7 @@ def silu_mul_triton(gate_up):
     out = torch.empty(g2.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     if g2.shape[0]:
-        _silu_mul_kernel[(g2.shape[0], triton.cdiv(inter, block))](g2, out, inter, g2.stride(0), out.stride(0),
-                                                                   BLOCK=block)
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(inter, block))](
+            g2, out, inter, g2.stride(0), out.stride(0), BLOCK=block
+        )
     return out.view(*shape[:-1], inter)

@@ -8,6 +8,7 @@ so the kernel is a plain weight stream; the launch parameters come from experime
 `linear_silu_mul_ref` are the specification; the public functions take the kernel for one CUDA row (and a weight
 contiguous along K) and the reference otherwise (prefill, batches, the CPU).
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,13 +44,25 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return gemv_triton(x, weight, gated=True) if _one_cuda_row(x, weight) else linear_silu_mul_ref(x, weight)
 
 
-def linear_pair_ref(x1: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, x2: torch.Tensor,
-                    w2: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor:
+def linear_pair_ref(
+    x1: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    x2: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+) -> torch.Tensor:
     return torch.cat([F.linear(x1, w1, b1), F.linear(x2, w2, b2)], dim=-1)
 
 
-def linear_pair(x1: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, x2: torch.Tensor, w2: torch.Tensor,
-                b2: torch.Tensor | None) -> torch.Tensor:
+def linear_pair(
+    x1: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    x2: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+) -> torch.Tensor:
     """[x1 W1^T (+ b1), x2 W2^T (+ b2)] in one tensor: at one CUDA row each kernel writes its part of one buffer,
     so what follows treats both as one (CLO's speculative query and q/k/v share one RoPE launch)."""
     if _one_cuda_row(x1, w1) and _one_cuda_row(x2, w2):
@@ -72,30 +85,59 @@ def launch_params(gated: bool) -> tuple[int, int, int]:
     return (4 if gated else 2), 1024, 4
 
 
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
-                params: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    params: tuple[int, int, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [..., K] holding one row; weight [N, K] with unit stride along K. gated: N = 2I, returns
     SiLU(gate) * up [..., I]. params overrides launch_params (the tuning script's sweep). out: where to write
     (one row of the output's size, unit stride), else a new tensor."""
     n, k = weight.shape
     if x.shape[-1] != k or weight.stride(1) != 1:
-        raise ValueError(f"gemv: x [..., {x.shape[-1]}] against weight {tuple(weight.shape)} "
-                         f"with strides {weight.stride()}")
+        raise ValueError(
+            f"gemv: x [..., {x.shape[-1]}] against weight {tuple(weight.shape)} with strides {weight.stride()}"
+        )
     n_out = n // 2 if gated else n
     y = out if out is not None else torch.empty(*x.shape[:-1], n_out, device=x.device, dtype=x.dtype)
     assert y.numel() == n_out and y.stride(-1) == 1 and y.dtype == x.dtype, "out: one row of the output, unit stride"
     block_n, block_k, warps = params or launch_params(gated)
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
-        x.reshape(-1), weight, bias if bias is not None else weight, y, n_out, k, weight.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        x.reshape(-1),
+        weight,
+        bias if bias is not None else weight,
+        y,
+        n_out,
+        k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        GATED=gated,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+    )
     return y
 
 
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(X, W, Bias, Y, N, K, stride_w, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(
+        X,
+        W,
+        Bias,
+        Y,
+        N,
+        K,
+        stride_w,
+        HAS_BIAS: tl.constexpr,
+        GATED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         cols = tl.arange(0, BLOCK_K)
@@ -110,8 +152,9 @@ if triton is not None:
             w = tl.load(w_rows + k0 + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
             acc += w.to(tl.float32) * x
             if GATED:
-                u = tl.load(w_rows + N * stride_w + k0 + cols[None, :], mask=mask, other=0.0,
-                            eviction_policy="evict_first")
+                u = tl.load(
+                    w_rows + N * stride_w + k0 + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+                )
                 acc_up += u.to(tl.float32) * x
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:

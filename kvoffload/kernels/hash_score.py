@@ -19,6 +19,7 @@ each key costs rbit/8 + 4 bytes read and 4 written: it is memory bound when popc
 `encode_query_triton` makes the query codes in one kernel (projection, signs, packing): in torch that is eight
 small kernels on a layer's critical path, for a few KB of work; `HashRetriever.encode` is its specification.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,7 +44,7 @@ _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.in
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """[..., rbit] float -> [..., rbit / 8] uint8, bit i of byte j = (x[8j + i] > 0)."""
     bits = (x > 0).to(torch.uint8).unflatten(-1, (-1, 8))
-    weights = (1 << torch.arange(8, device=x.device, dtype=torch.uint8))
+    weights = 1 << torch.arange(8, device=x.device, dtype=torch.uint8)
     return (bits * weights).sum(-1, dtype=torch.uint8)
 
 
@@ -53,8 +54,9 @@ def hamming(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return table[(a ^ b).long()].sum(-1, dtype=torch.int32)
 
 
-def hash_scores_ref(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int,
-                    heads: torch.Tensor | None = None) -> torch.Tensor:
+def hash_scores_ref(
+    codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int, heads: torch.Tensor | None = None
+) -> torch.Tensor:
     if heads is not None:
         codes, norms = codes[:, heads], norms[:, heads]
     ham = hamming(qcodes[:, :, :, None, :], codes[:, :, None, :, :]).sum(2)  # [B, h, T], summed over G
@@ -75,12 +77,36 @@ if triton is not None:
         return ((u * 0x01010101) >> 24).to(tl.int32)
 
     @triton.jit
-    def _hash_score_kernel(Codes, Norms, QCodes, Heads, Miss, NC, Out, Hist, T, inv_rbit,
-                           stride_cb, stride_ch, stride_ct, stride_nb, stride_nh, stride_qb, stride_qh, stride_qg,
-                           stride_ob, stride_oh,
-                           H: tl.constexpr, G: tl.constexpr, NW: tl.constexpr, NW_PAD: tl.constexpr,
-                           BLOCK_T: tl.constexpr, NATIVE: tl.constexpr, HAS_MISS: tl.constexpr,
-                           COUNT: tl.constexpr):
+    def _hash_score_kernel(
+        Codes,
+        Norms,
+        QCodes,
+        Heads,
+        Miss,
+        NC,
+        Out,
+        Hist,
+        T,
+        inv_rbit,
+        stride_cb,
+        stride_ch,
+        stride_ct,
+        stride_nb,
+        stride_nh,
+        stride_qb,
+        stride_qh,
+        stride_qg,
+        stride_ob,
+        stride_oh,
+        H: tl.constexpr,
+        G: tl.constexpr,
+        NW: tl.constexpr,
+        NW_PAD: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        NATIVE: tl.constexpr,
+        HAS_MISS: tl.constexpr,
+        COUNT: tl.constexpr,
+    ):
         bj = tl.program_id(0)
         b = (bj // H).to(tl.int64)
         j = bj % H
@@ -91,8 +117,11 @@ if triton is not None:
             tmask = tl.where(needed(Miss, b, j, NC), tmask, False)  # not &: the interpreter refuses that mask
         w = tl.arange(0, NW_PAD)
         wmask = w < NW  # padded words are 0 in both codes: they add nothing
-        kc = tl.load(Codes + b * stride_cb + head * stride_ch + t.to(tl.int64)[:, None] * stride_ct + w[None, :],
-                     mask=tmask[:, None] & wmask[None, :], other=0)
+        kc = tl.load(
+            Codes + b * stride_cb + head * stride_ch + t.to(tl.int64)[:, None] * stride_ct + w[None, :],
+            mask=tmask[:, None] & wmask[None, :],
+            other=0,
+        )
         ham = tl.zeros([BLOCK_T, NW_PAD], tl.int32)
         for g in tl.static_range(G):
             qc = tl.load(QCodes + b * stride_qb + j * stride_qh + g * stride_qg + w, mask=wmask, other=0)
@@ -106,9 +135,24 @@ if triton is not None:
             tl.atomic_add(Hist + bj * 256 + tl.arange(0, 256), counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
-    def _encode_query_kernel(Q, W, Heads, Out, stride_qb, stride_qh, stride_wh, stride_wd, stride_ob, stride_oh,
-                             stride_og, H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                             CHUNK: tl.constexpr):
+    def _encode_query_kernel(
+        Q,
+        W,
+        Heads,
+        Out,
+        stride_qb,
+        stride_qh,
+        stride_wh,
+        stride_wd,
+        stride_ob,
+        stride_oh,
+        stride_og,
+        H: tl.constexpr,
+        G: tl.constexpr,
+        G_PAD: tl.constexpr,
+        D: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):
         """One program per (sequence, KV head, 32-bit word): 32 projections of the group's queries, as signs."""
         bj = tl.program_id(0)
         w = tl.program_id(1)
@@ -120,17 +164,18 @@ if triton is not None:
         x = tl.zeros([G_PAD, 32], tl.float32)
         for d0 in tl.static_range(0, D, CHUNK):  # multiply-add in registers: a few KB of work, no tensor cores
             d = d0 + tl.arange(0, CHUNK)
-            q = tl.load(Q + b * stride_qb + (head * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
-                        other=0.0).to(tl.float32)
+            q = tl.load(
+                Q + b * stride_qb + (head * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0
+            ).to(tl.float32)
             proj = tl.load(W + head * stride_wh + d[:, None] * stride_wd + (w * 32 + bit)[None, :])  # [CHUNK, 32]
             x += tl.sum(q[:, :, None] * proj[None, :, :], 1)
         word = tl.sum((x > 0).to(tl.uint32) << bit.to(tl.uint32)[None, :], 1)  # distinct bits: sum == or
-        tl.store(Out + b * stride_ob + j * stride_oh + g * stride_og + w, word.to(tl.int32, bitcast=True),
-                 mask=g < G)
+        tl.store(Out + b * stride_ob + j * stride_oh + g * stride_og + w, word.to(tl.int32, bitcast=True), mask=g < G)
 
 
-def encode_query_triton(q: torch.Tensor, proj: torch.Tensor, heads: torch.Tensor, group: int,
-                        chunk: int | None = None) -> torch.Tensor:
+def encode_query_triton(
+    q: torch.Tensor, proj: torch.Tensor, heads: torch.Tensor, group: int, chunk: int | None = None
+) -> torch.Tensor:
     """q [B, H, D] (H = Hkv * group), proj [Hkv, D, rbit] fp32 (one layer's), heads [h] -> the codes of the
     group's queries of each KV head in `heads`, [B, h, group, rbit / 8] uint8 (bytes as `pack_signs` makes)."""
     b, _, d = q.shape
@@ -146,21 +191,47 @@ def encode_query_triton(q: torch.Tensor, proj: torch.Tensor, heads: torch.Tensor
     assert chunk & (chunk - 1) == 0, f"chunk={chunk}: a power of two"
     if b and h:
         _encode_query_kernel[(b * h, rbit // 32)](
-            q, proj, heads.contiguous(), out, q.stride(0), q.stride(1), proj.stride(0), proj.stride(1),
-            out.stride(0), out.stride(1), out.stride(2), H=h, G=group, G_PAD=g_pad, D=d, CHUNK=min(d, chunk))
+            q,
+            proj,
+            heads.contiguous(),
+            out,
+            q.stride(0),
+            q.stride(1),
+            proj.stride(0),
+            proj.stride(1),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            H=h,
+            G=group,
+            G_PAD=g_pad,
+            D=d,
+            CHUNK=min(d, chunk),
+        )
     return out.view(torch.uint8)  # little-endian: byte j of word w holds projections 32w + 8j .. 32w + 8j + 7
 
 
 def _words(x: torch.Tensor) -> torch.Tensor:
     """uint8 codes -> int32 words over the same bytes (bit order is irrelevant to a popcount of an XOR)."""
-    x = x if x.stride(-1) == 1 and all(s % 4 == 0 for s in x.stride()[:-1]) and x.storage_offset() % 4 == 0 \
+    x = (
+        x
+        if x.stride(-1) == 1 and all(s % 4 == 0 for s in x.stride()[:-1]) and x.storage_offset() % 4 == 0
         else x.contiguous()
+    )
     return x.view(torch.int32)
 
 
-def hash_scores_triton(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int,
-                       heads: torch.Tensor | None = None, block_t: int = 256, num_warps: int = 4,
-                       miss: torch.Tensor | None = None, hist: torch.Tensor | None = None) -> torch.Tensor:
+def hash_scores_triton(
+    codes: torch.Tensor,
+    norms: torch.Tensor,
+    qcodes: torch.Tensor,
+    rbit: int,
+    heads: torch.Tensor | None = None,
+    block_t: int = 256,
+    num_warps: int = 4,
+    miss: torch.Tensor | None = None,
+    hist: torch.Tensor | None = None,
+) -> torch.Tensor:
     b, hk, t, nbytes = codes.shape
     g = qcodes.shape[2]
     assert rbit % 32 == 0 and nbytes * 8 == rbit == qcodes.shape[3] * 8, "the kernel reads 32-bit words"
@@ -177,19 +248,49 @@ def hash_scores_triton(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.T
     grid = (b * h, triton.cdiv(t, block_t))
     miss_u8, nc = miss_rows(miss, b, norms)
     assert hist is None or (hist.dtype == torch.int32 and hist.numel() >= b * h * 256), "hist: radix_work's"
-    _hash_score_kernel[grid](kw, norms, qw, heads.contiguous(), miss_u8, nc, out, hist if hist is not None else out,
-                             t, 1.0 / rbit,
-                             kw.stride(0), kw.stride(1), kw.stride(2), norms.stride(0), norms.stride(1),
-                             qw.stride(0), qw.stride(1), qw.stride(2), out.stride(0), out.stride(1),
-                             H=h, G=g, NW=nw, NW_PAD=triton.next_power_of_2(nw), BLOCK_T=block_t,
-                             NATIVE=os.environ.get("TRITON_INTERPRET") != "1", HAS_MISS=miss is not None,
-                             COUNT=hist is not None, num_warps=num_warps)
+    _hash_score_kernel[grid](
+        kw,
+        norms,
+        qw,
+        heads.contiguous(),
+        miss_u8,
+        nc,
+        out,
+        hist if hist is not None else out,
+        t,
+        1.0 / rbit,
+        kw.stride(0),
+        kw.stride(1),
+        kw.stride(2),
+        norms.stride(0),
+        norms.stride(1),
+        qw.stride(0),
+        qw.stride(1),
+        qw.stride(2),
+        out.stride(0),
+        out.stride(1),
+        H=h,
+        G=g,
+        NW=nw,
+        NW_PAD=triton.next_power_of_2(nw),
+        BLOCK_T=block_t,
+        NATIVE=os.environ.get("TRITON_INTERPRET") != "1",
+        HAS_MISS=miss is not None,
+        COUNT=hist is not None,
+        num_warps=num_warps,
+    )
     return out
 
 
-def hash_scores(codes: torch.Tensor, norms: torch.Tensor, qcodes: torch.Tensor, rbit: int,
-                heads: torch.Tensor | None = None, miss: torch.Tensor | None = None,
-                hist: torch.Tensor | None = None) -> torch.Tensor:
+def hash_scores(
+    codes: torch.Tensor,
+    norms: torch.Tensor,
+    qcodes: torch.Tensor,
+    rbit: int,
+    heads: torch.Tensor | None = None,
+    miss: torch.Tensor | None = None,
+    hist: torch.Tensor | None = None,
+) -> torch.Tensor:
     """miss: the kernel's (rows of hit heads left unset); the reference scores every row. hist: the kernel's (the
     reference counts it in torch)."""
     if codes.is_cuda and triton is not None and rbit % 32 == 0:

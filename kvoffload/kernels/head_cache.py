@@ -13,6 +13,7 @@ Hit when the aggregated cosine similarity >= tau. The label is replaced only on 
 program per (b, cached head), no host sync, so it can be captured in a CUDA graph) on CUDA and the reference
 elsewhere.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,15 @@ def aggregate_similarity(cos: torch.Tensor, weights: torch.Tensor, how: str) -> 
     raise ConfigError(f"gqa_aggregation={how!r}; valid: {', '.join(AGGREGATIONS)}")
 
 
-def lookup_and_update_ref(q: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, tau: torch.Tensor,
-                          weights: torch.Tensor, force: torch.Tensor, aggregation: str) -> torch.Tensor:
+def lookup_and_update_ref(
+    q: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    tau: torch.Tensor,
+    weights: torch.Tensor,
+    force: torch.Tensor,
+    aggregation: str,
+) -> torch.Tensor:
     qf = q.float()
     cos = torch.nn.functional.cosine_similarity(qf, labels, dim=-1, eps=1e-12)  # [B, Hc, G]
     sim = aggregate_similarity(cos, weights, aggregation)
@@ -54,10 +62,28 @@ def lookup_and_update_ref(q: torch.Tensor, labels: torch.Tensor, valid: torch.Te
 if triton is not None:
 
     @triton.jit
-    def _lookup_kernel(Q, Labels, Valid, Tau, Weights, Force, Miss,
-                       stride_qb, stride_qh, stride_qg, stride_lb, stride_lh, stride_lg, stride_wh,
-                       HC: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                       D_PAD: tl.constexpr, MEAN: tl.constexpr):
+    def _lookup_kernel(
+        Q,
+        Labels,
+        Valid,
+        Tau,
+        Weights,
+        Force,
+        Miss,
+        stride_qb,
+        stride_qh,
+        stride_qg,
+        stride_lb,
+        stride_lh,
+        stride_lg,
+        stride_wh,
+        HC: tl.constexpr,
+        G: tl.constexpr,
+        G_PAD: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        MEAN: tl.constexpr,
+    ):
         bc = tl.program_id(0)
         b = bc // HC
         c = bc % HC
@@ -65,8 +91,9 @@ if triton is not None:
         d = tl.arange(0, D_PAD)
         gmask = g < G
         mask = gmask[:, None] & (d < D)[None, :]
-        q = tl.load(Q + b * stride_qb + c * stride_qh + g[:, None] * stride_qg + d[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
+        q = tl.load(Q + b * stride_qb + c * stride_qh + g[:, None] * stride_qg + d[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
         lab_ptr = Labels + b * stride_lb + c * stride_lh + g[:, None] * stride_lg + d[None, :]
         lab = tl.load(lab_ptr, mask=mask, other=0.0)
         # as torch.cosine_similarity: each vector divided by max(|x|, eps) before the dot product
@@ -86,8 +113,15 @@ if triton is not None:
         tl.store(Miss + bc, miss.to(tl.uint8))
 
 
-def lookup_and_update_triton(q: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, tau: torch.Tensor,
-                             weights: torch.Tensor, force: torch.Tensor, aggregation: str) -> torch.Tensor:
+def lookup_and_update_triton(
+    q: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    tau: torch.Tensor,
+    weights: torch.Tensor,
+    force: torch.Tensor,
+    aggregation: str,
+) -> torch.Tensor:
     if aggregation not in AGGREGATIONS:
         raise ConfigError(f"gqa_aggregation={aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
     b, hc, g, d = q.shape
@@ -97,17 +131,41 @@ def lookup_and_update_triton(q: torch.Tensor, labels: torch.Tensor, valid: torch
     if not (b and hc):
         return miss
     weights = weights.float().contiguous()
-    _lookup_kernel[(b * hc,)](q, labels, valid.view(torch.uint8), tau.float().contiguous(), weights,
-                              force.contiguous().view(torch.uint8), miss.view(torch.uint8),
-                              q.stride(0), q.stride(1), q.stride(2), labels.stride(0), labels.stride(1),
-                              labels.stride(2), weights.stride(0),
-                              HC=hc, G=g, G_PAD=triton.next_power_of_2(g), D=d, D_PAD=triton.next_power_of_2(d),
-                              MEAN=aggregation == "mean", num_warps=1 if g * d <= 1024 else 4)
+    _lookup_kernel[(b * hc,)](
+        q,
+        labels,
+        valid.view(torch.uint8),
+        tau.float().contiguous(),
+        weights,
+        force.contiguous().view(torch.uint8),
+        miss.view(torch.uint8),
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        labels.stride(0),
+        labels.stride(1),
+        labels.stride(2),
+        weights.stride(0),
+        HC=hc,
+        G=g,
+        G_PAD=triton.next_power_of_2(g),
+        D=d,
+        D_PAD=triton.next_power_of_2(d),
+        MEAN=aggregation == "mean",
+        num_warps=1 if g * d <= 1024 else 4,
+    )
     return miss
 
 
-def lookup_and_update(q: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, tau: torch.Tensor,
-                      weights: torch.Tensor, force: torch.Tensor, aggregation: str) -> torch.Tensor:
+def lookup_and_update(
+    q: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    tau: torch.Tensor,
+    weights: torch.Tensor,
+    force: torch.Tensor,
+    aggregation: str,
+) -> torch.Tensor:
     if q.is_cuda and triton is not None:
         return lookup_and_update_triton(q, labels, valid, tau, weights, force, aggregation)
     return lookup_and_update_ref(q, labels, valid, tau, weights, force, aggregation)

@@ -1,6 +1,7 @@
 """What the hash-score kernel and the radix select share: the order-preserving 32-bit key of an fp32 score, the
 select's scratch (whose first pass a score producer may count), and the row mask of CLO's lookup result.
 Both kernels import from here, so that neither imports the other."""
+
 from __future__ import annotations
 
 import torch

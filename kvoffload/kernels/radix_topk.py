@@ -14,6 +14,7 @@ a NaN with its sign bit set ranks lowest); retrieval scores are finite.
 
 `topk_ref` (torch.topk) is the specification; `topk_indices` picks the kernel on CUDA and torch elsewhere.
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,8 +56,9 @@ if triton is not None:
         return prefix, need
 
     @triton.jit
-    def _histogram_kernel(Scores, Hist, T, K, R, stride_r, Miss, NC, H, P: tl.constexpr, BLOCK: tl.constexpr,
-                          HAS_MISS: tl.constexpr):
+    def _histogram_kernel(
+        Scores, Hist, T, K, R, stride_r, Miss, NC, H, P: tl.constexpr, BLOCK: tl.constexpr, HAS_MISS: tl.constexpr
+    ):
         row = tl.program_id(0)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < T
@@ -71,8 +73,23 @@ if triton is not None:
         tl.atomic_add(Hist + (P * R + row) * 256 + tl.arange(0, 256), counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
-    def _compact_kernel(Scores, Hist, Count, Out, T, K, R, offset, stride_r, stride_o, Miss, NC, H,
-                        BLOCK: tl.constexpr, HAS_MISS: tl.constexpr):
+    def _compact_kernel(
+        Scores,
+        Hist,
+        Count,
+        Out,
+        T,
+        K,
+        R,
+        offset,
+        stride_r,
+        stride_o,
+        Miss,
+        NC,
+        H,
+        BLOCK: tl.constexpr,
+        HAS_MISS: tl.constexpr,
+    ):
         row = tl.program_id(0)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = t < T
@@ -91,8 +108,15 @@ if triton is not None:
         tl.store(out + (K - need) + at_equal, pos, mask=(equal != 0) & (at_equal < need))
 
 
-def radix_topk(scores: torch.Tensor, k: int, offset: int = 0, block: int = 2048, num_warps: int = 4,
-               miss: torch.Tensor | None = None, work: torch.Tensor | None = None) -> torch.Tensor:
+def radix_topk(
+    scores: torch.Tensor,
+    k: int,
+    offset: int = 0,
+    block: int = 2048,
+    num_warps: int = 4,
+    miss: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
+) -> torch.Tensor:
     """2048 keys per program, 4 warps: the fastest for 6 rows of 128K in experiments/tune_retrieval_kernels.py's
     sweep (results/bench/README.md). miss [B, nc] bool (hash_scores's): the rows are B sequences of h heads
     each, and the first nc heads of a sequence are selected only where they missed (the others' indices are
@@ -106,16 +130,45 @@ def radix_topk(scores: torch.Tensor, k: int, offset: int = 0, block: int = 2048,
     counted = work is not None
     assert not counted or work.shape == (PASSES * r * BINS + 2 * r,), "work: radix_work(rows of scores)"
     work = work if counted else radix_work(r, scores.device)
-    hist, count = work[: PASSES * r * BINS], work[PASSES * r * BINS:]
+    hist, count = work[: PASSES * r * BINS], work[PASSES * r * BINS :]
     grid = (r, triton.cdiv(t, block))
     heads = r // miss.shape[0] if miss is not None else r  # per sequence
     assert miss is None or heads * miss.shape[0] == r, (miss.shape, r)
     miss_u8, nc = miss_rows(miss, r // heads, scores)
     for p in range(int(counted), PASSES):
-        _histogram_kernel[grid](scores, hist, t, k, r, scores.stride(0), miss_u8, nc, heads, P=p, BLOCK=block,
-                                HAS_MISS=miss is not None, num_warps=num_warps)
-    _compact_kernel[grid](scores, hist, count, out, t, k, r, offset, scores.stride(0), out.stride(0), miss_u8, nc,
-                          heads, BLOCK=block, HAS_MISS=miss is not None, num_warps=num_warps)
+        _histogram_kernel[grid](
+            scores,
+            hist,
+            t,
+            k,
+            r,
+            scores.stride(0),
+            miss_u8,
+            nc,
+            heads,
+            P=p,
+            BLOCK=block,
+            HAS_MISS=miss is not None,
+            num_warps=num_warps,
+        )
+    _compact_kernel[grid](
+        scores,
+        hist,
+        count,
+        out,
+        t,
+        k,
+        r,
+        offset,
+        scores.stride(0),
+        out.stride(0),
+        miss_u8,
+        nc,
+        heads,
+        BLOCK=block,
+        HAS_MISS=miss is not None,
+        num_warps=num_warps,
+    )
     return out
 
 
@@ -124,11 +177,13 @@ def radix_runs(device: torch.device) -> bool:
     return device.type == "cuda" and triton is not None
 
 
-def topk_indices(scores: torch.Tensor, k: int, offset: int = 0, miss: torch.Tensor | None = None,
-                 work: torch.Tensor | None = None) -> torch.Tensor:
+def topk_indices(
+    scores: torch.Tensor, k: int, offset: int = 0, miss: torch.Tensor | None = None, work: torch.Tensor | None = None
+) -> torch.Tensor:
     """scores [..., T] -> offset + indices [..., k] of the k largest along the last dim, in no order. miss, work:
     as radix_topk's, for scores [B, h, T] (the reference selects every row and needs no work)."""
     if radix_runs(scores.device) and scores.dtype == torch.float32:
-        return radix_topk(scores.reshape(-1, scores.shape[-1]), k, offset, miss=miss,
-                          work=work).view(*scores.shape[:-1], k)
+        return radix_topk(scores.reshape(-1, scores.shape[-1]), k, offset, miss=miss, work=work).view(
+            *scores.shape[:-1], k
+        )
     return topk_ref(scores, k, offset)

@@ -15,6 +15,7 @@ address space), so there is no CPU gather, no staging buffer and no host sync; t
 shapes, so it can be captured in a CUDA graph. Hit heads are skipped before touching the link.
 `uva_gather_ref` (= `TransferEngine.fill` on the CPU) is the specification.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,14 @@ def gather_rows_ref(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor) 
     return host[b, heads.to(idx.device)[None, :, None], idx]
 
 
-def uva_gather_ref(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
-                   slots: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+def uva_gather_ref(
+    host: torch.Tensor,
+    heads: torch.Tensor,
+    idx: torch.Tensor,
+    miss: torch.Tensor,
+    slots: torch.Tensor,
+    record: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     rows = gather_rows_ref(host, heads.to(host.device), idx.to(host.device)).to(slots.device)
     slots.copy_(torch.where(miss[..., None, None, None], rows, slots))
     record_moves_ref(idx, miss, record)
@@ -49,11 +56,34 @@ def record_moves_ref(idx: torch.Tensor, miss: torch.Tensor, record: tuple[torch.
 if triton is not None:
 
     @triton.jit
-    def _uva_gather_kernel(Host, Heads, Idx, Miss, Slots, SlotIdx, Misses, K, BH, TILES_PER_HEAD,
-                           stride_hb, stride_hh, stride_ht, stride_ib, stride_ih,
-                           stride_sb, stride_sh, stride_sk, stride_xb, stride_xh, stride_mb,
-                           H: tl.constexpr, ROW: tl.constexpr, ROW_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                           RECORD: tl.constexpr):
+    def _uva_gather_kernel(
+        Host,
+        Heads,
+        Idx,
+        Miss,
+        Slots,
+        SlotIdx,
+        Misses,
+        K,
+        BH,
+        TILES_PER_HEAD,
+        stride_hb,
+        stride_hh,
+        stride_ht,
+        stride_ib,
+        stride_ih,
+        stride_sb,
+        stride_sh,
+        stride_sk,
+        stride_xb,
+        stride_xh,
+        stride_mb,
+        H: tl.constexpr,
+        ROW: tl.constexpr,
+        ROW_PAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+        RECORD: tl.constexpr,
+    ):
         c = tl.arange(0, ROW_PAD)
         r = tl.arange(0, BLOCK)
         for bj in range(BH):
@@ -73,19 +103,29 @@ if triton is not None:
                     tok = tl.load(Idx + b.to(tl.int64) * stride_ib + j * stride_ih + i, mask=rmask, other=0)
                     mask = rmask[:, None] & (c < ROW)[None, :]
                     # int64 offsets: a host store is easily larger than 2^31 elements
-                    src = Host + (b.to(tl.int64) * stride_hb + head * stride_hh + tok * stride_ht)[:, None] \
-                        + c[None, :]
+                    src = Host + (b.to(tl.int64) * stride_hb + head * stride_hh + tok * stride_ht)[:, None] + c[None, :]
                     rows = tl.load(src, mask=mask)  # BLOCK rows in flight per program: the link needs many reads
-                    dst = Slots + (b.to(tl.int64) * stride_sb + j * stride_sh + i.to(tl.int64) * stride_sk)[:, None] \
+                    dst = (
+                        Slots
+                        + (b.to(tl.int64) * stride_sb + j * stride_sh + i.to(tl.int64) * stride_sk)[:, None]
                         + c[None, :]
+                    )
                     tl.store(dst, rows, mask=mask)
                     if RECORD:
                         tl.store(SlotIdx + b.to(tl.int64) * stride_xb + j * stride_xh + i, tok, mask=rmask)
 
 
-def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
-               slots: torch.Tensor, block: int | None = None, programs: int | None = None,
-               num_warps: int = 4, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+def uva_gather(
+    host: torch.Tensor,
+    heads: torch.Tensor,
+    idx: torch.Tensor,
+    miss: torch.Tensor,
+    slots: torch.Tensor,
+    block: int | None = None,
+    programs: int | None = None,
+    num_warps: int = 4,
+    record: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """In place on `slots`. `host` must be pinned when the others live on a GPU (Triton's launcher refuses
     an unmapped host pointer); in the Triton interpreter every tensor is a CPU tensor. `block` rows per
     program: by default ~16 KB, which keeps the link full (so does any block in the 4..64 rows the default is
@@ -103,15 +143,43 @@ def uva_gather(host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss:
         return
     idx = idx if idx.stride(2) == 1 else idx.contiguous()
     slot_idx, misses = record if record is not None else (idx, miss)  # unread without RECORD
-    assert record is None or (slot_idx.shape == idx.shape and slot_idx.stride(2) == 1 and slot_idx.dtype == idx.dtype
-                              and misses.shape == miss.shape and misses.stride(1) == 1), "record: [B, h, k], [B, h]"
+    assert record is None or (
+        slot_idx.shape == idx.shape
+        and slot_idx.stride(2) == 1
+        and slot_idx.dtype == idx.dtype
+        and misses.shape == miss.shape
+        and misses.stride(1) == 1
+    ), "record: [B, h, k], [B, h]"
     miss = miss.contiguous().view(torch.uint8)
     block = block or min(64, max(4, triton.next_power_of_2(16384 // (2 * d * host.element_size()))))
     tiles_per_head = triton.cdiv(k, block)
     grid = (min(tiles_per_head, programs or tiles_per_head),)
-    _uva_gather_kernel[grid](host, heads.contiguous(), idx, miss, slots, slot_idx, misses, k, b * h, tiles_per_head,
-                             host.stride(0), host.stride(1), host.stride(2), idx.stride(0), idx.stride(1),
-                             slots.stride(0), slots.stride(1), slots.stride(2), slot_idx.stride(0),
-                             slot_idx.stride(1), misses.stride(0),
-                             H=h, ROW=2 * d, ROW_PAD=triton.next_power_of_2(2 * d), BLOCK=block,
-                             RECORD=record is not None, num_warps=num_warps)
+    _uva_gather_kernel[grid](
+        host,
+        heads.contiguous(),
+        idx,
+        miss,
+        slots,
+        slot_idx,
+        misses,
+        k,
+        b * h,
+        tiles_per_head,
+        host.stride(0),
+        host.stride(1),
+        host.stride(2),
+        idx.stride(0),
+        idx.stride(1),
+        slots.stride(0),
+        slots.stride(1),
+        slots.stride(2),
+        slot_idx.stride(0),
+        slot_idx.stride(1),
+        misses.stride(0),
+        H=h,
+        ROW=2 * d,
+        ROW_PAD=triton.next_power_of_2(2 * d),
+        BLOCK=block,
+        RECORD=record is not None,
+        num_warps=num_warps,
+    )

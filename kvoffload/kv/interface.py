@@ -8,6 +8,7 @@ The decoder calls, per layer:
 and, per step, begin_step() / end_step(). A system never sees the model, the model never sees the system's
 internals: they share shapes (KVSpec) and statistics (StepStats) only.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -51,8 +52,10 @@ class KVSpec:
         if self.link_gb_s is not None:
             return self.link_gb_s * 1e9
         if self.device.type == "cuda":
-            raise ConfigError("KVSpec.link_gb_s is not set: on CUDA the runner measures the link "
-                              "(experiments.timing.link_gb_s) and hands it to the system")
+            raise ConfigError(
+                "KVSpec.link_gb_s is not set: on CUDA the runner measures the link "
+                "(experiments.timing.link_gb_s) and hands it to the system"
+            )
         return CPU_LINK_GB_S * 1e9
 
     @property
@@ -152,7 +155,7 @@ class KVOffloadSystem(ABC):
     @abstractmethod
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
-    def prepare(self, layer: int, q_spec: torch.Tensor) -> None:
+    def prepare(self, layer: int, q_spec: torch.Tensor) -> None:  # noqa: B027 (optional: a no-op by default)
         """One layer ahead: a speculative query for `layer`, given while the layer before it computes."""
 
     @abstractmethod
@@ -190,4 +193,3 @@ class KVOffloadSystem(ABC):
     def describe(self) -> dict:
         """What the record should say about this system's state and sources (plans, scores, weights)."""
         return {}
-

@@ -4,11 +4,12 @@ On CUDA each phase is a pair of events on the current stream, resolved only when
 inside the step); on CPU it is a perf_counter interval. 'other' is never timed directly: it is the step's
 time minus the named phases, so it holds the model's dense layers and anything a system did not label.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 

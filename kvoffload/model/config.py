@@ -1,8 +1,10 @@
 """Model shapes. One dataclass covers the Llama and Qwen2 families; the yaml files in conf/model/ fill it."""
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 FAMILIES = ("llama", "qwen2")
 
@@ -53,7 +55,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> "ModelConfig":
+    def from_mapping(cls, m: Mapping[str, Any]) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in m.items() if k in known}
         if kwargs.get("rope_scaling") is not None:
@@ -61,7 +63,7 @@ class ModelConfig:
         return cls(**kwargs)
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any], name: str = "hf") -> "ModelConfig":
+    def from_hf(cls, hf: Mapping[str, Any], name: str = "hf") -> ModelConfig:
         """Build from a HuggingFace config.json dictionary."""
         model_type = hf.get("model_type", "llama")
         family = "qwen2" if model_type == "qwen2" else "llama"

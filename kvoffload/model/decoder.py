@@ -1,9 +1,10 @@
 """A lean decoder for the Llama and Qwen2 families (gpt-fast style). Module names mirror HuggingFace's so a
 checkpoint's state dict loads as it is. Prefill attends densely over the prompt and hands each layer's K/V to
 the KV system; decode asks the KV system for attention, one layer at a time."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -83,8 +84,10 @@ class MLP(nn.Module):
 
 
 # HF's separate projections and the fused one each group is loaded into (gpt-fast's wqkv, vLLM's qkv_proj)
-FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 def fuse_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,8 +124,14 @@ class Layer(nn.Module):
         h, x = self.post_attention_layernorm.add_and_norm(x, o)
         return x, self.mlp.decode(h)
 
-    def decode_inputs(self, x: torch.Tensor, add: torch.Tensor | None, position: torch.Tensor,
-                      inv_freq: torch.Tensor, nxt: Layer | None = None) -> tuple:
+    def decode_inputs(
+        self,
+        x: torch.Tensor,
+        add: torch.Tensor | None,
+        position: torch.Tensor,
+        inv_freq: torch.Tensor,
+        nxt: Layer | None = None,
+    ) -> tuple:
         """One decode step into this layer's attention: x [B, 1, hidden] plus `add` (the previous layer's MLP
         output, or None) -> (x + add, q [B, H, D], k, v [B, Hkv, D], q_spec [B, H, D] or None), RoPE'd at
         position[0]. With `nxt`, q_spec is the next layer's speculative query from the same input (spec 2.3:
@@ -187,7 +196,7 @@ class Decoder(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             del q, k, v
             for s in range(0, t, PREFILL_CHUNK):  # in place, a chunk at a time: no second residual stream
-                x[:, s: s + PREFILL_CHUNK] += attn.o_proj(o[:, :, s: s + PREFILL_CHUNK].transpose(1, 2).flatten(2))
+                x[:, s : s + PREFILL_CHUNK] += attn.o_proj(o[:, :, s : s + PREFILL_CHUNK].transpose(1, 2).flatten(2))
             del o
             x = layer.mlp_block(x)
             if on_layer is not None:
@@ -212,7 +221,10 @@ class Decoder(nn.Module):
 
     def _chunked_logits(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat(
-            [self.lm_head(self.model.norm(x[:, s : s + PREFILL_CHUNK])).float() for s in range(0, x.shape[1], PREFILL_CHUNK)],
+            [
+                self.lm_head(self.model.norm(x[:, s : s + PREFILL_CHUNK])).float()
+                for s in range(0, x.shape[1], PREFILL_CHUNK)
+            ],
             dim=1,
         )
 
@@ -226,8 +238,15 @@ class Decoder(nn.Module):
             o = self.attend(i, q, k, v, q_spec, kv)
         return self.dense_segment(self.cfg.num_layers, token, x, o, position, False)[0]
 
-    def dense_segment(self, i: int, token: torch.Tensor, x: torch.Tensor | None, o: torch.Tensor | None,
-                      position: torch.Tensor, speculative: bool) -> tuple:
+    def dense_segment(
+        self,
+        i: int,
+        token: torch.Tensor,
+        x: torch.Tensor | None,
+        o: torch.Tensor | None,
+        position: torch.Tensor,
+        speculative: bool,
+    ) -> tuple:
         """The model's own work between attention i-1 and attention i, which touches no KV system: layer i-1's
         o_proj and MLP (or the embedding, for i = 0), then layer i's q, k, v and, with `speculative`, layer i+1's
         query from layer i's input (spec 2.3). Returns (x, q [B, H, D], k, v [B, Hkv, D], q_spec [B, H, D] or
@@ -243,8 +262,15 @@ class Decoder(nn.Module):
         nxt = layers[i + 1] if speculative and i + 1 < len(layers) else None
         return layers[i].decode_inputs(x, add, position, self.rotary().inv_freq, nxt)
 
-    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_spec: torch.Tensor | None,
-               kv: KVOffloadSystem) -> torch.Tensor:
+    def attend(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_spec: torch.Tensor | None,
+        kv: KVOffloadSystem,
+    ) -> torch.Tensor:
         """Layer i's attention by the KV system -> [B, H, D]. With a speculative query, layer i+1's lookups and
         transfers are started first, so that they overlap layer i's work."""
         if q_spec is not None:

@@ -1,5 +1,6 @@
 """Dequantise a llama-architecture GGUF file into a bf16 HuggingFace folder (config.json, model.safetensors,
 tokenizer). Done once per machine; the folder is written under a temporary name and renamed when complete."""
+
 from __future__ import annotations
 
 import json

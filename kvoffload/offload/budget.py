@@ -1,6 +1,7 @@
 """The budget rule every sparse system shares: how a prompt splits into an always-attended sink and recent
 window and a middle that is retrieved, and how many middle tokens each KV head attends. One rule, so that
 every system attends the same number of tokens."""
+
 from __future__ import annotations
 
 import math

@@ -3,6 +3,7 @@ KV, attended densely) and, per sparse layer, the window of always-attended rows 
 
 Both index the current token through device tensors set once per step (`begin_step`), so that a step that
 uses them can be replayed from a CUDA graph."""
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,7 @@ def prompt_window(kv: torch.Tensor, sink: int, recent: int, max_len: int) -> tor
     b, hkv, t0, _, d = kv.shape
     window = torch.empty(b, hkv, sink + recent + max_len - t0, 2, d, dtype=kv.dtype, device=kv.device)
     window[:, :, :sink] = kv[:, :, :sink]
-    window[:, :, sink: sink + recent] = kv[:, :, t0 - recent: t0]
+    window[:, :, sink : sink + recent] = kv[:, :, t0 - recent : t0]
     return window
 
 
@@ -43,8 +44,9 @@ class DenseLayers:
     def begin_step(self, length: int) -> None:
         self.lengths.fill_(length + 1)
 
-    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               position: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor
+    ) -> torch.Tensor:
         """Appends k, v [B, Hkv, D] at the device index `position` [1] and attends q [B, H, D] over every row."""
         buf = self.kv[layer]
         buf.index_copy_(2, position, torch.stack([k, v], dim=2)[:, :, None])

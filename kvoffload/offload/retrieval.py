@@ -5,6 +5,7 @@ score(k) = sum over the query group of (1 - 2 * hamming(q_j, k) / rbit) * |k|. C
 once at prefill and stay on the device. W is a seeded random projection (SimHash) unless learned weights are
 given: the record says which. ExactRetriever scores sum_j q_j . k: the oracle for tests and ablations.
 Both return absolute token indices [B, Hkv, k] of the candidates [lo, hi)."""
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,6 @@ RETRIEVERS = ("hash", "exact")
 TOPK_METHODS = ("radix", "torch")  # select_topk's: the radix select on CUDA | torch.topk everywhere
 
 
-
 class ExactRetriever:
     name = "exact"
 
@@ -28,8 +28,14 @@ class ExactRetriever:
         """keys [B, Hkv, T, D]: the candidates of this layer (kept on the device)."""
         self.keys[layer] = keys
 
-    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor, miss: torch.Tensor | None = None,
-               hist: torch.Tensor | None = None):
+    def scores(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        heads: torch.Tensor,
+        miss: torch.Tensor | None = None,
+        hist: torch.Tensor | None = None,
+    ):
         """q [B, H, D], heads [h] (KV heads to score) -> [B, h, T] float32. miss, hist: HashRetriever's (every
         row is scored here; the radix select's first pass is counted in torch)."""
         keys = self.keys[layer][:, heads]
@@ -44,8 +50,16 @@ class ExactRetriever:
 class HashRetriever:
     name = "hash"
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device, rbit: int = 256,
-                 seed: int = 0, weights: torch.Tensor | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        rbit: int = 256,
+        seed: int = 0,
+        weights: torch.Tensor | None = None,
+    ):
         if rbit % 8 or rbit <= 0:
             raise ConfigError(f"rbit={rbit} must be a positive multiple of 8")
         self.rbit = rbit
@@ -74,12 +88,19 @@ class HashRetriever:
         b, hkv = self.codes[layer].shape[:2]
         d = q.shape[-1]
         if q.is_cuda and triton is not None and self.rbit % 32 == 0 and d & (d - 1) == 0:
-            return encode_query_triton(q if q.stride(2) == 1 else q.contiguous(), self.proj[layer], heads,
-                                       q.shape[1] // hkv)
+            return encode_query_triton(
+                q if q.stride(2) == 1 else q.contiguous(), self.proj[layer], heads, q.shape[1] // hkv
+            )
         return self.encode(layer, q.view(b, hkv, -1, d))[:, heads]
 
-    def scores(self, layer: int, q: torch.Tensor, heads: torch.Tensor, miss: torch.Tensor | None = None,
-               hist: torch.Tensor | None = None):
+    def scores(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        heads: torch.Tensor,
+        miss: torch.Tensor | None = None,
+        hist: torch.Tensor | None = None,
+    ):
         """miss [B, nc]: on CUDA the first nc heads are scored only where they missed (a hit reuses its cached
         rows), their other rows left unset. hist: topk_work's; the scores' kernel also counts the radix select's
         first pass into it."""
@@ -98,8 +119,9 @@ def metadata_bytes_per_token(kind: str, rbit: int, head_dim: int, dtype_bytes: i
     return rbit // 8 + 4 if kind == "hash" else head_dim * dtype_bytes
 
 
-def make_retriever(kind: str, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                   rbit: int, seed: int):
+def make_retriever(
+    kind: str, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device, rbit: int, seed: int
+):
     if kind == "hash":
         return HashRetriever(num_layers, num_kv_heads, head_dim, device, rbit, seed)
     if kind == "exact":
@@ -121,9 +143,15 @@ def check_topk_method(method: str) -> None:
         raise ConfigError(f"topk={method!r}; valid: {', '.join(TOPK_METHODS)}")
 
 
-def select_topk(scores: torch.Tensor, k: int, offset: int, ascending: bool = True,
-                method: str = "radix", miss: torch.Tensor | None = None,
-                work: torch.Tensor | None = None) -> torch.Tensor:
+def select_topk(
+    scores: torch.Tensor,
+    k: int,
+    offset: int,
+    ascending: bool = True,
+    method: str = "radix",
+    miss: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
+) -> torch.Tensor:
     """scores [B, Hkv, T] over candidates starting at token `offset` -> absolute indices [B, Hkv, k], ascending
     unless `ascending=False`: attention and the gathers do not need the order, and at 128K sorting the
     indices costs more than the top-k itself, torch.topk's or the radix select's of kvoffload/kernels/radix_topk.py

@@ -10,6 +10,7 @@ The host store is head-major, one row = K and V of one token of one KV head ([B,
               must first come to the host (a sync) - the baselines' path
 
 On a CPU device both are the same host-to-host gather (the reference)."""
+
 from __future__ import annotations
 
 import os
@@ -46,13 +47,21 @@ class TransferEngine:
         self.uva_warps = 4  # per gather program (bench_clo_layer compares others)
         self.host_syncs = 0
 
-    def fill(self, host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor,
-             slots: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def fill(
+        self,
+        host: torch.Tensor,
+        heads: torch.Tensor,
+        idx: torch.Tensor,
+        miss: torch.Tensor,
+        slots: torch.Tensor,
+        record: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """slots[b, h] := host rows idx[b, h] wherever miss[b, h]. slots [B, h, k, 2, D] on the device. record:
         (slot_idx, misses), uva_gather's bookkeeping of what moved (the uva kernel does it itself)."""
         if self.device.type == "cuda" and self.kind == "uva":
-            uva_gather(host, heads, idx, miss, slots, programs=self.uva_programs, num_warps=self.uva_warps,
-                       record=record)
+            uva_gather(
+                host, heads, idx, miss, slots, programs=self.uva_programs, num_warps=self.uva_warps, record=record
+            )
             return
         if self.device.type != "cuda":
             slots.copy_(torch.where(miss[..., None, None, None], gather_rows_ref(host, heads, idx), slots))
