@@ -13,8 +13,10 @@ Two forms, chosen by the profile (data/profiles/*.json) it is built from:
   At the first step p and a_0 are drawn so that u_0 is the model's own query direction.
 
 Speculative query (the one-layer-ahead hook's, spec 2.3): with `spec_cos` in the profile it is the layer's query
-direction u_t turned by a fresh random orthogonal direction w: g u_t + sqrt(1 - g^2) w, g = the head's spec_cos,
-so its cosine with the real query is g; without `spec_cos` it equals the real query (perfect speculation).
+direction u_t turned towards an error direction w_t: g u_t + sqrt(1 - g^2) w_t (w_t's part orthogonal to u_t),
+g = the head's spec_cos, so its cosine with the real query is g. w_t is a chain of its own with the query's
+dynamics (not fresh noise each step: the speculative queries of different steps must stay as alike as the real
+ones, which CLO's lookups compare). Without `spec_cos` it equals the real query (perfect speculation).
 The model's own query keeps its norm. All state lives on the device and is updated in place: a step replayed
 from a CUDA graph advances the chain, with no host sync.
 
@@ -69,6 +71,7 @@ class ProfileQueryProcess:
         if self.spec is not None:
             self.description += f"; speculative query at cos spec_cos per head (mean {spec_cos[1:].mean():.3f})"
         self.state: list = [None] * s_hat.shape[0]
+        self.err: list = [None] * s_hat.shape[0]  # the speculative error's chain, with spec_cos only
 
     @classmethod
     def from_profile(cls, path: str, num_layers: int, num_kv_heads: int, group: int, device: torch.device):
@@ -89,10 +92,31 @@ class ProfileQueryProcess:
         `speculative`: the one-layer-ahead query for this layer (perturbed by spec_cos when the profile has it)."""
         norm = q.norm(dim=-1, keepdim=True)
         u = self._persistent(layer, q, norm, advance) if self.persistent_form else self._ar1(layer, q, norm, advance)
-        if speculative and self.spec is not None:
-            g = self.spec[layer][None, :, None]
-            u = g * u + (1 - g * g).clamp_min(0).sqrt() * _orthogonal_noise(u, u)
+        if self.spec is not None:
+            w = self._error(layer, u, advance)
+            if speculative:
+                g = self.spec[layer][None, :, None]
+                w = _unit(w - (w * u).sum(-1, keepdim=True) * u)  # the error's part orthogonal to the query
+                u = g * u + (1 - g * g).clamp_min(0).sqrt() * w
         return u.to(q.dtype) * norm
+
+    def _error(self, layer: int, u: torch.Tensor, advance: bool) -> torch.Tensor:
+        """The speculative query's error direction: a chain of its own with the query's dynamics (c + (1 - c)
+        rho^L; AR(1) at rho for the AR(1) form), so that speculative queries of different steps are as alike as
+        the real ones are (a fresh error each step would make them alike by only spec_cos^2 times that, and
+        CLO's lookups, which compare speculative queries, would miss far too often)."""
+        c = self.c[layer][None, :, None] if self.persistent_form else torch.zeros_like(self.rho[layer])[None, :, None]
+        if self.err[layer] is None:
+            uf = u.float()
+            p = _unit(torch.randn_like(uf))
+            self.err[layer] = (p, _orthogonal_noise(p, p))
+        elif advance:
+            p, a = self.err[layer]
+            rho = self.rho[layer][None, :, None].float()
+            new = rho * a + (1 - rho * rho).clamp_min(0).sqrt() * _orthogonal_noise(a, p)
+            a.copy_(_unit(new))
+        p, a = self.err[layer]
+        return (c.sqrt() * p + (1 - c).sqrt() * a).to(u.dtype)
 
     def _ar1(self, layer: int, q: torch.Tensor, norm: torch.Tensor, advance: bool) -> torch.Tensor:
         state = self.state[layer]

@@ -100,12 +100,17 @@ def test_speculative_query_is_at_its_target_cosine():
     torch.manual_seed(0)
     q = torch.randn(256, 4, 64)
     proc.query(1, q, advance=True)
-    cos = []
-    for _ in range(5):  # as the decoder calls it: the speculative call advances, the layer's own reads
+    cos, spec_lag1, prev = [], [], None
+    for _ in range(40):  # as the decoder calls it: the speculative call advances, the layer's own reads
         s = proc.query(1, torch.randn_like(q), advance=True, speculative=True)
         r = proc.query(1, torch.randn_like(q), advance=False)
         cos.append(torch.nn.functional.cosine_similarity(s, r, dim=-1).mean(0))
+        if prev is not None:
+            spec_lag1.append(torch.nn.functional.cosine_similarity(s, prev, dim=-1).mean())
+        prev = s
     torch.testing.assert_close(torch.stack(cos).mean(0), spec[1].repeat_interleave(2), atol=0.01, rtol=0)
+    # the speculative queries of adjacent steps are as alike as the real ones (c + (1 - c) rho = 0.85)
+    assert abs(torch.stack(spec_lag1).mean() - 0.85) < 0.03
     torch.testing.assert_close(proc.query(1, q, advance=False, speculative=False).norm(dim=-1), q.norm(dim=-1))
 
 
