@@ -274,9 +274,9 @@ class Decoder(nn.Module):
         """Layer i's attention by the KV system -> [B, H, D]. With a speculative query, layer i+1's lookups and
         transfers are started first, so that they overlap layer i's work."""
         if q_spec is not None:
-            kv.prepare(i + 1, self._query(i + 1, q_spec, advance=True))
+            kv.prepare(i + 1, self._query(i + 1, q_spec, advance=True, speculative=True))
         advance = not (kv.wants_speculative_query and i > 0)  # layers 1.. advanced at their prepare
         return kv.decode(i, self._query(i, q, advance), k, v)
 
-    def _query(self, layer: int, q: torch.Tensor, advance: bool) -> torch.Tensor:
-        return q if self.query_process is None else self.query_process.query(layer, q, advance)
+    def _query(self, layer: int, q: torch.Tensor, advance: bool, speculative: bool = False) -> torch.Tensor:
+        return q if self.query_process is None else self.query_process.query(layer, q, advance, speculative)
