@@ -25,6 +25,7 @@ from a CUDA graph advances the chain, with no host sync.
     python -m experiments.query_process data/profiles/smollm2-process.json --layers 32 --kv-heads 8 \\
         --out data/profiles/llama3-from-smollm2-reuse.json   # a profile at another model's shape
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,9 @@ from pathlib import Path
 
 import torch
 
+from clo.policy.persistent import load_profile
 from kvoffload.errors import ConfigError
 from kvoffload.paths import repo_path, write_json_atomic
-from clo.policy.persistent import load_profile
 
 FIT_LAGS = (1, 2, 4, 8)
 PROCESS_FIELDS = ("persistent", "rho", "spec_cos")
@@ -52,9 +53,16 @@ def _orthogonal_noise(like: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class ProfileQueryProcess:
-    def __init__(self, s_hat: torch.Tensor, group: int, device: torch.device, source: str,
-                 persistent: torch.Tensor | None = None, rho: torch.Tensor | None = None,
-                 spec_cos: torch.Tensor | None = None):
+    def __init__(
+        self,
+        s_hat: torch.Tensor,
+        group: int,
+        device: torch.device,
+        source: str,
+        persistent: torch.Tensor | None = None,
+        rho: torch.Tensor | None = None,
+        spec_cos: torch.Tensor | None = None,
+    ):
         per_q_head = lambda t: t.float().repeat_interleave(group, dim=1).to(device)  # [L, Hkv] -> [L, H]
         self.persistent_form = persistent is not None
         if self.persistent_form:
@@ -62,8 +70,10 @@ class ProfileQueryProcess:
                 raise ConfigError("a persistent query process needs rho as well as persistent")
             self.c = per_q_head(persistent.clamp(0.0, 1.0))
             self.rho = per_q_head(rho.clamp(0.0, 1.0))
-            self.description = (f"synthetic persistent + AR(1) query directions, cos(lag L) = c + (1 - c) rho^L "
-                                f"per head (c mean {persistent.mean():.3f}, rho mean {rho.mean():.3f}) of {source}")
+            self.description = (
+                f"synthetic persistent + AR(1) query directions, cos(lag L) = c + (1 - c) rho^L "
+                f"per head (c mean {persistent.mean():.3f}, rho mean {rho.mean():.3f}) of {source}"
+            )
         else:
             self.rho = s_hat.clamp(-1.0, 1.0).repeat_interleave(group, dim=1).to(device)  # [L, H]
             self.description = f"synthetic AR(1) query directions, rho per head = s_hat of {source}"
@@ -82,8 +92,10 @@ class ProfileQueryProcess:
             if data.get(name) is not None:
                 t = torch.tensor(data[name], dtype=torch.float32)
                 if t.shape != (num_layers, num_kv_heads):
-                    raise ConfigError(f"profile {Path(path).name}: {name} has shape {tuple(t.shape)}, the model "
-                                      f"needs ({num_layers}, {num_kv_heads})")
+                    raise ConfigError(
+                        f"profile {Path(path).name}: {name} has shape {tuple(t.shape)}, the model "
+                        f"needs ({num_layers}, {num_kv_heads})"
+                    )
                 fields[name] = t
         return cls(s_hat, group, device, source, **fields)
 
@@ -169,13 +181,23 @@ def fit_reuse_record(record: dict) -> dict:
     the fit's per-lag mean against the measurement."""
     lag_cos = torch.tensor([record["lags"]["query_cos"][str(lag)]["per_head_mean"] for lag in FIT_LAGS])
     c, rho = fit_persistent(lag_cos)
-    spec = torch.tensor([[1.0 if v is None else v for v in row]
-                         for row in record["metrics"]["spec_query_cos"]["per_head"]["mean"]])
+    spec = torch.tensor(
+        [[1.0 if v is None else v for v in row] for row in record["metrics"]["spec_query_cos"]["per_head"]["mean"]]
+    )
     lags = torch.tensor(FIT_LAGS, dtype=torch.float32)[:, None, None]
-    pred = c + (1 - c) * rho ** lags
-    return {"s_hat": record["s_hat"], "persistent": c.tolist(), "rho": rho.tolist(), "spec_cos": spec.tolist(),
-            "fit": {"lags": list(FIT_LAGS), "measured_mean": lag_cos.mean((1, 2)).tolist(),
-                    "fitted_mean": pred.mean((1, 2)).tolist(), "rmse": ((pred - lag_cos) ** 2).mean().sqrt().item()}}
+    pred = c + (1 - c) * rho**lags
+    return {
+        "s_hat": record["s_hat"],
+        "persistent": c.tolist(),
+        "rho": rho.tolist(),
+        "spec_cos": spec.tolist(),
+        "fit": {
+            "lags": list(FIT_LAGS),
+            "measured_mean": lag_cos.mean((1, 2)).tolist(),
+            "fitted_mean": pred.mean((1, 2)).tolist(),
+            "rmse": ((pred - lag_cos) ** 2).mean().sqrt().item(),
+        },
+    }
 
 
 def map_profile(s_hat: torch.Tensor, layers: int, kv_heads: int, seed: int = 0) -> torch.Tensor:

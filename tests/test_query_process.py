@@ -1,4 +1,5 @@
 """The synthetic query process gives each head the adjacent-step similarity its profile asks for."""
+
 import pytest
 import torch
 
@@ -76,8 +77,9 @@ def _lag_cos(proc, layer, q0, steps, lags, speculative=False):
 def test_persistent_process_follows_its_fitted_lag_curve():
     c = torch.tensor([[0.7, 0.4], [0.0, 0.85]])
     rho = torch.tensor([[0.5, 0.8], [0.9, 0.3]])
-    proc = ProfileQueryProcess(torch.ones(2, 2), group=2, device=torch.device("cpu"), source="test",
-                               persistent=c, rho=rho)
+    proc = ProfileQueryProcess(
+        torch.ones(2, 2), group=2, device=torch.device("cpu"), source="test", persistent=c, rho=rho
+    )
     torch.manual_seed(0)
     q0 = torch.randn(32, 4, 64) * 2.0
     first = proc.query(1, q0, advance=True)
@@ -89,14 +91,22 @@ def test_persistent_process_follows_its_fitted_lag_curve():
             torch.testing.assert_close(cos, want, atol=0.03, rtol=0)
     same = proc.query(0, torch.randn(32, 4, 64), advance=False)
     again = proc.query(0, torch.randn(32, 4, 64), advance=False)
-    torch.testing.assert_close(torch.nn.functional.normalize(same, dim=-1),
-                               torch.nn.functional.normalize(again, dim=-1))
+    torch.testing.assert_close(
+        torch.nn.functional.normalize(same, dim=-1), torch.nn.functional.normalize(again, dim=-1)
+    )
 
 
 def test_speculative_query_is_at_its_target_cosine():
     spec = torch.tensor([[1.0, 1.0], [0.93, 0.6]])
-    proc = ProfileQueryProcess(torch.ones(2, 2), group=2, device=torch.device("cpu"), source="test",
-                               persistent=torch.full((2, 2), 0.7), rho=torch.full((2, 2), 0.5), spec_cos=spec)
+    proc = ProfileQueryProcess(
+        torch.ones(2, 2),
+        group=2,
+        device=torch.device("cpu"),
+        source="test",
+        persistent=torch.full((2, 2), 0.7),
+        rho=torch.full((2, 2), 0.5),
+        spec_cos=spec,
+    )
     torch.manual_seed(0)
     q = torch.randn(256, 4, 64)
     proc.query(1, q, advance=True)
@@ -152,7 +162,7 @@ def test_fit_recovers_a_persistent_curve():
 
     c, rho = torch.tensor([0.7, 0.0, 0.5]), torch.tensor([0.5, 0.85, 0.0])
     lags = torch.tensor([1.0, 2, 4, 8])[:, None]
-    fc, fr = fit_persistent(c + (1 - c) * rho ** lags)
+    fc, fr = fit_persistent(c + (1 - c) * rho**lags)
     torch.testing.assert_close(fc, c, atol=0.01, rtol=0)
     torch.testing.assert_close(fr[:2], rho[:2], atol=0.01, rtol=0)
 
@@ -164,8 +174,15 @@ def test_the_persistent_process_advances_when_replayed_from_a_cuda_graph():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA; run on the GPU machine")
     dev = torch.device("cuda")
-    proc = ProfileQueryProcess(torch.ones(1, 1), group=4, device=dev, source="test", persistent=torch.tensor([[0.5]]),
-                               rho=torch.tensor([[0.5]]), spec_cos=torch.tensor([[0.8]]))
+    proc = ProfileQueryProcess(
+        torch.ones(1, 1),
+        group=4,
+        device=dev,
+        source="test",
+        persistent=torch.tensor([[0.5]]),
+        rho=torch.tensor([[0.5]]),
+        spec_cos=torch.tensor([[0.8]]),
+    )
     q = torch.randn(64, 4, 128, device=dev)
     for _ in range(2):  # eager first calls, as the decode warm-up makes
         proc.query(0, q, advance=True, speculative=True)

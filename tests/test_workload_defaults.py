@@ -17,7 +17,7 @@ def composed(*overrides):
 @pytest.mark.parametrize("model", ["llama3", "qwen25"])
 def test_paper_models_bring_their_profile_and_queries(model):
     cfg = composed(f"model={model}", "system=clo")
-    assert cfg.system.profile == cfg.model.reuse_profile == f"data/profiles/{model}-from-smollm2.json"
+    assert cfg.system.profile == cfg.model.reuse_profile == f"data/profiles/{model}-from-smollm2-reuse.json"
     assert (ROOT / cfg.model.reuse_profile).is_file()
     assert resolve_queries(cfg.workload.query_process, "synthetic", cfg.model) == cfg.model.synthetic_queries
     # the same model with a real checkpoint keeps the model's own queries
