@@ -47,3 +47,14 @@ def step_device_bytes(
         total += row * st.window.shape[0] * st.window.shape[1] * (st.sink + st.recent + gen + st.k)
         total += st.labels.nbytes
     return total
+
+
+def memory_parts(stores: list[LayerStore | None], metadata_bytes: int, dense_bytes: int) -> dict[str, int]:
+    """CLO's device bytes by part (paper Table 6) and its host store, from the stores' real buffers."""
+    parts = dict.fromkeys(("slots", "labels", "persistent", "window"), 0)
+    parts.update(metadata=metadata_bytes, dense_layers=dense_bytes, host=0)
+    for st in stores:
+        if st is not None:
+            for key, val in st.memory().items():
+                parts[key] += val
+    return parts

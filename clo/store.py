@@ -8,6 +8,8 @@ graph."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvoffload.errors import ConfigError
@@ -17,6 +19,17 @@ from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.layers import prompt_window
 from kvoffload.offload.retrieval import select_topk, topk_work
+
+
+@dataclass
+class Selection:
+    """One layer's choice for a step, in the store's head order. miss [B, nc]: which cached heads' lookups missed
+    (None: no cached heads); idx [B, nc, k]: the missed heads' new top-k (a hit head's rows are unset on CUDA);
+    persist_idx [B, Hp, k]: the persistent heads' top-k, with persist_query=speculative only."""
+
+    miss: torch.Tensor | None = None
+    idx: torch.Tensor | None = None
+    persist_idx: torch.Tensor | None = None
 
 
 class LayerStore:

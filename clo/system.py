@@ -18,31 +18,18 @@ Without speculation (and at the first sparse layer) `refresh` does select + move
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from clo.accounting import count_step, step_device_bytes
+from clo.accounting import count_step, memory_parts, step_device_bytes
 from clo.config import CLOConfig
 from clo.plan import CLOPlan, estimate_parts, k_select, make_plan, planning_inputs, row_bytes
-from clo.store import LayerStore
+from clo.store import LayerStore, Selection
 from kvoffload.kernels.decode_attention import SplitAttention
 from kvoffload.kernels.head_cache import lookup_and_update
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload.layers import DenseLayers
 from kvoffload.offload.retrieval import make_retriever
 from kvoffload.offload.transfer import TransferEngine
-
-
-@dataclass
-class Selection:
-    """One layer's choice for a step, in the store's head order. miss [B, nc]: which cached heads' lookups missed
-    (None: no cached heads); idx [B, nc, k]: the missed heads' new top-k (a hit head's rows are unset on CUDA);
-    persist_idx [B, Hp, k]: the persistent heads' top-k, with persist_query=speculative only."""
-
-    miss: torch.Tensor | None = None
-    idx: torch.Tensor | None = None
-    persist_idx: torch.Tensor | None = None
 
 
 class CLO(KVOffloadSystem):
@@ -68,20 +55,7 @@ class CLO(KVOffloadSystem):
 
     def memory_parts(self) -> dict[str, int]:
         """Device bytes by part (paper Table 6) and the host store, from the real buffers."""
-        parts = {
-            "slots": 0,
-            "labels": 0,
-            "persistent": 0,
-            "window": 0,
-            "metadata": self.retriever.metadata_bytes(),
-            "dense_layers": self.dense.nbytes(),
-            "host": 0,
-        }
-        for st in self.stores:
-            if st is not None:
-                for key, val in st.memory().items():
-                    parts[key] += val
-        return parts
+        return memory_parts(self.stores, self.retriever.metadata_bytes(), self.dense.nbytes())
 
     def _allocate(self, spec: KVSpec) -> None:
         self.plan_for(spec)
