@@ -73,7 +73,7 @@ class InfiniGen(OffloadedBaseline):
             partial = sparse * heads * n_mid * d * spec.dtype_bytes
         else:  # partial keys + the skew basis
             partial = sparse * heads * (n_mid * r * spec.dtype_bytes + d * r * 4) if n_mid else 0
-        buffers = 2 * heads * self.k_select(t0) * self.row_bytes(spec) if sparse else 0
+        buffers = 2 * heads * self.k_select(t0) * spec.row_bytes if sparse else 0
         return {**self.common_estimate(spec), "metadata": partial, "fetch_buffers": buffers}
 
     def _allocate(self, spec: KVSpec) -> None:
@@ -161,7 +161,7 @@ class InfiniGen(OffloadedBaseline):
             else:
                 self.transfer.fill(self.host[layer], self.fill_heads, idx_fill, self.fill_miss, buf)
             self.transfer.host_syncs = 0  # counted above, where the indices came to the host
-        self.step.bytes_h2d += b * hkv * k_sel * self.row_bytes(spec)
+        self.step.bytes_h2d += b * hkv * k_sel * spec.row_bytes
         self.pending[layer] = (buf, event, idx_fill)
 
     def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, None]:

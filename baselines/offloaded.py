@@ -44,10 +44,6 @@ class OffloadedBaseline(KVOffloadSystem):
     def k_select(self, prompt_len: int) -> int:
         return select_budget(prompt_len, self.topk_ratio, self.sink, self.recent)
 
-    @staticmethod
-    def row_bytes(spec: KVSpec) -> int:
-        return 2 * spec.head_dim * spec.dtype_bytes
-
     def _allocate(self, spec: KVSpec) -> None:
         if self.dense_layers > spec.num_layers:
             raise ConfigError(f"dense_layers={self.dense_layers} exceeds the model's {spec.num_layers} layers")
@@ -118,7 +114,7 @@ class OffloadedBaseline(KVOffloadSystem):
         it)."""
         t0 = spec.prompt_tokens
         sink, recent, n_mid = split_prompt(t0, self.sink, self.recent)
-        per_head = spec.batch * spec.num_kv_heads * self.row_bytes(spec)
+        per_head = spec.batch * spec.num_kv_heads * spec.row_bytes
         sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
         return {
             "window": sparse * per_head * (sink + recent + spec.max_len - t0),
@@ -131,7 +127,7 @@ class OffloadedBaseline(KVOffloadSystem):
         (every candidate is scored)."""
         spec = self.spec
         sink, recent, _ = split_prompt(self.t0, self.sink, self.recent)
-        per_token = self.row_bytes(spec) * spec.batch * spec.num_kv_heads
+        per_token = spec.row_bytes * spec.batch * spec.num_kv_heads
         sparse = sum(1 for w in self.window if w is not None)
         attended = sink + recent + self.length - self.t0 + 1 + self.k_select(self.t0)
         return per_token * sparse * attended + self.dense.step_bytes(self.length) + self.memory_parts()["metadata"]

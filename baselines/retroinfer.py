@@ -126,7 +126,7 @@ class RetroInfer(OffloadedBaseline):
             )
         return {
             **self.common_estimate(spec),
-            "cache": sparse * heads * cap * self.block_size * self.row_bytes(spec),
+            "cache": sparse * heads * cap * self.block_size * spec.row_bytes,
             "metadata": sparse * meta,
             "host_metadata": sparse * heads * 8 * (n_blocks + 1 + 2 * (cap + 1)),
         }
@@ -217,7 +217,7 @@ class RetroInfer(OffloadedBaseline):
             slot, miss = res.slot.to(dev), res.miss.to(dev)
         self.step.lookups += res.lookups
         self.step.hits += res.hits
-        self.step.bytes_h2d += n_miss * bs * self.row_bytes(spec)
+        self.step.bytes_h2d += n_miss * bs * spec.row_bytes
         self.evictions += res.evictions
         with self.phase("attention"):  # gather the selected rows: hits from the cache, misses from the buffer
             off = idx % bs

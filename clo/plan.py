@@ -19,7 +19,7 @@ from clo.config import CLOConfig
 from clo.policy.persistent import HeadPlan, heads_per_layer_time, load_profile, plan_persistent_heads
 from clo.policy.thresholds import load_importance, thresholds
 from kvoffload.errors import ConfigError
-from kvoffload.kv.interface import KVSpec
+from kvoffload.kv.interface import KVSpec, split_host
 from kvoffload.offload.budget import select_budget, split_prompt
 from kvoffload.offload.retrieval import metadata_bytes_per_token
 
@@ -47,30 +47,8 @@ class CLOPlan:
         }
 
 
-def row_bytes(spec: KVSpec) -> int:
-    """K and V of one token of one KV head."""
-    return 2 * spec.head_dim * spec.dtype_bytes
-
-
 def k_select(cfg: CLOConfig, prompt_len: int) -> int:
     return select_budget(prompt_len, cfg.topk_ratio, cfg.sink, cfg.recent)
-
-
-def planning_inputs(spec: KVSpec) -> tuple:
-    """What of a spec the plan depends on: two specs that agree here get the same plan."""
-    return (
-        spec.num_layers,
-        spec.num_kv_heads,
-        spec.batch,
-        spec.max_len,
-        spec.prompt_len,
-        spec.head_dim,
-        spec.dtype,
-        spec.layer_time_s,
-        spec.link_gb_s,
-        spec.device.type,
-        spec.gpu_budget_bytes,
-    )
 
 
 def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
@@ -87,7 +65,7 @@ def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
     s_hat, profile_source = load_profile(cfg.profile, L, hkv)
     link = cfg.link_gb_s * 1e9 if cfg.link_gb_s is not None else spec.link_bytes_per_s
     layer_s = cfg.layer_time_ms / 1e3 if cfg.layer_time_ms is not None else spec.layer_time_s or UNMEASURED_LAYER_S
-    n_p = heads_per_layer_time(layer_s, link, spec.batch * k_select(cfg, spec.max_len) * row_bytes(spec))
+    n_p = heads_per_layer_time(layer_s, link, spec.batch * k_select(cfg, spec.max_len) * spec.row_bytes)
     if cfg.persistent:
         heads = plan_persistent_heads(tau, s_hat, cfg.epsilon, n_p, skip_layers=cfg.dense_layers)
     else:
@@ -96,21 +74,17 @@ def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
     return fit_budget(cfg, plan, spec)
 
 
-def device_bytes(parts: dict[str, int]) -> int:
-    return sum(v for k, v in parts.items() if k not in ("host", "host_metadata"))
-
-
 def fit_budget(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> CLOPlan:
     """The plan with as few persistent heads demoted to the cached path (miss -> top-k + transfer) as the device
     budget needs, the least hard (lowest Eq. 11 difficulty) first. A plan that fits, or that no demotion makes fit
     (the allocation then refuses it with the numbers), is returned as it is."""
     budget, heads = spec.gpu_budget_bytes, plan.heads
-    if budget is None or device_bytes(estimate_parts(cfg, plan, spec)) <= budget:
+    if budget is None or split_host(estimate_parts(cfg, plan, spec)).device_bytes <= budget:
         return plan
     order = sorted((heads.difficulty[l][h], l, h) for l, hs in enumerate(heads.persistent) for h in hs)
     for n in range(1, len(order) + 1):
         trial = replace(plan, heads=heads.without([(l, h) for _, l, h in order[:n]]))
-        if device_bytes(estimate_parts(cfg, trial, spec)) <= budget:
+        if split_host(estimate_parts(cfg, trial, spec)).device_bytes <= budget:
             return trial
     return plan
 
@@ -118,7 +92,7 @@ def fit_budget(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> CLOPlan:
 def estimate_parts(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> dict[str, int]:
     """The bytes of CLO.memory_parts() from the shapes alone, for the spec's prompt length: what allocation and
     prefill will hold (a test checks the two agree)."""
-    row, t0, b, hkv = row_bytes(spec), spec.prompt_tokens, spec.batch, spec.num_kv_heads
+    row, t0, b, hkv = spec.row_bytes, spec.prompt_tokens, spec.batch, spec.num_kv_heads
     sink, recent, n_mid = split_prompt(t0, cfg.sink, cfg.recent)
     k, g = k_select(cfg, t0), spec.group_size
     meta_per_token = metadata_bytes_per_token(cfg.retriever, cfg.rbit, spec.head_dim, spec.dtype_bytes)

@@ -22,7 +22,7 @@ import torch
 
 from clo.accounting import count_step, memory_parts, step_device_bytes
 from clo.config import CLOConfig
-from clo.plan import CLOPlan, estimate_parts, k_select, make_plan, planning_inputs, row_bytes
+from clo.plan import CLOPlan, estimate_parts, k_select, make_plan
 from clo.store import LayerStore, Selection
 from kvoffload.kernels.decode_attention import SplitAttention
 from kvoffload.kernels.head_cache import lookup_and_update
@@ -41,13 +41,13 @@ class CLO(KVOffloadSystem):
         self.wants_speculative_query = self.cfg.speculative
         self.supports_cuda_graph = self.cfg.transfer == "uva"  # the CPU-gather path syncs with the host by design
         self.plan: CLOPlan | None = None
-        self._planned_for: tuple | None = None
+        self._planned_for: KVSpec | None = None
 
     # ---- plan and memory ------------------------------------------------------------------------------------
     def plan_for(self, spec: KVSpec) -> CLOPlan:
         """The plan for these shapes and measurements, made once (the estimate and the allocation share it)."""
-        if self._planned_for != planning_inputs(spec):
-            self.plan, self._planned_for = make_plan(self.cfg, spec), planning_inputs(spec)
+        if self._planned_for != spec:  # a frozen dataclass: equal specs plan alike
+            self.plan, self._planned_for = make_plan(self.cfg, spec), spec
         return self.plan
 
     def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
@@ -228,7 +228,7 @@ class CLO(KVOffloadSystem):
 
     def end_step(self):
         stats = super().end_step()
-        counts = count_step(self.stores, row_bytes(self.spec))
+        counts = count_step(self.stores, self.spec.row_bytes)
         stats.lookups, stats.hits, stats.bytes_h2d, self.scored_rows = counts
         stats.host_syncs, self.transfer.host_syncs = self.transfer.host_syncs, 0
         return stats
@@ -237,7 +237,7 @@ class CLO(KVOffloadSystem):
         """CLO's own floor on the device side (clo/accounting.py)."""
         meta = self.retriever.metadata_bytes()
         return step_device_bytes(
-            self.stores, meta, self.scored_rows, self.length, row_bytes(self.spec)
+            self.stores, meta, self.scored_rows, self.length, self.spec.row_bytes
         ) + self.dense.step_bytes(self.length)
 
     def describe(self) -> dict:

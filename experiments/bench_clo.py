@@ -51,34 +51,28 @@ def bench_transfer(pool_bytes: int = 512 << 20, fraction: float = 0.1) -> list[d
         bulk_dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEV)
         bulk_ms = time_ms(lambda: bulk_dst.copy_(bulk_src, non_blocking=True), iters=20)
         bulk = nbytes / bulk_ms / 1e6
+
+        def measured(path: str, ms: float, **extra) -> dict:
+            gb_s = nbytes / ms / 1e6
+            return {
+                "row_bytes": row_bytes,
+                "rows": k,
+                "path": path,
+                "gb_s": round(gb_s, 1),
+                "of_bulk": round(gb_s / bulk, 3),
+                "bulk_gb_s": round(bulk, 1),
+                **extra,
+            }
+
         for programs in UVA_PROGRAMS:
             slots.zero_()
             uva_ms = time_ms(lambda: uva_gather(host, heads, idx, miss, slots, programs=programs), iters=20)
             exact = torch.equal(slots.cpu(), gather_rows_ref(host, heads.cpu(), idx.cpu()))
-            rows_out.append(
-                {
-                    "row_bytes": row_bytes,
-                    "rows": k,
-                    "path": f"uva (0 CPU threads, {programs} programs)",
-                    "gb_s": round(nbytes / uva_ms / 1e6, 1),
-                    "of_bulk": round(nbytes / uva_ms / 1e6 / bulk, 3),
-                    "bulk_gb_s": round(bulk, 1),
-                    "exact_rows": exact,
-                }
-            )
+            rows_out.append(measured(f"uva (0 CPU threads, {programs} programs)", uva_ms, exact_rows=exact))
         for threads in (1, 4, 16):
             eng = TransferEngine("cpu_gather", threads, DEV)
             ms = time_ms(lambda: eng.fill(host, heads, idx, miss, slots), iters=5)
-            rows_out.append(
-                {
-                    "row_bytes": row_bytes,
-                    "rows": k,
-                    "path": f"cpu_gather {threads} threads",
-                    "gb_s": round(nbytes / ms / 1e6, 1),
-                    "of_bulk": round(nbytes / ms / 1e6 / bulk, 3),
-                    "bulk_gb_s": round(bulk, 1),
-                }
-            )
+            rows_out.append(measured(f"cpu_gather {threads} threads", ms))
         for r in rows_out[-3 - len(UVA_PROGRAMS) :]:
             print(
                 f"transfer {r['row_bytes']:>4} B rows  {r['path']:<22} {r['gb_s']:7.1f} GB/s"

@@ -59,6 +59,11 @@ class KVSpec:
         return CPU_LINK_GB_S * 1e9
 
     @property
+    def row_bytes(self) -> int:
+        """K and V of one token of one KV head: the unit every offloading system moves and attends."""
+        return 2 * self.head_dim * self.dtype_bytes
+
+    @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
