@@ -1,8 +1,10 @@
 """FullAttn: every token's K/V stays in device memory and each decode step attends densely. The ideal where it
-fits. Eager attention is flashinfer's decode kernel on CUDA when flashinfer is installed (bf16/fp16), torch
-SDPA otherwise; a step replayed from a CUDA graph uses our length-from-device Triton kernel. The cache is
-token-major ([layer, batch, token, kv_head, dim], flashinfer's NHD) so that the first
-n tokens of a sequence are one contiguous block."""
+fits, run as the field runs it. On CUDA with bf16/fp16 the default kernel is flashinfer's batch decode over the
+cache read as pages (baselines/paged_decode.py), in eager steps and in a step captured in a CUDA graph alike
+(planned once per step on the host, before the replay); `attention_backend=triton` is our length-from-device
+Triton kernel (also capturable), `sdpa` torch SDPA (eager only: a step captured in a graph then uses the Triton
+kernel). The cache is token-major ([layer, batch, token, kv_head, dim], flashinfer's NHD), its token axis padded
+to whole pages, so that the first n tokens of a sequence are one contiguous block."""
 
 from __future__ import annotations
 
@@ -10,51 +12,77 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from baselines.paged_decode import WORKSPACE_BYTES, PagedDecode, flashinfer_module, padded_len
 from kvoffload.errors import ConfigError
 from kvoffload.kernels.decode_attention import decode_attention
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 
-
-def _flashinfer():
-    try:
-        import flashinfer  # optional GPU extra
-
-        return flashinfer
-    except ImportError:
-        return None
-
-
 BACKENDS = ("auto", "sdpa", "flashinfer", "triton")
+
+
+def flashinfer_usable(spec: KVSpec) -> bool:
+    return (
+        spec.device.type == "cuda" and spec.dtype in (torch.bfloat16, torch.float16) and flashinfer_module() is not None
+    )
 
 
 class FullAttn(KVOffloadSystem):
     name = "fullattn"
     supports_cuda_graph = True
 
-    def __init__(self, attention_backend: str = "auto") -> None:
+    def __init__(self, attention_backend: str = "auto", flashinfer_tensor_cores: bool = False) -> None:
         super().__init__()
         if attention_backend not in BACKENDS:
             raise ConfigError(f"attention_backend={attention_backend!r}; valid: {', '.join(BACKENDS)}")
         self.attention_backend = attention_backend
+        self.tensor_cores = flashinfer_tensor_cores
         self.backend = "sdpa"
+        self.paged: PagedDecode | None = None
 
-    def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
-        return {"kv": spec.num_layers * spec.layer_kv_bytes, "host": 0}
-
-    def _allocate(self, spec: KVSpec) -> None:
-        shape = (spec.num_layers, spec.batch, spec.max_len, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.empty(shape, dtype=spec.dtype, device=spec.device)
-        self.v = torch.empty(shape, dtype=spec.dtype, device=spec.device)
-        usable = spec.device.type == "cuda" and spec.dtype in (torch.bfloat16, torch.float16)
-        fi = _flashinfer() if usable else None
-        if self.attention_backend == "flashinfer" and fi is None:
+    def resolve_backend(self, spec: KVSpec) -> str:
+        fi = flashinfer_usable(spec)
+        if self.attention_backend == "flashinfer" and not fi:
             raise ConfigError("attention_backend=flashinfer needs CUDA, bf16/fp16 and the flashinfer package")
         if self.attention_backend == "triton" and spec.device.type != "cuda":
             raise ConfigError("attention_backend=triton needs CUDA")
-        if self.attention_backend in ("sdpa", "triton"):
-            self.backend = self.attention_backend
-        else:
-            self.backend = "flashinfer" if fi is not None else "sdpa"
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "flashinfer" if fi else "sdpa"
+
+    def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
+        tokens = spec.batch * padded_len(spec.max_len) * spec.num_kv_heads
+        workspace = WORKSPACE_BYTES if self.resolve_backend(spec) == "flashinfer" else 0
+        return {"kv": spec.num_layers * tokens * spec.row_bytes, "workspace": workspace, "host": 0}
+
+    def _allocate(self, spec: KVSpec) -> None:
+        shape = (spec.num_layers, spec.batch, padded_len(spec.max_len), spec.num_kv_heads, spec.head_dim)
+        self.k = torch.empty(shape, dtype=spec.dtype, device=spec.device)
+        self.v = torch.empty(shape, dtype=spec.dtype, device=spec.device)
+        self.backend = self.resolve_backend(spec)
+        self.paged = None  # made at the first step, when it is known whether the step is captured
+
+    def use_static_shapes(self) -> None:
+        super().use_static_shapes()
+        if self.backend == "sdpa":  # SDPA's launch depends on the length: not capturable
+            self.backend = "triton"
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        if self.backend == "flashinfer":
+            if self.paged is None:
+                s = self.spec
+                self.paged = PagedDecode(
+                    s.batch,
+                    s.max_len,
+                    s.num_heads,
+                    s.num_kv_heads,
+                    s.head_dim,
+                    s.dtype,
+                    s.device,
+                    graph=self.static_shapes,
+                    tensor_cores=self.tensor_cores,
+                )
+            self.paged.plan(self.length + 1)
 
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         t = k.shape[2]
@@ -65,25 +93,28 @@ class FullAttn(KVOffloadSystem):
         with self.phase("attention"):
             self.k[layer].index_copy_(1, self.position, k[:, None])
             self.v[layer].index_copy_(1, self.position, v[:, None])
-            if self.static_shapes or self.backend == "triton":
+            if self.backend == "flashinfer":
+                return self.paged.run(q, self.k[layer], self.v[layer])
+            if self.backend == "triton":
                 # One launch for any length (read from the device): what a replayed CUDA graph needs.
                 lengths = (self.position + 1).expand(q.shape[0])
                 return decode_attention(q, self.k[layer], self.v[layer], lengths)
             end = self.length + 1
             keys, values = self.k[layer, :, :end], self.v[layer, :, :end]  # [B, T, Hkv, D]
-            if self.backend == "flashinfer":
-                import flashinfer
-
-                return torch.stack(
-                    [
-                        flashinfer.single_decode_with_kv_cache(q[b], keys[b], values[b], kv_layout="NHD")
-                        for b in range(q.shape[0])
-                    ]
-                )
             return dense_decode_attention(q, keys.transpose(1, 2), values.transpose(1, 2))
 
     def memory_parts(self) -> dict[str, int]:
-        return {"kv": self.k.nbytes + self.v.nbytes, "host": 0}
+        workspace = WORKSPACE_BYTES if self.backend == "flashinfer" else 0  # allocated at the first step
+        return {"kv": self.k.nbytes + self.v.nbytes, "workspace": workspace, "host": 0}
+
+    def describe(self) -> dict:
+        kernel = {
+            "flashinfer": "flashinfer BatchDecodeWithPagedKVCacheWrapper"
+            + (" (tensor cores)" if self.tensor_cores else ""),
+            "triton": "kvoffload.kernels.decode_attention (Triton, length from the device)",
+            "sdpa": "torch scaled_dot_product_attention",
+        }[self.backend]
+        return {"attention_kernel": kernel, "attention_backend": self.backend, "memory_parts": self.memory_parts()}
 
 
 # cuDNN's SDPA builds a plan per new key length, i.e. at every decode step: milliseconds each.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements, in stages, for a session with little device time:
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
-# Stages: pytest_gpu (~2.5 min) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
+# Stages: pytest_gpu (~2.5 min) bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
 # bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
 # fig2 (~3.5 min) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
@@ -30,6 +30,8 @@ stage() {  # stage <name> <seconds> <command...>
  python3 -c "import torch, triton, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__)"
 ) > "$out/env.txt" 2>&1
 stage pytest_gpu 290 python3 -m pytest -m gpu -q tests/
+stage bench_attn 240 python3 -m experiments.bench_decode_attention --batches 1,2,4,8,16 --lengths 32k,64k,128k \
+  --out "$out/decode_attention.json"
 stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
 stage pytest_clo_gpu 120 python3 -m pytest -m gpu -q tests/test_gpu.py -k clo
 stage pytest_gemv 120 python3 -m pytest -m gpu -q tests/test_gemv.py
