@@ -124,6 +124,12 @@ class BlockLRU:
             evictions=sum(p.evictions for p in parts),
         )
 
+    def access_into(self, blocks, dest, src, counts) -> None:
+        """The graph path's step (lru_native.access_into): numpy views of pinned buffers, written in place."""
+        assert self.backend == "native", "access_into is the native backend's"
+        numba.set_num_threads(self.threads)
+        lru_native.access_into(blocks, self.n_blocks, *self.arrays, dest, src, counts)
+
     def _access_native(self, blocks: torch.Tensor) -> LRUStep:
         b = blocks.to(torch.int32).contiguous().numpy()  # one dtype and layout: one compiled kernel
         numba.set_num_threads(self.threads)  # applies to this calling thread's parallel regions

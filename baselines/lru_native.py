@@ -41,12 +41,53 @@ def _to_tail(lk, s, sentinel):  # unlink slot s and make it the most recently us
     lk[sentinel, PREV] = s
 
 
+@numba.njit(inline="always")
+def _row_step(lk, bsl, sbl, blocks_r, u, nb, slot_r, mcol_r, mslot_r):
+    """One head's step: look its u blocks up, touch the hits, admit the misses. slot_r[j] := the block's slot if
+    it hit, else -1; mcol_r[:m] the columns of the misses in order; mslot_r[:a] the slots the first a misses
+    took. Returns (hits, misses, admitted, evictions)."""
+    cap = sbl.shape[0] - 1
+    h = m = 0
+    for j in range(u):  # branch-free: hits and misses interleave at random, a branch would mispredict
+        b = blocks_r[j]
+        s = bsl[U(b)]  # padding reads the trash column's -1: never a hit, and not counted as a miss
+        slot_r[j] = s
+        mslot_r[h], mcol_r[m] = s, j  # written always, kept only by the count advancing
+        h += s >= 0
+        m += (s < 0) & (b != nb)
+    for k in range(h):  # touch the hits in ascending block order
+        _to_tail(lk, mslot_r[k], cap)
+    # admit: the list now starts with the cap - h slots not hit in this step, least recent first; the first
+    # a of them are the victims, in order
+    a, e = min(m, cap - h), 0
+    v = lk[cap, NEXT]
+    for k in range(a):
+        mslot_r[k] = v
+        v = lk[U(v), NEXT]
+    for k in range(a):  # iterations independent of each other: their cache misses overlap
+        v = mslot_r[k]
+        old = sbl[U(v)]
+        if old >= 0:
+            bsl[U(old)] = -1
+            e += 1
+        b = blocks_r[mcol_r[k]]
+        bsl[U(b)] = v
+        sbl[U(v)] = b
+    if a:  # the victims keep their order: move the whole segment from the head to the tail
+        first, last = lk[cap, NEXT], mslot_r[a - 1]
+        after, tail = lk[last, NEXT], lk[cap, PREV]
+        if after != cap:
+            lk[cap, NEXT], lk[after, PREV] = after, cap
+            lk[tail, NEXT], lk[first, PREV] = first, tail
+            lk[last, NEXT], lk[cap, PREV] = cap, last
+    return h, m, a, e
+
+
 @numba.njit(nogil=True, parallel=True, cache=True)
 def access(blocks, nb, block_slot, slot_block, link):
     """blocks [rows, n] int32 C-contiguous (distinct ascending ids, then padding nb); the state arrays are updated
     in place. Returns LRUStep's arrays and counts (see baselines/lru.py)."""
     rows, n = blocks.shape
-    cap = slot_block.shape[1] - 1
     valid = np.zeros(rows, np.int64)
     for r in prange(rows):
         c = 0
@@ -57,46 +98,13 @@ def access(blocks, nb, block_slot, slot_block, link):
     for r in range(rows):
         u = max(u, valid[r])
     slot = np.empty((rows, u), np.int64)
-    miss = np.empty((rows, u), np.int64)
+    miss = np.full((rows, u), -1, np.int64)
     mcol = np.empty((rows, u), np.int32)  # per row: the column of each miss, in order
     mslot = np.empty((rows, u), np.int32)  # the slots hit, then the slots the admitted misses took
     n_hit, n_miss = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
     n_admit, n_evict = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
     for r in prange(rows):
-        lk, bsl, sbl = link[r], block_slot[r], slot_block[r]
-        h = m = 0
-        for j in range(u):  # branch-free: hits and misses interleave at random, a branch would mispredict
-            b = blocks[r, j]
-            s = bsl[U(b)]  # padding reads the trash column's -1: never a hit, and not counted as a miss
-            slot[r, j], miss[r, j] = s, -1
-            mslot[r, h], mcol[r, m] = s, j  # written always, kept only by the count advancing
-            h += s >= 0
-            m += (s < 0) & (b != nb)
-        for k in range(h):  # touch the hits in ascending block order
-            _to_tail(lk, mslot[r, k], cap)
-        # admit: the list now starts with the cap - h slots not hit in this step, least recent first; the first
-        # a of them are the victims, in order
-        a, e = min(m, cap - h), 0
-        v = lk[cap, NEXT]
-        for k in range(a):
-            mslot[r, k] = v
-            v = lk[U(v), NEXT]
-        for k in range(a):  # iterations independent of each other: their cache misses overlap
-            v = mslot[r, k]
-            old = sbl[U(v)]
-            if old >= 0:
-                bsl[U(old)] = -1
-                e += 1
-            b = blocks[r, mcol[r, k]]
-            bsl[U(b)] = v
-            sbl[U(v)] = b
-        if a:  # the victims keep their order: move the whole segment from the head to the tail
-            first, last = lk[cap, NEXT], mslot[r, a - 1]
-            after, tail = lk[last, NEXT], lk[cap, PREV]
-            if after != cap:
-                lk[cap, NEXT], lk[after, PREV] = after, cap
-                lk[tail, NEXT], lk[first, PREV] = first, tail
-                lk[last, NEXT], lk[cap, PREV] = cap, last
+        h, m, a, e = _row_step(link[r], block_slot[r], slot_block[r], blocks[r], u, nb, slot[r], mcol[r], mslot[r])
         n_hit[r], n_miss[r], n_admit[r], n_evict[r] = h, m, a, e
     # the miss list is row-major: offsets by a (short, serial) prefix sum over rows, then filled per row
     moff, aoff = np.zeros(rows + 1, np.int64), np.zeros(rows + 1, np.int64)
@@ -117,10 +125,37 @@ def access(blocks, nb, block_slot, slot_block, link):
     return (slot, miss, miss_row, miss_block, admit_pos, admit_slot, valid.sum(), n_hit.sum(), n_evict.sum())
 
 
+@numba.njit(nogil=True, parallel=True, cache=True)
+def access_into(blocks, nb, block_slot, slot_block, link, dest, src, counts):
+    """The same step for the graph path, every output in a buffer of fixed shape (pinned, copied to the device
+    as it is): blocks [rows, n] int32 (ascending, no padding: block selection retrieves n distinct blocks per
+    head and the cache holds at least n, so every miss is admitted); dest [rows, n] int32 := the cache slot of
+    each block (hit or just admitted); src [rows, n] int32 := r * nb + block for a miss (its block in the flat
+    host store), -1 for a hit; counts [3] int64 := (lookups, hits, evictions)."""
+    rows, n = blocks.shape
+    hits, evictions = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
+    for r in prange(rows):
+        slot_r = np.empty(n, np.int64)
+        mcol = np.empty(n, np.int32)
+        mslot = np.empty(n, np.int32)
+        h, m, a, e = _row_step(link[r], block_slot[r], slot_block[r], blocks[r], n, nb, slot_r, mcol, mslot)
+        for j in range(n):
+            dest[r, j] = slot_r[j]
+            src[r, j] = -1
+        for k in range(a):  # a == m here (see above)
+            j = mcol[k]
+            dest[r, j] = mslot[k]
+            src[r, j] = r * nb + blocks[r, j]
+        hits[r], evictions[r] = h, e
+    counts[0], counts[1], counts[2] = rows * n, hits.sum(), evictions.sum()
+
+
 def warm() -> None:
     """Compile (or load from numba's cache) and start the thread pool now, once per process: not in a timed step."""
     state = [torch.full((1, 2), -1, dtype=torch.int64).numpy() for _ in range(2)]
     access(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy())
+    out = [np.zeros((1, 1), np.int32) for _ in range(2)]
+    access_into(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy(), *out, np.zeros(3, np.int64))
 
 
 def order(link: torch.Tensor) -> torch.Tensor:

@@ -86,9 +86,7 @@ class OffloadedBaseline(KVOffloadSystem):
         if layer in self.dense:
             with self.phase("attention"):
                 return self.dense.decode(layer, q, k, v, self.position)
-        sink, recent, _ = split_prompt(self.t0, self.sink, self.recent)
-        n_win = sink + recent + self.length - self.t0 + 1
-        self.window[layer][:, :, n_win - 1] = torch.stack([k, v], dim=2)
+        n_win = self.append_window(layer, k, v)
         k_sel = self.k_select(self.t0)
         sel, real = self.selected_rows(layer, q, k_sel) if k_sel else (None, None)  # [B, Hkv, k, 2, D], [B, Hkv, k]
         with self.phase("attention"):
@@ -97,6 +95,13 @@ class OffloadedBaseline(KVOffloadSystem):
                 return attend(q, win)
             keep = None if real is None else torch.cat([real.new_ones(real.shape[:2] + (n_win,)), real], dim=2)
             return attend(q, torch.cat([win, sel], dim=2), keep)
+
+    def append_window(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """The step's new token into the layer's window; returns the window's length with it."""
+        sink, recent, _ = split_prompt(self.t0, self.sink, self.recent)
+        n_win = sink + recent + self.length - self.t0 + 1
+        self.window[layer][:, :, n_win - 1] = torch.stack([k, v], dim=2)
+        return n_win
 
     def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(rows [B, Hkv, k_sel, 2, D] of the selected middle tokens, real [B, Hkv, k_sel] bool or None): `real`

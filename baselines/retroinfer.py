@@ -32,6 +32,7 @@ import torch
 
 from baselines.lru import BlockLRU, distinct_sorted
 from baselines.offloaded import OffloadedBaseline
+from baselines.retroinfer_graphs import LayerGraphs
 from baselines.wave_index import WaveRetriever
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec
@@ -42,6 +43,9 @@ from kvoffload.offload.retrieval import RETRIEVERS, make_retriever, metadata_byt
 #        moves only selected tokens); token: the top-k tokens, each pulling in its whole block (for the exact
 #        top-k equivalence test; moves up to block_size x the selected bytes)
 SELECTIONS = ("block", "token")
+# on: the decode step's GPU work in per-layer CUDA graphs between the sync points (baselines/retroinfer_graphs.py);
+# off: eager; auto: on where it applies (CUDA, block selection, hash or exact retriever, uva transfer)
+GRAPH_MODES = ("auto", "on", "off")
 
 
 class RetroInfer(OffloadedBaseline):
@@ -66,6 +70,7 @@ class RetroInfer(OffloadedBaseline):
         wave_cluster_size: int = 16,
         wave_segment: int = 8192,
         wave_iters: int = 4,
+        graphs: str = "auto",
     ) -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, uva_programs, topk)
         if selection not in SELECTIONS:
@@ -83,6 +88,9 @@ class RetroInfer(OffloadedBaseline):
             )
         self.retriever_kind, self.rbit, self.seed = retriever, rbit, seed
         self.block_size, self.cache_multiple = block_size, cache_multiple
+        if graphs not in GRAPH_MODES:
+            raise ConfigError(f"graphs={graphs!r}; valid: {', '.join(GRAPH_MODES)}")
+        self.graphs = graphs
         self.evictions = 0
 
     def k_select(self, prompt_len: int) -> int:
@@ -148,12 +156,29 @@ class RetroInfer(OffloadedBaseline):
             )
         self.cache: list[torch.Tensor | None] = [None] * spec.num_layers
         self.lru: list[BlockLRU | None] = [None] * spec.num_layers
+        why_not = [
+            reason
+            for reason, bad in (
+                ("a CUDA device", spec.device.type != "cuda"),
+                ("selection=block", self.selection != "block"),
+                ("retriever=hash or exact", self.retriever_kind == "wave"),
+                ("transfer=uva", self.transfer_kind != "uva"),
+            )
+            if bad
+        ]
+        if self.graphs == "on" and why_not:
+            raise ConfigError(f"graphs=on needs {', '.join(why_not)}; use graphs=auto or off")
+        self.use_graphs = self.graphs != "off" and not why_not
+        self.layer_graphs: dict[int, LayerGraphs] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.n_mid = 0
         on_device = spec.device if self.transfer_kind == "uva" else torch.device("cpu")  # where fill wants indices
         self.fill_heads = torch.zeros(1, dtype=torch.long, device=on_device)
         self.fill_miss = torch.ones(1, 1, dtype=torch.bool, device=on_device)
 
     def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int) -> None:
         spec = self.spec
+        self.n_mid = n_mid
         if not n_mid:
             return
         self.retriever.index(layer, keys_mid)
@@ -168,6 +193,14 @@ class RetroInfer(OffloadedBaseline):
             rows, cap, self.block_size, 2, spec.head_dim, dtype=spec.dtype, device=spec.device
         )
         self.lru[layer] = BlockLRU(rows, n_blocks, cap, self.cpu_threads)
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self.use_graphs or layer in self.dense or not self.k_select(self.t0):
+            return super().decode(layer, q, k, v)
+        n_win = self.append_window(layer, k, v)
+        if layer not in self.layer_graphs:
+            self.layer_graphs[layer] = LayerGraphs(self, layer, self.graph_pool)
+        return self.layer_graphs[layer].step(q, n_win)
 
     def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         spec, bs = self.spec, self.block_size
@@ -253,6 +286,7 @@ class RetroInfer(OffloadedBaseline):
             "topk": self.topk,
             "link_gb_s": self.link_gb_s,
             "selection": self.selection,
+            "graphs": self.use_graphs,
             "defaults_source": "RetroInfer cache_hub/retroinfer_cache.py (microsoft/RetrievalAttention): "
             "page_size 8, cache = 3 x the retrieved clusters' pages",
             "memory_parts": self.memory_parts(),

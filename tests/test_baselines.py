@@ -238,6 +238,28 @@ def test_lru_backends_decide_identically(threads, monkeypatch):
     assert bypassed > 0
 
 
+def test_lru_access_into_decides_as_access():
+    """The graph path's fixed-shape step: every block's slot (hit or just admitted), the host block of each miss,
+    the counts, and the same state as access() step after step (n distinct blocks per row, n <= capacity)."""
+    rows, n_blocks, capacity, n = 4, 60, 12, 9
+    g = torch.Generator().manual_seed(3)
+    ref, got = (BlockLRU(rows, n_blocks, capacity, 2) for _ in range(2))
+    for _ in range(40):
+        blocks = torch.stack([torch.randperm(n_blocks, generator=g)[:n].sort().values for _ in range(rows)]).int()
+        a = ref.access(blocks)
+        dest, src = torch.empty(rows, n, dtype=torch.int32), torch.empty(rows, n, dtype=torch.int32)
+        counts = torch.zeros(3, dtype=torch.int64)
+        got.access_into(blocks.numpy(), dest.numpy(), src.numpy(), counts.numpy())
+        assert tuple(counts.tolist()) == (a.lookups, a.hits, a.evictions)
+        hit = a.slot >= 0
+        assert torch.equal(dest[hit], a.slot[hit].int()) and torch.equal(src[hit], torch.full_like(src[hit], -1))
+        admitted = torch.full((rows, n), -1, dtype=torch.int64)
+        admitted[a.miss_row[a.admit_pos], (a.miss >= 0).nonzero()[a.admit_pos][:, 1]] = a.admit_slot
+        assert torch.equal(dest[~hit], admitted[~hit].int())  # every miss admitted, into access()'s slot
+        assert torch.equal(src[~hit], (torch.arange(rows)[:, None] * n_blocks + blocks)[~hit])
+        assert torch.equal(ref.block_slot, got.block_slot) and torch.equal(ref.order(), got.order())
+
+
 def test_lru_refuses_bad_threads_and_backend():
     with pytest.raises(ConfigError, match="threads"):
         BlockLRU(2, 10, 4, threads=0)

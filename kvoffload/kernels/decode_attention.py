@@ -29,15 +29,23 @@ except ImportError:  # CPU machines: the reference is used
 
 
 def decode_attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, return_lse: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    return_lse: bool = False,
+    rows: torch.Tensor | None = None,
 ):
+    """rows [B, T, Hkv] bool, when given: only those rows (within the length) are attended."""
     b, h, d = q.shape
     hkv = k.shape[2]
     qg = q.view(b, hkv, h // hkv, d).float()
     scores = torch.einsum("bkgd,btkd->bkgt", qg, k.float()) / math.sqrt(d)
-    valid = torch.arange(k.shape[1], device=k.device)[None, :] < lengths[:, None]  # [B, T]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    vf = v.float().masked_fill(~valid[:, :, None, None], 0.0)  # rows past the length may hold garbage (NaN)
+    valid = torch.arange(k.shape[1], device=k.device)[None, :, None] < lengths[:, None, None]  # [B, T, 1]
+    valid = valid if rows is None else valid & rows  # [B, T, Hkv]
+    valid = valid.expand(b, k.shape[1], hkv)
+    scores = scores.masked_fill(~valid.permute(0, 2, 1)[:, :, None, :], float("-inf"))
+    vf = v.float().masked_fill(~valid[..., None], 0.0)  # rows past the length may hold garbage (NaN)
     out = torch.einsum("bkgt,btkd->bkgd", scores.softmax(-1), vf).reshape(b, h, d).to(q.dtype)
     if return_lse:
         return out, scores.logsumexp(-1).reshape(b, h)
@@ -165,6 +173,7 @@ if triton is not None:
             valid = n < end
             at_idx = n < tl.minimum(end, indexed_end)
             rows = tl.where(at_idx, tl.load(idx_ptr + n, mask=at_idx, other=0).to(tl.int32), n)
+            valid = valid & (rows >= 0)  # a negative index is no row (RetroInfer's padding in a partial block)
             kb = tl.load(k_ptr + rows[:, None] * stride_t + d[None, :], mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kb)) * sm_scale
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -432,11 +441,13 @@ def gather_indexed(
     second: tuple[torch.Tensor, torch.Tensor, torch.Tensor], indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 ):
     """The second buffer with the indexed heads' rows appended as heads (what the kernel reads in place):
-    pk, pv [B, T, Hp, D], idx [B, Hp, k] -> row i of head nc + j is pk[b, idx[b, j, i], j]."""
+    pk, pv [B, T, Hp, D], idx [B, Hp, k] -> row i of head nc + j is pk[b, idx[b, j, i], j]; and which rows
+    are rows at all ([B, k, Hkv] bool: a negative index is none)."""
     k2, v2, lengths2 = second
     pk, pv, idx = indexed
-    at = idx.transpose(1, 2)[..., None].expand(-1, -1, -1, pk.shape[-1])  # [B, k, Hp, D]
-    return torch.cat([k2, pk.gather(1, at)], 2), torch.cat([v2, pv.gather(1, at)], 2), lengths2
+    at = idx.clamp(min=0).transpose(1, 2)[..., None].expand(-1, -1, -1, pk.shape[-1])  # [B, k, Hp, D]
+    rows = torch.cat([torch.ones(k2.shape[:3], dtype=torch.bool, device=idx.device), idx.transpose(1, 2) >= 0], 2)
+    return (torch.cat([k2, pk.gather(1, at)], 2), torch.cat([v2, pv.gather(1, at)], 2), lengths2), rows
 
 
 def hybrid_attention(
@@ -448,8 +459,8 @@ def hybrid_attention(
 ) -> torch.Tensor:
     """Exact attention over the union of two KV buffers, each (k, v, lengths) as decode_attention takes them,
     read where they lie (spec 2.7). `indexed` = (pk, pv, idx): the last Hp KV heads' second-buffer rows are
-    pk/pv [B, T, Hp, D] at the token indices idx [B, Hp, k] (CLO's persistent heads: their full KV on the
-    device, read at their top-k); `second` then holds the other heads. On CUDA one split kernel covers both
+    pk/pv [B, T, Hp, D] at the token indices idx [B, Hp, k] (a negative index: no row, not attended; CLO's
+    persistent heads: their full KV on the device, read at their top-k); `second` then holds the other heads. On CUDA one split kernel covers both
     and one merge combines them; the specification is the indexed rows gathered (`gather_indexed`), then
     per-buffer attention merged by log-sum-exp (`merge_attention`). q_heads: as SplitAttention's (the
     specification permutes q's head groups, attends, and puts the output back in q's order)."""
@@ -461,10 +472,13 @@ def hybrid_attention(
         groups = q.view(b, q_heads.shape[0], -1, d)
         out = hybrid_attention(groups[:, q_heads].reshape(b, h, d), first, second, indexed)
         return out.view(groups.shape)[:, q_heads.argsort()].reshape(b, h, d)
+    rows = None
     if indexed is not None:
-        second = gather_indexed(second, indexed)
+        second, rows = gather_indexed(second, indexed)
+    if first[0].shape[1] == 0:
+        return decode_attention(q, *second) if rows is None else decode_attention_ref(q, *second, rows=rows)
     if empty:
-        return decode_attention(q, *(second if first[0].shape[1] == 0 else first))
+        return decode_attention(q, *first)
     return merge_attention(
-        [decode_attention_ref(q, *first, return_lse=True), decode_attention_ref(q, *second, return_lse=True)]
+        [decode_attention_ref(q, *first, return_lse=True), decode_attention_ref(q, *second, True, rows)]
     )

@@ -183,3 +183,44 @@ def uva_gather(
         RECORD=record is not None,
         num_warps=num_warps,
     )
+
+
+def copy_blocks_ref(host: torch.Tensor, src: torch.Tensor, dst_buf: torch.Tensor, dst: torch.Tensor) -> None:
+    """Whole blocks from host memory into device slots (RetroInfer's misses into their cache slots):
+    host [NB, ...] and dst_buf [NS, ...] blocks of one shape; src, dst [M] int: block src[i] of the host goes to
+    slot dst[i], for every i with src[i] >= 0 (the others are hits, left alone)."""
+    take = (src >= 0).nonzero().view(-1)
+    if take.numel():
+        dst_buf[dst[take].long().to(dst_buf.device)] = host[src[take].long().to(host.device)].to(dst_buf.device)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_blocks_kernel(Host, Src, Buf, Dst, M, SIZE: tl.constexpr, CHUNK: tl.constexpr):
+        # grid-stride over the M entries; a hit (src < 0) costs one load
+        for i in range(tl.program_id(0), M, tl.num_programs(0)):
+            s = tl.load(Src + i)
+            if s >= 0:
+                t = tl.load(Dst + i).to(tl.int64)
+                for c0 in range(0, SIZE, CHUNK):
+                    c = c0 + tl.arange(0, CHUNK)
+                    mask = c < SIZE
+                    rows = tl.load(Host + s.to(tl.int64) * SIZE + c, mask=mask)
+                    tl.store(Buf + t * SIZE + c, rows, mask=mask)
+
+
+def uva_copy_blocks(
+    host: torch.Tensor, src: torch.Tensor, dst_buf: torch.Tensor, dst: torch.Tensor, programs: int = 1024
+) -> None:
+    """copy_blocks_ref on the GPU, reading the pinned host blocks through their device mapping (UVA): no CPU
+    gather, no staging, no host sync, a grid that depends only on M (capturable in a CUDA graph). host and
+    dst_buf contiguous; src, dst [M] int32 on the device."""
+    assert host.is_contiguous() and dst_buf.is_contiguous() and host.dtype == dst_buf.dtype
+    assert host.shape[1:] == dst_buf.shape[1:] and src.shape == dst.shape and src.dim() == 1
+    size = host[0].numel()
+    m = src.shape[0]
+    if not m:
+        return
+    chunk = min(4096, triton.next_power_of_2(size))
+    _copy_blocks_kernel[(min(m, programs),)](host, src, dst_buf, dst, m, SIZE=size, CHUNK=chunk, num_warps=4)

@@ -1,0 +1,128 @@
+"""RetroInfer-style's decode step as its public code runs it on a GPU (microsoft/RetrievalAttention): the GPU work
+between the CPU's sync points captured in per-layer CUDA graphs, every host<->device copy from pinned buffers,
+the CPU's cache manager at native speed, attention in the same split kernel as CLO's.
+
+Per sparse layer and step:
+  retrieve (graph)  hash (or exact) scores, each block scored by its best token, the top blocks, sorted; the block
+                    ids copied into this layer's pinned buffer
+  sync              the host waits for that copy: the step's one host sync per layer (RetroInfer's too)
+  manage (CPU)      the LRU decides, for each selected block, its cache slot (a hit, or the slot a miss is admitted
+                    into: block selection retrieves at most the cache's capacity, so every miss is admitted) and,
+                    for a miss, its block in the host store; written into pinned buffers (lru_native.access_into)
+  fetch (graph)     those buffers copied to the device, then the missed blocks read from pinned host memory
+                    straight into their cache slots (uva_copy_blocks: zero-copy, no staging)
+  attend (graph)    window + the selected blocks' rows, read where they lie in the cache (hybrid_attention with
+                    every head indexed; a partial last block's padding rows are index -1: never attended)
+Retrieve, fetch and attend each replay one graph, so a phase costs its kernels' GPU time plus one launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvoffload.kernels.decode_attention import hybrid_attention
+from kvoffload.kernels.uva_gather import uva_copy_blocks
+from kvoffload.offload.retrieval import select_topk
+
+
+class LayerGraphs:
+    """One sparse layer's graphs and buffers. `system` is the RetroInfer instance (its retriever, cache, host
+    store and LRU); made at the layer's first decode step, after the prompt is stored."""
+
+    def __init__(self, system, layer: int, pool) -> None:
+        spec = system.spec
+        self.system, self.layer, self.pool = system, layer, pool
+        self.bs = bs = system.block_size
+        cache = system.cache[layer]
+        self.rows, self.cap = cache.shape[:2]
+        self.n_mid = system.n_mid
+        self.nsel = system.k_select(system.t0) // bs
+        assert self.cap >= self.nsel, "a step's blocks fit the cache (RetroInfer.geometry), so every miss is admitted"
+        b, hkv, d, dev = spec.batch, spec.num_kv_heads, spec.head_dim, spec.device
+        self.b, self.hkv, self.d = b, hkv, d
+        self.q = torch.zeros(b, spec.num_heads, d, dtype=spec.dtype, device=dev)
+        self.blocks = torch.zeros(self.rows, self.nsel, dtype=torch.int32, device=dev)
+        pinned = dict(dtype=torch.int32, pin_memory=True)
+        self.blocks_host = torch.zeros(self.rows, self.nsel, **pinned)
+        self.dest_host, self.src_host = (torch.zeros(self.rows, self.nsel, **pinned) for _ in range(2))
+        self.counts = torch.zeros(3, dtype=torch.int64)
+        self.dest = torch.zeros(self.rows, self.nsel, dtype=torch.int32, device=dev)
+        self.src = torch.zeros_like(self.dest)
+        self.row_base = (torch.arange(self.rows, device=dev, dtype=torch.int32) * self.cap)[:, None]
+        self.win_len = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.retrieved = torch.cuda.Event()
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.out: torch.Tensor | None = None
+
+    # ---- the three captured parts -----------------------------------------------------------------------
+    def _retrieve(self) -> None:
+        s, bs = self.system, self.bs
+        scores = s.retriever.scores(self.layer, self.q, s.heads)  # [B, Hkv, n_mid]
+        full = self.n_mid // bs
+        best = scores[..., : full * bs].unflatten(-1, (full, bs)).amax(-1)
+        if self.n_mid % bs:  # the partial last block, by its real tokens
+            best = torch.cat([best, scores[..., full * bs :].amax(-1, keepdim=True)], dim=-1)
+        blocks = select_topk(best, self.nsel, 0, method=s.topk)  # ascending
+        self.blocks.copy_(blocks.view(self.rows, self.nsel))
+        self.blocks_host.copy_(self.blocks, non_blocking=True)
+
+    def _fetch(self) -> None:
+        s = self.system
+        self.dest.copy_(self.dest_host, non_blocking=True)
+        self.src.copy_(self.src_host, non_blocking=True)
+        host = s.host[self.layer].view(-1, self.bs, 2, self.d)  # [rows * n_blocks, bs, 2, D] pinned
+        cache = s.cache[self.layer].view(-1, self.bs, 2, self.d)  # [rows * cap, bs, 2, D]
+        uva_copy_blocks(host, self.src.view(-1), cache, (self.dest + self.row_base).view(-1))
+
+    def _attend(self) -> None:
+        s, bs, b, hkv, d = self.system, self.bs, self.b, self.hkv, self.d
+        off = torch.arange(bs, device=self.dest.device, dtype=torch.int32)
+        idx = self.dest[..., None] * bs + off  # [rows, nsel, bs] rows of the cache
+        token = self.blocks[..., None] * bs + off
+        idx = torch.where(token < self.n_mid, idx, -1).view(b, hkv, -1)
+        win = s.window[self.layer]  # [B, Hkv, W, 2, D]
+        cache = s.cache[self.layer].view(b, hkv, self.cap * bs, 2, d)
+        k2 = cache.new_empty(b, idx.shape[2], 0, d)  # every head's second-buffer rows are indexed
+        n2 = torch.full((b,), idx.shape[2], dtype=torch.int32, device=idx.device)
+        self.out = hybrid_attention(
+            self.q,
+            (win[:, :, :, 0].transpose(1, 2), win[:, :, :, 1].transpose(1, 2), self.win_len),
+            (k2, k2, n2),
+            (cache[:, :, :, 0].transpose(1, 2), cache[:, :, :, 1].transpose(1, 2), idx),
+        )
+
+    def _replay(self, name: str, fn) -> None:
+        g = self.graphs.get(name)
+        if g is None:  # once eagerly (kernels compiled, library state made), then captured
+            fn()
+            g = self.graphs[name] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                fn()
+        g.replay()
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def step(self, q: torch.Tensor, n_win: int) -> torch.Tensor:
+        s = self.system
+        with s.phase("retrieval"):
+            self.q.copy_(q)
+            self._replay("retrieve", self._retrieve)
+            self.retrieved.record()
+        with s.phase("launch_sync"):
+            self.retrieved.synchronize()  # the block ids are on the host
+        s.step.host_syncs += 1
+        s.step.bytes_d2h += self.blocks_host.nbytes
+        with s.phase("cache_mgmt"):
+            s.lru[self.layer].access_into(
+                self.blocks_host.numpy(), self.dest_host.numpy(), self.src_host.numpy(), self.counts.numpy()
+            )
+        lookups, hits, evictions = self.counts.tolist()
+        with s.phase("transfer_exposed"):
+            self._replay("fetch", self._fetch)
+        with s.phase("attention"):
+            self.win_len.fill_(n_win)
+            self._replay("attend", self._attend)
+        s.step.lookups += lookups
+        s.step.hits += hits
+        s.step.bytes_h2d += (lookups - hits) * self.bs * s.spec.row_bytes
+        s.evictions += evictions
+        return self.out
