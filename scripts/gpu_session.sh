@@ -30,6 +30,7 @@ stage() {  # stage <name> <seconds> <command...>
  python3 -c "import torch, triton, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__)"
 ) > "$out/env.txt" 2>&1
 stage pytest_gpu 290 python3 -m pytest -m gpu -q tests/
+stage pytest_focus 200 python3 -m pytest -m gpu -q tests/test_gpu.py -k "${FOCUS:-retroinfer or fullattn or uva}"
 stage bench_attn 240 python3 -m experiments.bench_decode_attention --batches 1,2,4,8,16 --lengths 32k,64k,128k \
   --out "$out/decode_attention.json"
 stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
