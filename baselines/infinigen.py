@@ -14,12 +14,14 @@ the query group (GQA), as HATA's re-implementation; the budget is CLO's (same to
 InfiniGen's alpha threshold.
 
 Per sparse layer l of a step:
-  prepare(l, q_spec)  retrieval         partial scores and top-k on the device
-                      launch_sync       the indices go to the host (the launch thread waits: a host sync)
-                      transfer_exposed  CPU threads gather the rows into pinned staging, one async copy into a
-                                        device buffer (kvoffload.offload.transfer's cpu_gather path, on a copy
-                                        stream on CUDA)
-  decode(l)           launch_sync       wait for that copy (a host sync, as InfiniGen's synchronise)
+  prepare(l, q_spec)  retrieval         partial scores (one batched matmul in the model's dtype) and top-k on
+                                        the device, during layer l-1
+                      (overlapped)      on CUDA with transfer=cpu_gather: a worker thread waits for the indices
+                                        (the CPU-centric sync), gathers the rows with every core and copies them
+                                        to a device buffer chunk by chunk while the device runs layer l-1
+                                        (baselines/cpu_fetch.py); transfer=uva: the GPU gathers them itself on a
+                                        copy stream; on a CPU run the gather is done here
+  decode(l)           transfer_exposed  what layer l still waits for of that fetch
                       attention         window + the fetched rows
 With `oracle_query` the real query and exact q.k scores replace the speculation (the test's oracle); decode then
 does the whole fetch itself.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from baselines.cpu_fetch import PipelinedFetcher
 from baselines.offloaded import OffloadedBaseline
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec
@@ -74,7 +77,19 @@ class InfiniGen(OffloadedBaseline):
         else:  # partial keys + the skew basis
             partial = sparse * heads * (n_mid * r * spec.dtype_bytes + d * r * 4) if n_mid else 0
         buffers = 2 * heads * self.k_select(t0) * spec.row_bytes if sparse else 0
-        return {**self.common_estimate(spec), "metadata": partial, "fetch_buffers": buffers}
+        staging = 0
+        if self.pipelined(spec) and buffers:  # pinned: two parities of staged rows + their indices
+            staging = buffers + 2 * heads * self.k_select(t0) * 8
+        return {
+            **self.common_estimate(spec),
+            "metadata": partial,
+            "fetch_buffers": buffers,
+            "host_staging": staging,
+        }
+
+    def pipelined(self, spec: KVSpec) -> bool:
+        """The worker-thread fetch (cpu_fetch.py): CUDA, cpu_gather, a speculative query to fetch ahead with."""
+        return spec.device.type == "cuda" and self.transfer_kind == "cpu_gather" and not self.oracle_query
 
     def _allocate(self, spec: KVSpec) -> None:
         super()._allocate(spec)
@@ -91,6 +106,7 @@ class InfiniGen(OffloadedBaseline):
         self.fill_heads = self.heads.cpu() if self.transfer_kind == "cpu_gather" else self.heads
         self.fill_miss = torch.ones(spec.batch, spec.num_kv_heads, dtype=torch.bool, device=self.fill_heads.device)
         self.offline = self._load_skew(spec)
+        self.fetcher: PipelinedFetcher | None = None  # made with the buffers, at prefill
 
     def _load_skew(self, spec: KVSpec) -> torch.Tensor | None:
         """The offline skew bases ([L, Hkv, D, D], by `python -m experiments.infinigen_skew`), or None (prefill)."""
@@ -114,6 +130,9 @@ class InfiniGen(OffloadedBaseline):
         if k_sel and not self.buffers:
             shape = (spec.batch, spec.num_kv_heads, k_sel, 2, spec.head_dim)
             self.buffers = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(2)]
+            if self.pipelined(spec):
+                rows = spec.batch * spec.num_kv_heads * k_sel
+                self.fetcher = PipelinedFetcher(rows, 2 * spec.head_dim, spec.dtype, spec.device, self.cpu_threads)
         if not n_mid:
             return
         if self.oracle_query:
@@ -141,9 +160,25 @@ class InfiniGen(OffloadedBaseline):
                 scores = self.exact.scores(layer, q, self.heads)
             else:  # sum over the group of q_j . k on the partial channels = (sum_j q_j) projected . partial key
                 qsum = q.view(b, hkv, -1, d).float().sum(2)
-                pq = torch.einsum("bkd,bkdr->bkr", qsum, self.basis[layer])
-                scores = torch.einsum("bkr,bktr->bkt", pq, self.partial[layer].float())
+                pq = torch.einsum("bkd,bkdr->bkr", qsum, self.basis[layer]).to(spec.dtype)
+                # one batched matmul over the partial keys as they are stored (fp32 accumulation in the GEMM),
+                # not a per-layer fp32 copy of the whole partial key cache
+                part = self.partial[layer]
+                scores = torch.matmul(part.view(b * hkv, *part.shape[2:]), pq.view(b * hkv, -1, 1)).view(b, hkv, -1)
             idx = select_topk(scores, k_sel, 0, method=self.topk)  # [B, Hkv, k] positions among the middle tokens
+        if self.fetcher is not None:
+            host, t = self.host[layer], self.host[layer].shape[2]
+            base = (torch.arange(b * hkv, device=idx.device) * t).view(b, hkv, 1)
+            buf = self.buffers[layer % 2]
+            self.pending[layer] = (
+                buf,
+                self.fetcher.start(layer % 2, (idx + base).view(-1), host.view(-1, 2 * d), buf.view(-1, 2 * d)),
+                idx,
+            )
+            self.step.host_syncs += 1  # the worker waits for the indices
+            self.step.bytes_d2h += idx.numel() * 8
+            self.step.bytes_h2d += b * hkv * k_sel * spec.row_bytes
+            return
         with self.phase("launch_sync"):
             idx_host = idx.cpu()  # a blocking copy: the CPU gather needs the indices
         self.step.host_syncs += 1
@@ -168,6 +203,10 @@ class InfiniGen(OffloadedBaseline):
         if self.oracle_query or layer not in self.pending:  # no speculation for this layer: fetch now
             self.fetch(layer, q)
         buf, event, _ = self.pending.pop(layer)
+        if self.fetcher is not None and not isinstance(event, torch.cuda.Event):
+            with self.phase("transfer_exposed"):
+                self.fetcher.wait(event)  # the worker's fetch: the compute stream waits, the host does not sync
+            return buf, None
         with self.phase("launch_sync"):
             if event is not None:
                 event.synchronize()
@@ -180,7 +219,12 @@ class InfiniGen(OffloadedBaseline):
             + sum(x.nbytes for x in self.basis if x is not None)
             + self.exact.metadata_bytes()
         )
-        return {**self.common_parts(), "metadata": partial, "fetch_buffers": sum(x.nbytes for x in self.buffers)}
+        return {
+            **self.common_parts(),
+            "metadata": partial,
+            "fetch_buffers": sum(x.nbytes for x in self.buffers),
+            "host_staging": self.fetcher.nbytes if self.fetcher is not None else 0,
+        }
 
     def describe(self) -> dict:
         d = self.spec.head_dim
@@ -197,6 +241,9 @@ class InfiniGen(OffloadedBaseline):
             "channels": f"{self.channels(d)} of {d} ({self.channel_fraction:.0%})",
             "oracle_query": self.oracle_query,
             "transfer": self.transfer_kind,
+            "fetch": "worker thread, chunked gather + copy overlapping layer l-1 (cpu_fetch.py)"
+            if self.fetcher is not None
+            else "in the launch thread",
             "cpu_threads": self.cpu_threads,
             "topk": self.topk,
             "link_gb_s": self.link_gb_s,

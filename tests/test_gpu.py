@@ -210,6 +210,40 @@ def test_retroinfer_graph_step_equals_its_eager_step(t0, topk_ratio):
     assert stats[1].lookups > 0 and stats[1].host_syncs == layers - 1
 
 
+def test_infinigen_worker_fetch_equals_the_gpu_gather():
+    """InfiniGen-style's overlapped CPU fetch (worker thread, chunked gather + copy) fetches exactly the rows the
+    GPU's own gather does: the same attention output, step after step, with a speculative query each layer."""
+    from baselines import cpu_fetch
+    from baselines.infinigen import InfiniGen
+
+    layers, b, h, hkv, d, t0, n = 3, 2, 8, 2, 64, 3000, 6
+    cpu_fetch.CHUNK_ROWS = 100  # several chunks per layer
+    g = torch.Generator(device=CUDA).manual_seed(4)
+    k = torch.randn(layers, b, hkv, t0 + n, d, device=CUDA, dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    q = torch.randn(n, layers, b, h, d, device=CUDA, dtype=torch.bfloat16, generator=g)
+    systems = [InfiniGen(dense_layers=1, transfer=t) for t in ("cpu_gather", "uva")]
+    for kv in systems:
+        kv.allocate(cuda_spec(layers, b, t0 + n, h, hkv, d, torch.bfloat16), PhaseTimer(CUDA))
+        for layer in range(layers):
+            kv.prefill(layer, k[layer, :, :, :t0], v[layer, :, :, :t0])
+        kv.end_prefill(t0)
+    assert systems[0].fetcher is not None and systems[1].fetcher is None
+    for i in range(n):
+        outs = []
+        for kv in systems:
+            kv.begin_step()
+            out = []
+            for lay in range(layers):
+                if lay + 1 < layers:
+                    kv.prepare(lay + 1, q[i, lay + 1])
+                out.append(kv.decode(lay, q[i, lay], k[lay, :, :, t0 + i], v[lay, :, :, t0 + i]))
+            kv.end_step()
+            outs.append(out)
+        for a, c in zip(*outs):
+            assert torch.equal(a, c)
+
+
 def test_uva_copy_blocks_and_negative_indices_match_their_references():
     from kvoffload.kernels.decode_attention import hybrid_attention
     from kvoffload.kernels.uva_gather import copy_blocks_ref, uva_copy_blocks

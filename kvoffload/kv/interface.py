@@ -84,8 +84,8 @@ class MemoryEstimate:
 
 
 def split_host(parts: dict[str, int]) -> MemoryEstimate:
-    """A system's memory parts (bytes by name) -> device and host totals: "host" and "host_metadata" are host."""
-    host = parts["host"] + parts.get("host_metadata", 0)
+    """A system's memory parts (bytes by name) -> device and host totals: the parts named host* are host."""
+    host = sum(v for k, v in parts.items() if k.startswith("host"))
     return MemoryEstimate(device_bytes=sum(parts.values()) - host, host_bytes=host)
 
 
@@ -123,8 +123,8 @@ class KVOffloadSystem(ABC):
     @abstractmethod
     def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
         """Bytes by named part (as memory_parts() will report them) that allocate(spec) and a prefill of
-        spec.prompt_tokens will hold, from the shapes alone; must not allocate. "host" and "host_metadata" are
-        host memory, every other part device memory."""
+        spec.prompt_tokens will hold, from the shapes alone; must not allocate. The parts named host* ("host",
+        "host_metadata", ...) are host memory, every other part device memory."""
 
     @abstractmethod
     def memory_parts(self) -> dict[str, int]:

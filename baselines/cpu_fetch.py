@@ -1,0 +1,66 @@
+"""InfiniGen's prefetch as its public code runs it at its best: the rows of layer l are gathered by the CPU and
+copied to the device while the device computes layer l-1.
+
+  start(l)  on the launch thread: the flat row indices (made on the device) go to a pinned buffer by an async
+            copy and an event; a worker thread takes it from there, so the launch thread goes on launching layer
+            l-1's attention and dense work
+  worker    waits for the indices (the CPU-centric sync), then gathers the rows with every core
+            (torch.index_select on `threads` OpenMP threads) into pinned staging, CHUNK_ROWS rows at a time,
+            each chunk's async copy to the device buffer issued as soon as it is gathered: the copy of one chunk
+            overlaps the gather of the next
+  wait(l)   the launch thread waits for the worker and makes the compute stream wait for the last copy (no
+            device sync)
+
+Staging and index buffers are pinned once, one pair per layer parity (layer l's fetch overlaps layer l-1's
+attention, which reads the other parity's device buffer)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+CHUNK_ROWS = 8192  # rows per gather + copy chunk (4 MiB of 512-byte rows): long enough to keep the link busy
+
+
+class PipelinedFetcher:
+    def __init__(self, rows: int, row_elems: int, dtype: torch.dtype, device: torch.device, threads: int) -> None:
+        self.threads = threads
+        self.staging = [torch.empty(rows, row_elems, dtype=dtype, pin_memory=True) for _ in range(2)]
+        self.idx = [torch.empty(rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.copied: list[torch.cuda.Event | None] = [None, None]  # each parity's last copy
+        self.stream = torch.cuda.Stream(device)
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.staging + self.idx)
+
+    def start(self, parity: int, flat_idx: torch.Tensor, host_rows: torch.Tensor, out_rows: torch.Tensor) -> Future:
+        """flat_idx [rows] long on the device: rows of host_rows [N, row_elems] (pinned) to fetch into out_rows
+        [rows, row_elems] (device), in order."""
+        self.idx[parity].copy_(flat_idx, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        self.stream.wait_stream(torch.cuda.current_stream())  # out_rows may still be read by an earlier layer
+        return self.worker.submit(self._gather, parity, ready, host_rows, out_rows)
+
+    def _gather(self, parity: int, ready: torch.cuda.Event, host_rows: torch.Tensor, out_rows: torch.Tensor):
+        ready.synchronize()  # the indices are on the host
+        if self.copied[parity] is not None:
+            self.copied[parity].synchronize()  # this parity's staging is free again (long done, in practice)
+        idx, staging = self.idx[parity], self.staging[parity]
+        torch.set_num_threads(self.threads)  # this worker's gathers use every core
+        with torch.cuda.stream(self.stream):
+            for a in range(0, idx.shape[0], CHUNK_ROWS):
+                b = min(a + CHUNK_ROWS, idx.shape[0])
+                torch.index_select(host_rows, 0, idx[a:b], out=staging[a:b])
+                out_rows[a:b].copy_(staging[a:b], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.copied[parity] = done
+        return done
+
+    @staticmethod
+    def wait(fetch: Future) -> None:
+        torch.cuda.current_stream().wait_event(fetch.result())
