@@ -1,9 +1,9 @@
 """FullAttn: every token's K/V stays in device memory and each decode step attends densely. The ideal where it
-fits, run as the field runs it. On CUDA with bf16/fp16 the default kernel is flashinfer's batch decode over the
-cache read as pages (baselines/paged_decode.py), in eager steps and in a step captured in a CUDA graph alike
-(planned once per step on the host, before the replay); `attention_backend=triton` is our length-from-device
-Triton kernel (also capturable), `sdpa` torch SDPA (eager only: a step captured in a graph then uses the Triton
-kernel). The cache is token-major ([layer, batch, token, kv_head, dim], flashinfer's NHD), its token axis padded
+fits, run as the field runs it. On CUDA the default kernel is our length-from-device Triton kernel (capturable),
+the fastest measured; `attention_backend=flashinfer` is flashinfer's batch decode over the cache read as pages
+(baselines/paged_decode.py; tensor cores by default, its faster path), in eager steps and in a step captured in
+a CUDA graph alike (planned once per step on the host, before the replay); `sdpa` torch SDPA (eager only: a step
+captured in a graph then uses the Triton kernel). The cache is token-major ([layer, batch, token, kv_head, dim], flashinfer's NHD), its token axis padded
 to whole pages, so that the first n tokens of a sequence are one contiguous block."""
 
 from __future__ import annotations
@@ -14,10 +14,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from baselines.paged_decode import WORKSPACE_BYTES, PagedDecode, flashinfer_module, padded_len
 from kvoffload.errors import ConfigError
+from kvoffload.kernels import decode_attention as attention_kernels
 from kvoffload.kernels.decode_attention import decode_attention
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 
 BACKENDS = ("auto", "sdpa", "flashinfer", "triton")
+
+
+def triton_runs() -> bool:
+    return attention_kernels.triton is not None
 
 
 def flashinfer_usable(spec: KVSpec) -> bool:
@@ -30,7 +35,7 @@ class FullAttn(KVOffloadSystem):
     name = "fullattn"
     supports_cuda_graph = True
 
-    def __init__(self, attention_backend: str = "auto", flashinfer_tensor_cores: bool = False) -> None:
+    def __init__(self, attention_backend: str = "auto", flashinfer_tensor_cores: bool = True) -> None:
         super().__init__()
         if attention_backend not in BACKENDS:
             raise ConfigError(f"attention_backend={attention_backend!r}; valid: {', '.join(BACKENDS)}")
@@ -47,7 +52,9 @@ class FullAttn(KVOffloadSystem):
             raise ConfigError("attention_backend=triton needs CUDA")
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "flashinfer" if fi else "sdpa"
+        # the fastest measured (results/bench/decode_attention.json): our Triton kernel, within a few percent of
+        # flashinfer's tensor-core batch decode at BSZ 1-16 and 32K-128K and ahead of its CUDA-core path
+        return "triton" if spec.device.type == "cuda" and triton_runs() else "sdpa"
 
     def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
         tokens = spec.batch * padded_len(spec.max_len) * spec.num_kv_heads

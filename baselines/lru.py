@@ -70,7 +70,8 @@ class BlockLRU:
         if backend == "native":
             self.slot_link = lru_native.new_links(rows, capacity)
             # numba's thread count is per calling thread and capped by the pool it started with
-            self.threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+            # and more threads than heads only add a parallel region's start-up cost
+            self.threads = min(threads, rows, numba.config.NUMBA_NUM_THREADS)
             self.arrays = (self.block_slot.numpy(), self.slot_block.numpy(), self.slot_link.numpy())  # shared memory
             lru_native.warm()  # compile here, once per process, not in the first timed step
             return
