@@ -51,7 +51,8 @@ class PipelinedFetcher:
             self.copied[parity].synchronize()  # this parity's staging is free again (long done, in practice)
         idx, staging = self.idx[parity], self.staging[parity]
         torch.set_num_threads(self.threads)  # this worker's gathers use every core
-        with torch.cuda.stream(self.stream):
+        # inference mode is per thread: the decode step's buffers are inference tensors
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
             for a in range(0, idx.shape[0], CHUNK_ROWS):
                 b = min(a + CHUNK_ROWS, idx.shape[0])
                 torch.index_select(host_rows, 0, idx[a:b], out=staging[a:b])

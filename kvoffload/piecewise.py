@@ -1,9 +1,10 @@
-"""Piecewise CUDA graphs (vLLM's term) for systems whose decode step cannot be captured whole, because they talk
-to the host inside it (RetroInfer's CPU LRU, InfiniGen's CPU gather). The model's dense work between two
-attention calls, which touches no KV system, is captured once per layer and replayed; only the system's own
-decode() runs eagerly. Every system then pays the same graph-replayed cost for the projections and the MLP,
-and an eager step's time is the system's, not that of the dense work's kernel launches from Python, which no
-system needs."""
+"""Piecewise CUDA graphs (vLLM's term) for systems whose decode step cannot be captured whole, because they talk to the
+host inside it (RetroInfer's CPU LRU, InfiniGen's CPU gather). The model's dense work between two attention calls, which
+touches no KV system, is captured once per layer and replayed (with the synthetic query process's kernels, when a
+workload has one: they are the workload's, and a graph-captured system pays them replayed too); only the system's own
+prepare() and decode() run eagerly. Every system then pays the same graph-replayed cost for the projections and the MLP,
+and an eager step's time is the system's, not that of the dense work's kernel launches from Python, which no system
+needs."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class PiecewiseDecode:
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=pool, stream=stream):
                 out = model.dense_segment(i, self.token, x, self.o, kv.position, kv.wants_speculative_query)
+                if i < cfg.num_layers:  # the queries as the system sees them (a synthetic process's kernels)
+                    x_i, q, k, v, q_spec = out
+                    out = (x_i, *model.attention_queries(i, q, q_spec, kv.wants_speculative_query), k, v)
             pool = graph.pool()
             self.graphs.append(graph)
             self.outs.append(out)
@@ -42,9 +46,11 @@ class PiecewiseDecode:
     @torch.inference_mode()
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         self.token.copy_(token)
-        for i, (graph, (_, q, k, v, q_spec)) in enumerate(zip(self.graphs[:-1], self.outs[:-1])):
+        for i, (graph, (_, q, q_next, k, v)) in enumerate(zip(self.graphs[:-1], self.outs[:-1])):
             graph.replay()
             # the outputs are the graph's static buffers: every system copies what it keeps of k and v
-            self.o.copy_(self.model.attend(i, q, k, v, q_spec, self.kv))
+            if q_next is not None:
+                self.kv.prepare(i + 1, q_next)
+            self.o.copy_(self.kv.decode(i, q, k, v))
         self.graphs[-1].replay()
         return self.outs[-1][0]

@@ -273,10 +273,20 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """Layer i's attention by the KV system -> [B, H, D]. With a speculative query, layer i+1's lookups and
         transfers are started first, so that they overlap layer i's work."""
-        if q_spec is not None:
-            kv.prepare(i + 1, self._query(i + 1, q_spec, advance=True, speculative=True))
-        advance = not (kv.wants_speculative_query and i > 0)  # layers 1.. advanced at their prepare
-        return kv.decode(i, self._query(i, q, advance), k, v)
+        q, q_next = self.attention_queries(i, q, q_spec, kv.wants_speculative_query)
+        if q_next is not None:
+            kv.prepare(i + 1, q_next)
+        return kv.decode(i, q, k, v)
+
+    def attention_queries(
+        self, i: int, q: torch.Tensor, q_spec: torch.Tensor | None, wants_speculative: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(layer i's query, layer i+1's speculative query or None) as the KV system sees them: through the
+        synthetic query process when there is one. Touches no KV system, so kvoffload.piecewise captures it
+        with the dense work (it is a workload's cost, not a system's)."""
+        q_next = None if q_spec is None else self._query(i + 1, q_spec, advance=True, speculative=True)
+        advance = not (wants_speculative and i > 0)  # layers 1.. advanced at their prepare
+        return self._query(i, q, advance), q_next
 
     def _query(self, layer: int, q: torch.Tensor, advance: bool, speculative: bool = False) -> torch.Tensor:
         return q if self.query_process is None else self.query_process.query(layer, q, advance, speculative)
