@@ -1,6 +1,6 @@
 """W&B logging as its users expect: a real offline run read back from its files (group, job type, flat config,
 summary, the phase table), the run command's plumbing of the bundle name, every bundle logging by default, and a
-W&B failure that leaves the run done."""
+W&B failure that leaves the run done. The W&B Report of a comparison is built offline and checked panel by panel."""
 
 import json
 import os
@@ -210,3 +210,38 @@ def test_the_run_command_logs_its_bundle_as_the_group(tmp_path):
     got = offline_run(tmp_path)
     assert got["run"]["group"] == "clo_synthetic" and got["run"]["job_type"] == "fullattn"
     assert got["config"]["workload.prompt"] == "random" and got["summary"]["decode_ms_per_step"] > 0
+
+
+# ---- the W&B Report of a comparison ------------------------------------------------------------------------------
+def test_the_report_compares_a_groups_systems_in_its_panels():
+    wr = pytest.importorskip(
+        "wandb_workspaces.reports.v2", reason="wandb-workspaces is not installed (pip install -e '.[report]')"
+    )
+    from experiments.wandb_report import build_report
+    from kvoffload.kv.timer import PHASES
+
+    report = build_report("clo-kv-offload", "fig2_breakdown", entity="someone")
+    assert (report.project, report.entity) == ("clo-kv-offload", "someone") and "fig2_breakdown" in report.title
+    (grid,) = [b for b in report.blocks if isinstance(b, wr.PanelGrid)]
+    (runs,) = grid.runsets
+    assert (runs.project, runs.entity) == ("clo-kv-offload", "someone")
+    assert str(runs.filters) == "Metric(\"Group\") == 'fig2_breakdown'"
+    bars = {p.title: p for p in grid.panels if isinstance(p, wr.BarPlot)}
+    by_metrics = {tuple(m.name for m in p.metrics): p for p in bars.values()}
+    assert set(by_metrics) == {("decode_ms_per_step",), tuple(f"phase_ms/{p}" for p in PHASES), ("hit_rate",)}
+    # What the server reads (a panel's spec needs no server, unlike the runset's): summary keys, grouped by the
+    # config key `system` that wandb_log writes.
+    for panel in bars.values():
+        spec = panel._to_model().config
+        assert spec.group_by == "system.value" and all(m.startswith("summary_metrics.") for m in spec.metrics)
+    (table,) = [p for p in grid.panels if isinstance(p, wr.WeavePanelSummaryTable)]
+    assert table.table_name == "phase_breakdown"  # the table wandb_log logs
+
+
+def test_the_report_command_without_an_api_key_says_so_and_exits_2(monkeypatch, capsys):
+    from experiments.wandb_report import main
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert main(["--project", "p", "--group", "g"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: saving a W&B report needs WANDB_API_KEY") and err.count("\n") == 1
