@@ -146,6 +146,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": str(device),
+        # which physical GPU a job of a multi-GPU sweep ran on (experiments.gpu_assign pins it here)
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "git": git_commit(ROOT),
     }
     if device.type == "cuda":
@@ -182,17 +184,31 @@ def write_measurement(measure, cfg, out) -> tuple[dict, Path]:
     return data, path
 
 
+def _select(config, key: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(config, key) if config is not None else None
+
+
 class SweepSummary(Callback):
     """A --multirun's end: one table on stderr, a line per job (the overrides that tell it from the others; ok,
     skipped or failed with its error), and exit status 1 when any job failed. A job's task returns
     {"status": "ok" | "skipped" | "failed", "error": ...}; any other return counts as ok, an exception as failed.
-    Jobs are collected in this process, as Hydra's basic launcher runs them."""
+    A launcher may run the jobs in other processes (joblib's workers, Slurm's nodes), where this callback's
+    on_job_end runs too: each job's row goes to <its output dir>/job_outcome.json, and the sweep's end reads the
+    rows of this sweep (its id travels to the workers with the pickled callback) from hydra.sweep.dir."""
+
+    OUTCOME = "job_outcome.json"
 
     def __init__(self) -> None:
         self.jobs: list[tuple[int, list[str], str, str]] = []
+        self.sweep: str | None = None
 
     def on_multirun_start(self, config, **kwargs: Any) -> None:
+        import uuid
+
         self.jobs = []
+        self.sweep = uuid.uuid4().hex  # tells this sweep's rows from an earlier sweep's in the same folder
 
     def on_job_end(self, config, job_return, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
@@ -205,9 +221,24 @@ class SweepSummary(Callback):
             status, error = outcome["status"], outcome.get("error") or ""
         else:
             status, error = "ok", ""
-        self.jobs.append((num, list(job_return.overrides or []), status, error))
+        row = (num, list(job_return.overrides or []), status, error)
+        self.jobs.append(row)
+        out_dir = _select(config, "hydra.runtime.output_dir")
+        if self.sweep is not None and out_dir:
+            write_json_atomic(Path(str(out_dir)) / self.OUTCOME, {"sweep": self.sweep, "row": list(row)})
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
+        rows = {num: (num, ov, st, err) for num, ov, st, err in self.jobs}
+        sweep_dir = _select(config, "hydra.sweep.dir")
+        for path in Path(str(sweep_dir)).rglob(self.OUTCOME) if sweep_dir else []:  # the jobs other processes ran
+            try:
+                saved = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if saved.get("sweep") == self.sweep:
+                num, ov, st, err = saved["row"]
+                rows.setdefault(num, (num, ov, st, err))
+        self.jobs = [rows[n] for n in sorted(rows)]
         if not self.jobs:
             return
         failed = any(status == "failed" for _, _, status, _ in self.jobs)

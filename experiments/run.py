@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments import preflight
 from experiments.records import config_error, finished, one_line, record_path, refuse, run_identity
+from experiments.wandb_log import log_wandb
 from kvoffload.paths import write_json_atomic
 
 
@@ -50,34 +51,6 @@ def summary(rec: dict) -> str:
         f" host->device {m['bytes_h2d_per_step'] / 1e6:.2f} MB/step",
     ]
     return "\n".join(lines)
-
-
-def log_wandb(cfg: DictConfig, rec: dict, name: str) -> None:
-    import os
-
-    import wandb  # lazy: GPU machines run without it
-
-    mode = cfg.wandb.mode
-    if mode == "auto":
-        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    run = wandb.init(
-        project=cfg.wandb.project,
-        name=name,
-        mode=mode,
-        config=rec["config"],
-        dir=str(Path(cfg.wandb.dir).resolve()),
-        reinit="finish_previous",
-        settings=wandb.Settings(silent=True),
-    )
-    try:
-        run.summary.update({k: v for k, v in rec["metrics"].items() if not isinstance(v, dict)})
-        run.summary.update({f"phase_ms/{k}": v for k, v in rec["metrics"]["phase_ms_per_step"].items()})
-        for i, s in enumerate(rec["steps"]):
-            run.log(
-                {"step_ms": s["phase_ms"]["total"], **{f"phase_ms/{k}": v for k, v in s["phase_ms"].items()}}, step=i
-            )
-    finally:
-        run.finish()
 
 
 def task(cfg: DictConfig) -> dict:
@@ -121,7 +94,7 @@ def task(cfg: DictConfig) -> dict:
     print(summary(rec))
     print(f"[run] record: {path}", file=sys.stderr)
     if cfg.wandb.enabled:
-        log_wandb(cfg, rec, path.parent.name)
+        log_wandb(cfg, rec, path.parent.name, choices)
     return {"status": "ok", "error": None, "record": str(path)}
 
 
