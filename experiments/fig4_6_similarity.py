@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments import preflight
 from experiments.profile import decode_real
 from experiments.records import environment, git_commit, refuse
-from experiments.reuse_profile import ReuseProbe, budget_of, command_line
+from experiments.reuse_profile import ReuseProbe, budget_of
 from kvoffload.errors import ConfigError
 from kvoffload.paths import ROOT, repo_path, write_json_atomic
 
@@ -37,6 +37,17 @@ def samples(probe: ReuseProbe, num_layers: int) -> tuple[list, list]:
     return [[[round(v, 4) for v in head.tolist()] for head in x] for x in cos], [
         [[round(v, 4) for v in head.tolist()] for head in x] for x in overlap
     ]
+
+
+def command_line(cfg: DictConfig) -> str:
+    """This command as it was called (its Hydra overrides), for the record."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        overrides = " ".join(HydraConfig.get().overrides.task)
+    except ValueError:  # not under @hydra.main (a test composing the config)
+        overrides = "(composed by a caller)"
+    return f"python -m experiments.fig4_6_similarity {overrides}"
 
 
 def measure(cfg: DictConfig, decode=decode_real) -> dict:
