@@ -1,8 +1,9 @@
 """Paper Figure 2: per-layer decode latency by phase for each system, as a fraction of FullAttn's per-layer
-latency in the same setting (the paper's "ideal"). Reads the records of `+experiment=fig2_breakdown`; where a
-system has several (decode modes), its fastest. A graph-replayed step has no phases: its bar is all 'other'.
+latency in the same setting (the paper's "ideal"), with the paper's totals (hatched) beside ours. Reads the
+records of `+experiment=fig2_breakdown` (one commit, one model and length); where a system has several (decode
+modes), its fastest. A graph-replayed step has no phases: its bar is all 'other'.
 
-    python -m plots.fig2_breakdown results/runs --out plots/fig2_breakdown.png
+    python -m plots.fig2_breakdown results/fig2_breakdown_128k --out fig2.png
 """
 
 from __future__ import annotations
@@ -15,42 +16,80 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvoffload.kv.timer import PHASES  # noqa: E402
-from plots.records import load_records, save, stacked_phases  # noqa: E402
+from plots import paper  # noqa: E402
+from plots.records import SYSTEMS, RecordError, cli, load_records, one_value, phases_of, save, stacked_phases, tokens  # noqa: E402
+
+ORDER = list(SYSTEMS)
 
 
-def per_layer(rec: dict) -> dict[str, float]:
-    layers = rec["config"]["model"]["num_layers"]
-    return {p: rec["metrics"]["phase_ms_per_step"][p] / layers for p in PHASES}
-
-
-def plot(root: Path, out: Path) -> dict[str, dict[str, float]]:
+def data(root: Path) -> dict:
+    """{"systems": {name: {<phase>: per-layer ms, "percent_of_fullattn", "ms_per_step", "decode_mode", "file",
+    "mgmt_percent"}}, "records", "model", "seqlen"}: each system's fastest record."""
+    recs = load_records(root)
+    model = one_value(recs, lambda r: r["model"], "models")
+    seqlen = one_value(recs, lambda r: r["seqlen"], "sequence lengths")
+    phases = phases_of(recs)
     fastest: dict[str, dict] = {}
-    for r in (x["record"] for x in load_records(root)):
-        best = fastest.get(r["system"])
-        if best is None or r["metrics"]["decode_ms_per_step"] < best["metrics"]["decode_ms_per_step"]:
-            fastest[r["system"]] = r
-    by_system = {name: per_layer(fastest[name]) for name in sorted(fastest)}
-    if "fullattn" not in by_system or len(by_system) < 2:
-        raise SystemExit(f"need records of fullattn and at least one other system under {root}")
-    ideal = sum(by_system["fullattn"].values())
-    fig, ax = plt.subplots(figsize=(6, 4))
-    names = list(by_system)
-    labels = [f"{n}\n({fastest[n].get('decode_mode', 'eager')})" for n in names]
-    totals = stacked_phases(ax, labels, {p: [by_system[n][p] / ideal * 100 for n in names] for p in PHASES})
-    for i, total in enumerate(totals):
-        ax.text(i, total, f"{total:.0f}%", ha="center", va="bottom", fontsize=8)
+    for row in recs:
+        best = fastest.get(row["record"]["system"])
+        if (
+            best is None
+            or row["record"]["metrics"]["decode_ms_per_step"] < best["record"]["metrics"]["decode_ms_per_step"]
+        ):
+            fastest[row["record"]["system"]] = row
+    if "fullattn" not in fastest or len(fastest) < 2:
+        raise RecordError(f"need records of fullattn and another system under {root}; found {', '.join(fastest)}")
+    systems = {}
+    for name in sorted(fastest, key=ORDER.index):
+        rec = fastest[name]["record"]
+        layers = rec["config"]["model"]["num_layers"]
+        per_layer = {p: rec["metrics"]["phase_ms_per_step"][p] / layers for p in phases}
+        systems[name] = {
+            **per_layer,
+            "ms_per_step": rec["metrics"]["decode_ms_per_step"],
+            "decode_mode": rec.get("decode_mode", "eager"),
+            "phases_timed": rec.get("phases_timed", True),
+            "file": fastest[name]["file"],
+        }
+    ideal = sum(systems["fullattn"][p] for p in phases)
+    for row in systems.values():
+        total = sum(row[p] for p in phases)
+        row["percent_of_fullattn"] = total / ideal * 100
+        row["mgmt_percent"] = row.get("cache_mgmt", 0.0) / total * 100 if row["phases_timed"] else None
+    return {"systems": systems, "phases": phases, "records": recs, "model": model, "seqlen": seqlen}
+
+
+def plot(root: Path, out: Path) -> dict[str, dict]:
+    d = data(root)
+    systems, phases = d["systems"], d["phases"]
+    names = list(systems)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    x = list(range(len(names)))
+    totals = stacked_phases(
+        ax,
+        x,
+        {p: [systems[n][p] / sum(systems["fullattn"][q] for q in phases) * 100 for n in names] for p in phases},
+        width=0.4,
+    )
+    for i, (n, total) in enumerate(zip(names, totals)):
+        mgmt = systems[n]["mgmt_percent"]
+        note = f"{total:.0f}%" + (f"\nmgmt {mgmt:.1f}%" if mgmt else "")
+        ax.text(i, total, note, ha="center", va="bottom", fontsize=7)
+    ref = [(i, n) for i, n in enumerate(names) if n in paper.FIG2_PERCENT_OF_IDEAL]
+    if ref:
+        vals = [paper.FIG2_PERCENT_OF_IDEAL[n] for _, n in ref]
+        ax.bar([i + 0.42 for i, _ in ref], vals, width=0.3, fill=False, hatch="//", edgecolor="black", label=paper.FIG2)
+        for (i, n), v in zip(ref, vals):
+            mg = paper.FIG2_RETROINFER_MGMT_PERCENT
+            note = f"{v:.0f}%" + (f"\nmgmt {mg[0]:.0f}-{mg[1]:.0f}%" if n == "retroinfer" else "")
+            ax.text(i + 0.42, v, note, ha="center", va="bottom", fontsize=7)
+    labels = [f"{SYSTEMS[n]}\n({systems[n]['decode_mode']})" for n in names]
+    ax.set_xticks(x, labels, fontsize=8)
     ax.set_ylabel("per-layer decode latency, % of FullAttn")
+    ax.set_title(f"Fig. 2: {d['model']}, {tokens(d['seqlen'])}, commit {d['records'].commit}", fontsize=9)
     ax.legend(fontsize=7)
     save(fig, out)
-    return {
-        n: {
-            **v,
-            "percent_of_fullattn": sum(v.values()) / ideal * 100,
-            "decode_mode": fastest[n].get("decode_mode", "eager"),
-        }
-        for n, v in by_system.items()
-    }
+    return systems
 
 
 def main() -> None:
@@ -63,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -1,7 +1,8 @@
 """Per-step decode time by phase (the shared PhaseTimer's names), one stacked bar per run, next to the run's
-dense memory floor. Graph-replayed runs have no per-phase timing: their bar is all 'other'.
+dense memory floor. Graph-replayed runs have no per-phase timing: their bar is all 'other'. Records of several
+commits are refused unless --allow-mixed-commits, which puts each run's commit under its bar.
 
-    python -m plots.phase_breakdown results/gpu_smoke_llama3 --out plots/phase_breakdown.png
+    python -m plots.phase_breakdown results/gpu_smoke_llama3/eager --out phases.png
 """
 
 from __future__ import annotations
@@ -14,21 +15,24 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvoffload.kv.timer import PHASES  # noqa: E402
-from plots.records import load_records, save, stacked_phases  # noqa: E402
+from plots.records import cli, commit_of, load_records, phases_of, save, stacked_phases  # noqa: E402
 
 
-def plot(root: Path, out: Path) -> int:
-    rows = load_records(root)
-    if not rows:
-        raise SystemExit(f"no finished run records under {root}")
+def plot(root: Path, out: Path, allow_mixed: bool = False) -> int:
+    rows = load_records(root, allow_mixed=allow_mixed)
+    phases = phases_of(rows)
+    mixed = len(rows.commits) > 1
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4.5))
     x = list(range(len(rows)))
-    stacked_phases(ax, x, {p: [r["record"]["metrics"]["phase_ms_per_step"][p] for r in rows] for p in PHASES})
+    stacked_phases(ax, x, {p: [r["record"]["metrics"]["phase_ms_per_step"][p] for r in rows] for p in phases})
     floors = [r["record"]["metrics"]["dense_floor_ms_per_step"] for r in rows]
     ax.scatter(x, floors, marker="_", s=900, color="black", zorder=3, label="dense memory floor")
-    ax.set_xticks(x, [r["label"] for r in rows], fontsize=7)
+    labels = [r["label"] + (f"\n{commit_of(r['record'])}" if mixed else "") for r in rows]
+    if len(set(labels)) < len(labels):  # runs that differ in a setting the label leaves out: name their files
+        labels = [f"{label}\n{Path(r['file']).stem}" for label, r in zip(labels, rows)]
+    ax.set_xticks(x, labels, fontsize=7)
     ax.set_ylabel("ms per decode step")
+    ax.set_title(f"{rows.root.name}: commit{'s' if mixed else ''} {rows.commit}", fontsize=9)
     ax.legend(fontsize=7)
     save(fig, out)
     return len(rows)
@@ -38,9 +42,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root", type=Path)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--allow-mixed-commits", action="store_true", help="draw records of several commits, labelled")
     args = ap.parse_args()
-    print(f"{plot(args.root, args.out)} runs -> {args.out}")
+    print(f"{plot(args.root, args.out, args.allow_mixed_commits)} runs -> {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -1,43 +1,192 @@
-"""Load run records (record.json / record_*.json) under a folder into flat rows for plotting."""
+"""Load the records (JSON files a run or a benchmark wrote) under a folder, refusing what a figure must not draw
+silently: a folder without records, records of several git commits, a system the plots do not know.
+
+Every refusal is a RecordError with a one-line message that names the files; `cli` prints it as `error: ...` and
+exits with status 2. NoRecords (a RecordError) is the folder with nothing to draw."""
 
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The systems a figure knows how to name (conf/system/*.yaml; tests/test_plots.py keeps the two in step).
+SYSTEMS = {"fullattn": "FullAttn", "clo": "CLO", "retroinfer": "RetroInfer-style", "infinigen": "InfiniGen-style"}
+MAX_NAMED = 4  # files named in one message before "and N more"
 
-def load_records(root: Path, status: str = "ok") -> list[dict[str, Any]]:
+
+class RecordError(Exception):
+    """Records a figure cannot be drawn from."""
+
+
+class NoRecords(RecordError):
+    """A folder with no records to draw (missing, empty, or holding none of the kind asked for)."""
+
+
+def names(paths: list[str]) -> str:
+    shown = ", ".join(paths[:MAX_NAMED])
+    return shown + (f" and {len(paths) - MAX_NAMED} more" if len(paths) > MAX_NAMED else "")
+
+
+def commit_of(rec: dict) -> str | None:
+    """The git commit a record's environment names (7 characters; ' (dirty)' when the tree was), or None."""
+    env = rec.get("environment")
+    git = env.get("git") if isinstance(env, dict) else None
+    commit = git.get("commit") if isinstance(git, dict) else None
+    if not commit:
+        return None
+    return str(commit)[:7] + (" (dirty)" if git.get("dirty") is True else "")
+
+
+@dataclass
+class Records:
+    """The records of one figure: rows of {"path", "file" (relative to root), "label", "record"}, all of one
+    commit unless allow_mixed; `left_out` lists the records of failed runs under root (not drawn)."""
+
+    root: Path
+    rows: list[dict[str, Any]]
+    left_out: list[str] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def files(self) -> list[str]:
+        return [r["file"] for r in self.rows]
+
+    @property
+    def commits(self) -> list[str]:
+        return sorted({commit_of(r["record"]) for r in self.rows})
+
+    @property
+    def commit(self) -> str:
+        return ", ".join(self.commits)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RecordError(f"{path}: not a readable JSON record ({type(e).__name__}: {e})") from None
+
+
+def load_files(
+    root: Path, pattern: str, accept: Callable[[Any], bool], what: str = "records", allow_mixed: bool = False
+) -> Records:
+    """The JSON files under root matching pattern whose content `accept`s, checked for one commit."""
+    recs = find(root, pattern, accept, what)
+    check_commits(recs, allow_mixed)
+    return recs
+
+
+def find(root: Path, pattern: str, accept: Callable[[Any], bool], what: str) -> Records:
+    """The JSON files under root matching pattern whose content `accept`s (NoRecords if none), unchecked."""
+    root = Path(root)
+    if not root.is_dir():
+        raise NoRecords(f"no {what} under {root}: no such folder")
     rows = []
-    for path in sorted(root.rglob("record*.json")):
-        rec = json.loads(path.read_text())
-        if rec.get("status") != status:
-            continue
-        cfg = rec["config"]
-        rows.append(
-            {
-                "path": str(path),
-                "label": f"{rec['system']}\n{rec['model']} {cfg['seqlen']} b{rec['batch']} "
-                f"{rec.get('decode_mode', 'eager')}",
-                "record": rec,
-            }
+    for path in sorted(root.rglob(pattern)):
+        rec = read_json(path)
+        if isinstance(rec, dict) and accept(rec):
+            rows.append({"path": str(path), "file": str(path.relative_to(root)), "record": rec})
+    if not rows:
+        raise NoRecords(f"no {what} under {root}")
+    return Records(root, rows)
+
+
+def check_commits(recs: Records, allow_mixed: bool = False) -> None:
+    """Refuses records whose environment names no commit, and (unless allow_mixed) records of several."""
+    unknown = [r["file"] for r in recs if commit_of(r["record"]) is None]
+    if unknown:
+        raise RecordError(f"no git commit in the environment of {names(unknown)} under {recs.root}")
+    if len(recs.commits) > 1 and not allow_mixed:
+        by = {c: [r["file"] for r in recs if commit_of(r["record"]) == c] for c in recs.commits}
+        parts = "; ".join(f"{c}: {names(files)}" for c, files in by.items())
+        raise RecordError(f"records of {len(by)} commits under {recs.root} ({parts}): one figure, one commit")
+
+
+def check_systems(pairs: list[tuple[str, str]], root: Path) -> None:
+    """pairs of (system, file): refuses a system SYSTEMS does not name."""
+    bad = sorted({s for s, _ in pairs if s not in SYSTEMS})
+    if bad:
+        files = sorted({f for s, f in pairs if s in bad})
+        raise RecordError(
+            f"unknown system {', '.join(map(repr, bad))} in {names(files)} under {root}; known: {', '.join(SYSTEMS)}"
         )
-    return rows
 
 
-def stacked_phases(ax, x: list, values: dict[str, list[float]]) -> list[float]:
+def load_records(root: Path, status: str = "ok", allow_mixed: bool = False) -> Records:
+    """The run records (record.json / record_*.json, as experiments.run writes them) under root with `status`;
+    the others are listed in `left_out`. Refuses none, several commits (unless allow_mixed), unknown systems."""
+    runs = find(root, "record*.json", lambda r: "system" in r and "status" in r, "run records")
+    recs = Records(runs.root, [r for r in runs if r["record"]["status"] == status])
+    recs.left_out = [r["file"] for r in runs if r["record"]["status"] != status]
+    if not recs.rows:
+        raise RecordError(f"no {status!r} run records under {root}, only others: {names(recs.left_out)}")
+    check_commits(recs, allow_mixed)
+    check_systems([(r["record"]["system"], r["file"]) for r in recs], recs.root)
+    for r in recs:
+        rec = r["record"]
+        r["label"] = f"{rec['system']}\n{rec['model']} {rec['config']['seqlen']} b{rec['batch']} " + rec.get(
+            "decode_mode", "eager"
+        )
+    return recs
+
+
+def one_value(recs: Records, key: Callable[[dict], Any], what: str) -> Any:
+    """The value key(record) shared by every record, or a RecordError naming the files of each value."""
+    by: dict[str, list[str]] = {}
+    for r in recs:
+        by.setdefault(json.dumps(key(r["record"]), sort_keys=True, default=str), []).append(r["file"])
+    if len(by) > 1:
+        parts = "; ".join(f"{v}: {names(files)}" for v, files in by.items())
+        raise RecordError(f"records of several {what} under {recs.root} ({parts}): one figure, one {what}")
+    return key(recs.rows[0]["record"])
+
+
+def phases_of(recs: Records) -> list[str]:
+    """The phase names of the records' phase_ms_per_step (the runner's PhaseTimer order), the same in all."""
+    return [p for p in one_value(recs, lambda r: list(r["metrics"]["phase_ms_per_step"]), "phase sets") if p != "total"]
+
+
+def stacked_phases(ax, x: list, values: dict[str, list[float]], **bar) -> list[float]:
     """One stacked bar per x, one segment per phase (in the timer's order); returns the bar totals."""
     bottom = [0.0] * len(x)
     for phase, vals in values.items():
-        ax.bar(x, vals, bottom=bottom, label=phase)
+        ax.bar(x, vals, bottom=bottom, label=phase, **bar)
         bottom = [b + v for b, v in zip(bottom, vals)]
     return bottom
 
 
-def save(fig, out: Path) -> None:
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+def save(fig, out: Path) -> list[Path]:
+    """Writes the figure to out; a path without a suffix gets both out.png and out.pdf. Returns the paths."""
     import matplotlib.pyplot as plt
 
+    out = Path(out)
+    paths = [out.with_suffix(".png"), out.with_suffix(".pdf")] if not out.suffix else [out]
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for p in paths:  # no dates in the files: the same records give the same bytes
+        fig.savefig(p, dpi=120, metadata={"CreationDate": None} if p.suffix == ".pdf" else None)
     plt.close(fig)
+    return paths
+
+
+def cli(fn: Callable[[], None]) -> None:
+    """Runs a plot command: a RecordError becomes one `error:` line on stderr and exit status 2."""
+    try:
+        fn()
+    except RecordError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def tokens(n: int) -> str:
+    """A token count as the runner spells it: 131072 -> 128K, 7680 -> 7.5K, 1500 -> 1500."""
+    return f"{n / 1024:g}K" if n % 256 == 0 and n >= 1024 else str(n)

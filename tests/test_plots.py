@@ -1,13 +1,252 @@
-"""Figures are made from records: the phase-breakdown plot reads the committed GPU smoke records."""
+"""Figures are made from records: each plot over the committed records (its numbers checked against the README
+that quotes them) or over small fake records of its producer's format, and every bad input (no records, mixed
+commits, an unknown system) refused with one line that names the files, exit status 2."""
 
+import json
+import sys
 from pathlib import Path
 
-from plots.phase_breakdown import plot
+import pytest
+
+from kvoffload.kv.timer import PHASES
+from plots import ablation, fig2_breakdown, fig3_13_link, fig10_throughput, tab4_hit_rate, tab5_accuracy, tab6_memory
+from plots import all as plots_all
+from plots.phase_breakdown import plot as phase_plot
+from plots.records import SYSTEMS, NoRecords, RecordError, cli, load_records
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results"
+
+
+def run_record(system="clo", commit="abc1234", ms=10.0, **extra) -> dict:
+    """A finished run record with the fields the plots read (experiments/records.py writes many more)."""
+    phases = {p: ms / len(PHASES) for p in PHASES} | {"total": ms}
+    rec = {
+        "status": "ok",
+        "system": system,
+        "model": "llama3",
+        "seqlen": 131072,
+        "batch": 1,
+        "decode_mode": "piecewise",
+        "phases_timed": True,
+        "config": {
+            "seqlen": "128k",
+            "model": {"num_layers": 32},
+            "system": {"adaptive_threshold": True, "gqa_aggregation": "mean", "persistent": True},
+            "workload": {"needle_depth": 0.5},
+        },
+        "metrics": {
+            "decode_ms_per_step": ms,
+            "phase_ms_per_step": phases,
+            "hit_rate": 0.8 if system in ("clo", "retroinfer") else None,
+            "bytes_h2d_per_step": 1e8,
+            "dense_floor_ms_per_step": 5.0,
+            "decode_tokens_per_s": 1000 / ms,
+            "prefill_tokens_per_s": 5000.0,
+        },
+        "system_state": {"plan": {"persistent_heads": 3, "prefetch_heads": 1}},
+        "environment": {"device": "cuda", "git": {"commit": commit, "dirty": False}},
+    }
+    for key, value in extra.items():  # "config.system.persistent": False sets a nested field
+        *path, last = key.split(".")
+        node = rec
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return rec
+
+
+def write(folder: Path, records: dict[str, dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rec in records.items():
+        (folder / name).write_text(json.dumps(rec))
+    return folder
+
+
+def fig2_folder(folder: Path, commit="abc1234") -> Path:
+    return write(
+        folder,
+        {
+            f"record_{s}.json": run_record(s, commit, ms)
+            for s, ms in (("fullattn", 10.0), ("clo", 9.0), ("retroinfer", 100.0), ("infinigen", 130.0))
+        },
+    )
+
+
+def refused(fn, capsys) -> str:
+    """fn run as a command: exit status 2 and one `error:` line on stderr, returned."""
+    with pytest.raises(SystemExit) as e:
+        cli(fn)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_systems_are_the_configured_ones():
+    assert set(SYSTEMS) == {p.stem for p in (ROOT / "conf" / "system").glob("*.yaml")}
 
 
 def test_phase_breakdown_from_committed_records(tmp_path):
     out = tmp_path / "phases.png"
-    n = plot(ROOT / "results" / "gpu_smoke_llama3", out)
-    assert n >= 4 and out.stat().st_size > 10_000
+    n = phase_plot(RESULTS / "gpu_smoke_llama3" / "eager", out)
+    assert n == 5 and out.stat().st_size > 10_000
+    with pytest.raises(RecordError, match=r"records of 3 commits .*ab38f4e: graph/record_0.json"):
+        phase_plot(RESULTS / "gpu_smoke_llama3", out)  # two folders of three commits
+    assert phase_plot(RESULTS / "gpu_smoke_llama3", out, allow_mixed=True) == 9
+
+
+def test_fig2_against_committed_records_and_the_paper(tmp_path):
+    """The numbers results/fig2_breakdown_128k/README.md quotes, and the paper's totals drawn beside them."""
+    rows = fig2_breakdown.plot(RESULTS / "fig2_breakdown_128k", tmp_path / "fig2")
+    assert {p.suffix for p in tmp_path.iterdir()} == {".png", ".pdf"}
+    assert rows["clo"]["percent_of_fullattn"] == pytest.approx(94.6, abs=0.05)
+    assert rows["retroinfer"]["ms_per_step"] == pytest.approx(100.18, abs=0.01)
+    assert rows["retroinfer"]["mgmt_percent"] == pytest.approx(6.5, abs=0.05)
+
+
+def test_full_and_short_commits_are_one_commit(tmp_path):
+    fig2_folder(tmp_path)
+    rec = run_record("clo", "abc1234" + "0" * 33, 8.0)
+    write(tmp_path, {"record_clo_b.json": rec})
+    assert load_records(tmp_path).commit == "abc1234"
+
+
+def test_bad_input_is_refused_naming_the_files(tmp_path, capsys, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(NoRecords):
+        fig2_breakdown.data(empty)
+    monkeypatch.setattr(sys, "argv", ["fig2", str(empty), "--out", str(tmp_path / "x.png")])
+    assert "no run records under" in refused(fig2_breakdown.main, capsys)
+    assert not (tmp_path / "x.png").exists()
+
+    mixed = fig2_folder(tmp_path / "mixed")
+    write(mixed, {"record_clo.json": run_record("clo", "def5678", 9.0)})
+    monkeypatch.setattr(sys, "argv", ["fig2", str(mixed), "--out", str(tmp_path / "x.png")])
+    err = refused(fig2_breakdown.main, capsys)
+    assert "records of 2 commits" in err and "def5678: record_clo.json" in err and "abc1234: record_fullattn" in err
+
+    unknown = fig2_folder(tmp_path / "unknown")
+    write(unknown, {"record_pq.json": run_record("pqcache")})
+    with pytest.raises(RecordError, match=r"unknown system 'pqcache' in record_pq.json"):
+        fig2_breakdown.data(unknown)
+
+    lengths = fig2_folder(tmp_path / "lengths")
+    write(lengths, {"record_clo.json": run_record("clo", seqlen=32768)})
+    with pytest.raises(RecordError, match=r"several sequence lengths .*32768: record_clo.json"):
+        fig2_breakdown.data(lengths)
+
+    failed = write(tmp_path / "failed", {"record.json": run_record(status="failed")})
+    with pytest.raises(RecordError, match="only others: record.json"):
+        load_records(failed)
+
+
+def test_ablation_variants_from_switches(tmp_path):
+    variants = {
+        "base": (False, "min", False, 20.0),
+        "t": (True, "min", False, 13.0),
+        "tg": (True, "mean", False, 12.0),
+        "tgp": (True, "mean", True, 10.0),
+    }
+    folder = write(
+        tmp_path / "abl",
+        {
+            f"record_{v}.json": run_record(
+                "clo",
+                ms=ms,
+                **{"config.system.adaptive_threshold": t, "config.system.gqa_aggregation": g},
+                **{"config.system.persistent": p},
+            )
+            for v, (t, g, p, ms) in variants.items()
+        },
+    )
+    rows = ablation.plot(folder, tmp_path / "abl.png")
+    assert [round(r["vs_base_percent"], 1) for r in rows.values()] == [0.0, -35.0, -40.0, -50.0]
+    write(folder, {"record_dup.json": run_record("clo", ms=11.0)})
+    with pytest.raises(RecordError, match="two records of variant tgp"):
+        ablation.data(folder)
+
+
+def test_committed_hit_rates_and_memory(tmp_path):
+    """results/tab4_hit_rate/README.md: CLO 81.2 / 82.6%, RetroInfer-style 91.9 / 93.0%; tab6: 57% and 81%."""
+    rows = tab4_hit_rate.plot(RESULTS / "tab4_hit_rate", tmp_path / "tab4.png")
+    assert [round(r["hit_rate"] * 100, 1) for r in rows] == [81.2, 82.6, 91.9, 93.0]
+    ratio = tab6_memory.plot(RESULTS / "tab6_memory", tmp_path / "tab6.png")["ratio"]
+    assert [round(r) for r in ratio.values()] == [57, 81]
+    gpu = ablation.data(RESULTS / "ablation_gpu_128k")["variants"]
+    assert [round(r["vs_base_percent"], 1) for r in gpu.values()] == [0.0, -36.1, -38.1, -50.9]
+
+
+def test_throughput_from_run_records(tmp_path):
+    recs = {}
+    for s, tps in (("clo", 120.0), ("retroinfer", 100.0), ("infinigen", 80.0), ("fullattn", 150.0)):
+        for b in (1, 4):
+            rec = run_record(s, batch=b)
+            rec["metrics"]["decode_tokens_per_s"] = tps * b
+            recs[f"{s}_{b}/record.json"] = rec
+    for name in recs:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    d = fig10_throughput.plot(write(tmp_path, recs), tmp_path / "fig10.png")
+    assert d["speedup"] == {(131072, 1): pytest.approx(1.2), (131072, 4): pytest.approx(1.2)}
+
+
+def test_accuracy_records_against_table_5(tmp_path):
+    env = {"git": {"commit": "abc1234"}}
+    scores = {"longbench": 41.0, "ruler_16k": 85.0}
+    recs = {
+        f"record_{s}.json": {
+            "experiment": "accuracy",
+            "system": s,
+            "model": "llama3",
+            "scores": scores,
+            "environment": env,
+        }
+        for s in ("fullattn", "clo")
+    }
+    d = tab5_accuracy.plot(write(tmp_path / "acc", recs), tmp_path / "tab5.png")
+    assert d["tasks"] == ["longbench", "ruler_16k"] and d["scores"][("llama3", "clo")] == scores
+    other = {
+        "experiment": "accuracy",
+        "system": "clo",
+        "model": "qwen25",
+        "scores": {"niah@4k": 0.9},
+        "environment": env,
+    }
+    write(tmp_path / "acc", {"record_other.json": other})
+    assert tab5_accuracy.plot(tmp_path / "acc", tmp_path / "tab5.png")["tasks"] == ["longbench", "ruler_16k", "niah@4k"]
+    bad = {**other, "scores": {"niah@4k": "high"}}
+    write(tmp_path / "acc", {"record_bad.json": bad})
+    with pytest.raises(RecordError, match="scores of niah@4k in record_bad.json are not numbers"):
+        tab5_accuracy.data(tmp_path / "acc")
+
+
+def test_link_record_drawn_and_checked(tmp_path):
+    rows = [
+        {"path": p, "threads": n, "tokens": t, "bytes": 1, "ms": 1.0, "gb_s": g, "of_bulk": 1.0}
+        for t in (4096, 8192)
+        for p, n, g in (("bulk", None, 50.0), ("uva", None, 45.0), ("cpu_gather", 1, 4.0), ("cpu_gather", 4, 9.0))
+    ]
+    rec = {"bench": "link_bandwidth", "device": "cuda", "rows": rows, "environment": {"git": {"commit": "abc1234"}}}
+    fig3_13_link.plot(write(tmp_path / "link", {"record.json": rec}), tmp_path / "link.png")
+    assert (tmp_path / "link.png").stat().st_size > 10_000
+    rec["rows"] = [r for r in rows if r["path"] != "bulk"]
+    write(tmp_path / "link", {"record.json": rec})
+    with pytest.raises(RecordError, match="no bulk copy in record.json"):
+        fig3_13_link.data(tmp_path / "link")
+
+
+def test_all_draws_what_it_can_and_says_the_rest(tmp_path, capsys):
+    results = tmp_path / "results"
+    fig2_folder(results / "fig2_breakdown_128k")
+    mixed = fig2_folder(results / "tab4_hit_rate")
+    write(mixed, {"record_clo.json": run_record("clo", "def5678")})
+    with pytest.raises(SystemExit) as e:
+        plots_all.main(["--results", str(results), "--out", str(tmp_path / "figs")])
+    assert e.value.code == 1
+    out = capsys.readouterr().out
+    assert f"ok: fig2_breakdown <- {results / 'fig2_breakdown_128k'} (commit abc1234)" in out
+    assert f"failed: tab4_hit_rate ({results / 'tab4_hit_rate'}): records of 2 commits" in out
+    assert f"no records yet: {results / 'fig10_throughput'}" in out
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["fig2_breakdown.pdf", "fig2_breakdown.png"]
+    assert "no results folder" in refused(lambda: plots_all.main(["--results", str(tmp_path / "none")]), capsys)

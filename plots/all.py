@@ -1,0 +1,118 @@
+"""Rebuild every figure and table that has records under the results folder, PNG and PDF, the paper's numbers
+beside ours wherever it gives them. One line per figure: ok (its records and commit), `no records yet: <folder>`
+(its producer has not run), or failed (why: mixed commits, an unknown system...); the others are still drawn,
+and the exit status is 1 if any failed. A results folder that does not exist is refused (exit 2).
+
+    python -m plots.all [--results results] [--out results/figures]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from plots import (
+    ablation,
+    fig2_breakdown,
+    fig3_13_link,
+    fig4_6_similarity,
+    fig10_throughput,
+    phase_breakdown,
+    tab4_hit_rate,
+    tab5_accuracy,
+    tab6_memory,
+)
+from plots.records import NoRecords, RecordError, cli, load_files
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str  # the output's stem
+    folder: str  # under the results folder
+    plot: Callable
+    what: str
+    options: dict = field(default_factory=dict)
+
+
+FIGURES = (
+    Figure("fig2_breakdown", "fig2_breakdown_128k", fig2_breakdown.plot, "paper Fig. 2: per-layer latency by phase"),
+    Figure(
+        "fig2_breakdown_fitted_queries",
+        "synthetic_workload_check/fig2_128k_de575a6",
+        fig2_breakdown.plot,
+        "paper Fig. 2 under the fitted persistent + AR(1) query process",
+    ),
+    Figure("ablation_gpu", "ablation_gpu_128k", ablation.plot, "the +T/+G/+P ablation, latency (GPU)"),
+    Figure("ablation_cpu", "ablation_cpu", ablation.plot, "the +T/+G/+P ablation, hit rate and bytes (CPU)"),
+    Figure("tab4_hit_rate", "tab4_hit_rate", tab4_hit_rate.plot, "paper Tab. 4: cache hit rate"),
+    Figure("tab6_memory", "tab6_memory", tab6_memory.plot, "paper Tab. 6: device memory of the KV state"),
+    Figure("fig4_6_similarity", "fig4_6_similarity_smollm2", fig4_6_similarity.plot, "paper Fig. 4-6: query reuse"),
+    Figure("fig3_13_link", "fig3_13_link", fig3_13_link.plot, "paper Fig. 3/13: link bandwidth"),
+    Figure("fig10_throughput", "fig10_throughput", fig10_throughput.plot, "paper Fig. 10: throughput"),
+    Figure("tab5_accuracy", "tab5_accuracy", tab5_accuracy.plot, "paper Tab. 5: accuracy"),
+    Figure("phases_gpu_smoke_eager", "gpu_smoke_llama3/eager", phase_breakdown.plot, "FullAttn smoke runs, eager"),
+    Figure(
+        "phases_gpu_smoke_graph",
+        "gpu_smoke_llama3/graph",
+        phase_breakdown.plot,
+        "FullAttn smoke runs, graph (two commits, each bar labelled; its README says why)",
+        {"allow_mixed": True},
+    ),
+    Figure(
+        "phases_clo_gpu",
+        "clo_gpu",
+        phase_breakdown.plot,
+        "CLO vs FullAttn, 32K-512K (several commits, each bar labelled; its README says which)",
+        {"allow_mixed": True},
+    ),
+    Figure("phases_baselines_topk", "baselines_topk_ab_128k", phase_breakdown.plot, "baselines' top-k, torch vs radix"),
+)
+
+
+def commits_of(folder: Path) -> str:
+    try:
+        return load_files(folder, "*.json", lambda r: "environment" in r, allow_mixed=True).commit
+    except RecordError:
+        return "?"
+
+
+def build(results: Path, out: Path, figures=FIGURES, log=print) -> dict[str, str]:
+    """Draws each figure whose folder has records; returns name -> 'ok' | 'no records' | 'failed: <why>'."""
+    status = {}
+    for f in figures:
+        folder = results / f.folder
+        try:
+            f.plot(folder, out / f.name, **f.options)
+        except NoRecords:
+            status[f.name] = "no records"
+            log(f"no records yet: {folder}")
+        except (RecordError, KeyError, TypeError, ValueError) as e:  # a record without a field a figure reads
+            why = str(e) if isinstance(e, RecordError) else f"{type(e).__name__}: {e} (a record lacks a field?)"
+            status[f.name] = f"failed: {why}"
+            log(f"failed: {f.name} ({folder}): {why}")
+        else:
+            status[f.name] = "ok"
+            mixed = ", each bar labelled with its own" if f.options.get("allow_mixed") else ""
+            log(f"ok: {f.name} <- {folder} (commit {commits_of(folder)}{mixed}) -> {out / f.name}.png, .pdf")
+    return status
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=Path, default=Path("results"))
+    ap.add_argument("--out", type=Path, default=Path("results/figures"))
+    args = ap.parse_args(argv)
+    if not args.results.is_dir():
+        raise NoRecords(f"no results folder {args.results}")
+    status = build(args.results, args.out)
+    if all(s == "no records" for s in status.values()):
+        raise NoRecords(f"no figure has records under {args.results}")
+    if any(s.startswith("failed") for s in status.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    cli(main)

@@ -1,0 +1,94 @@
+"""Paper Figure 10: decode throughput against batch size, one panel per sequence length, one line per system; below,
+CLO's throughput over the best offloading baseline at each point, against the paper's range for that model.
+Reads run records (experiments.run over system x batch x seqlen); where one point has several records (decode
+modes), the fastest. No producer has written these records yet.
+
+    python -m plots.fig10_throughput results/fig10_throughput --out fig10.png
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from plots import paper  # noqa: E402
+from plots.records import SYSTEMS, cli, load_records, one_value, save, tokens  # noqa: E402
+
+BASELINES = ("retroinfer", "infinigen")  # the offloading baselines CLO is compared with
+
+
+def data(root: Path) -> dict:
+    """{"points": {(system, seqlen, batch): {"decode_tokens_per_s", "prefill_tokens_per_s", "file"}},
+    "speedup": {(seqlen, batch): CLO / best baseline}, "model", "records"}."""
+    recs = load_records(root)
+    points: dict[tuple, dict] = {}
+    for r in recs:
+        rec = r["record"]
+        key, m = (rec["system"], rec["seqlen"], rec["batch"]), rec["metrics"]
+        row = {
+            "decode_tokens_per_s": m["decode_tokens_per_s"],
+            "prefill_tokens_per_s": m.get("prefill_tokens_per_s"),
+            "file": r["file"],
+        }
+        if key not in points or row["decode_tokens_per_s"] > points[key]["decode_tokens_per_s"]:
+            points[key] = row
+    speedup = {}
+    for (s, n, b), row in points.items():
+        base = [points[(x, n, b)]["decode_tokens_per_s"] for x in BASELINES if (x, n, b) in points]
+        if s == "clo" and base:
+            speedup[(n, b)] = row["decode_tokens_per_s"] / max(base)
+    return {
+        "points": points,
+        "speedup": speedup,
+        "model": one_value(recs, lambda r: r["model"], "models"),
+        "records": recs,
+    }
+
+
+def plot(root: Path, out: Path) -> dict:
+    d = data(root)
+    pts = d["points"]
+    seqlens = sorted({n for _, n, _ in pts})
+    fig, axes = plt.subplots(2, len(seqlens), figsize=(4 * len(seqlens) + 1, 6.5), squeeze=False)
+    for j, n in enumerate(seqlens):
+        ax = axes[0][j]
+        for i, s in enumerate(SYSTEMS):
+            xs = sorted(b for x, m, b in pts if x == s and m == n)
+            if xs:
+                ax.plot(xs, [pts[(s, n, b)]["decode_tokens_per_s"] for b in xs], "o-", color=f"C{i}", label=SYSTEMS[s])
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{tokens(n)}", fontsize=9)
+        ax.set_xlabel("batch")
+        ax.set_ylabel("decode tokens/s")
+        ax.legend(fontsize=7)
+        ax2 = axes[1][j]
+        xs = sorted(b for m, b in d["speedup"] if m == n)
+        ax2.plot(xs, [d["speedup"][(n, b)] for b in xs], "o-", label="ours: CLO / best baseline")
+        if d["model"] in paper.FIG10_SPEEDUP:
+            lo, hi = paper.FIG10_SPEEDUP[d["model"]]
+            ax2.axhspan(lo, hi, facecolor="none", hatch="//", edgecolor="gray", label=f"{paper.FIG10} ({d['model']})")
+        ax2.axhline(1, color="black", lw=0.5)
+        ax2.set_xscale("log", base=2)
+        ax2.set_xlabel("batch")
+        ax2.legend(fontsize=7)
+    fig.suptitle(f"Fig. 10: {d['model']}, commit {d['records'].commit}", fontsize=9)
+    save(fig, out)
+    return d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("root", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    for (n, b), x in sorted(plot(args.root, args.out)["speedup"].items()):
+        print(f"{tokens(n):>6} batch {b:>3}: CLO {x:.2f}x the best baseline")
+
+
+if __name__ == "__main__":
+    cli(main)

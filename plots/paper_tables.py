@@ -1,0 +1,241 @@
+"""Ours-vs-paper tables (markdown) for experiments/report.py: for each figure of plots.all that the paper gives
+numbers for, our numbers beside the paper's with their ratios and the run's context, ending with the record
+files and the commit they came from (`source`). table(root, folder): root holds the records, folder names it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from plots import (
+    ablation,
+    fig2_breakdown,
+    fig3_13_link,
+    fig4_6_similarity,
+    fig10_throughput,
+    paper,
+    tab4_hit_rate,
+    tab5_accuracy,
+    tab6_memory,
+)
+from plots.records import SYSTEMS, tokens
+
+TAB4_HEAD = paper.TAB4 + ": range"
+COLUMNS = (("uva", None), ("cpu_gather", paper.FIG3_PEAK_THREADS))  # the link table's paths beside the bulk copy
+
+
+def md(header: list[str], rows: list[list]) -> str:
+    cell = lambda v: "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+
+
+def f1(x: float | None, unit: str = "") -> str | None:
+    return None if x is None else f"{x:.1f}{unit}"
+
+
+def source(folder: str, recs) -> str:
+    return f"Records: {', '.join(f'`{folder}/{f}`' for f in recs.files)} (commit {recs.commit})."
+
+
+def fig2_table(root: Path, folder: str) -> str:
+    d = fig2_breakdown.data(root)
+    rows = []
+    for n, r in d["systems"].items():
+        ref = paper.FIG2_PERCENT_OF_IDEAL.get(n)
+        lo, hi = paper.FIG2_RETROINFER_MGMT_PERCENT
+        mgmt = {"clo": f"<{paper.FIG2_CLO_MGMT_PERCENT_BELOW:g}%", "retroinfer": f"{lo}-{hi}%"}.get(n)
+        sync = r.get("launch_sync") * 1e3 if r["phases_timed"] and "launch_sync" in r else None
+        rows.append(
+            [
+                SYSTEMS[n],
+                r["decode_mode"],
+                f"{r['ms_per_step']:.2f}",
+                f1(r["percent_of_fullattn"], "%"),
+                f1(ref, "%"),
+                f"{r['percent_of_fullattn'] / ref:.2f}" if ref else None,
+                f1(r["mgmt_percent"], "%"),
+                mgmt,
+                f1(sync),
+                f1(paper.FIG2_LAUNCH_SYNC_US.get(n)),
+            ]
+        )
+    clo = d["systems"].get("clo")
+    lo, hi = paper.FIG2_SPEEDUP.get(d["model"], (None, None))
+    times = [
+        f"{SYSTEMS[b]} {d['systems'][b]['ms_per_step'] / clo['ms_per_step']:.1f}x"
+        for b in ("retroinfer", "infinigen")
+        if clo and b in d["systems"]
+    ]
+    note = f"\n\nTime per step as a multiple of CLO's: {', '.join(times)}"
+    note += f"; the paper: {lo}-{hi}x ({d['model']}, Fig. 2/11)."
+    head = [
+        "system",
+        "mode",
+        "ms/step",
+        "% of FullAttn",
+        f"{paper.FIG2}: % of ideal",
+        "ours / paper",
+        "cache mgmt, % of step",
+        "paper: cache mgmt",
+        "launch/sync, µs/layer",
+        "paper: launch/sync µs",
+    ]
+    return md(head, rows) + (note if times and lo else "") + "\n\n" + source(folder, d["records"])
+
+
+def ablation_table(root: Path, folder: str) -> str:
+    d = ablation.data(root)
+    gpu = d["device"] == "cuda"
+    rows = []
+    for v, r in d["variants"].items():
+        ref = paper.ABLATION_REDUCTION_PERCENT.get(v)
+        ours = -r["vs_base_percent"]
+        rows.append(
+            [
+                ablation.LABELS[v],
+                f"{r['ms_per_step']:.2f}" if gpu else None,
+                f1(-ours, "%") if gpu and v != "base" else None,
+                f1(-ref, "%") if ref else None,
+                f"{ours / ref:.2f}" if gpu and ref else None,
+                f1(r["hit_rate"] * 100, "%") if r["hit_rate"] is not None else None,
+                f1(r["mb_per_step"]),
+            ]
+        )
+    head = [
+        "variant",
+        "ms/step",
+        "vs base",
+        f"{paper.ABLATION}: vs base",
+        "ours / paper reduction",
+        "hit rate",
+        "MB/step host -> device",
+    ]
+    note = "" if gpu else "\n\nA CPU run: its latency does not stand for the paper's and is not compared."
+    return (
+        md(head, rows)
+        + note
+        + f"\n\n{d['model']} {tokens(d['seqlen'])} on {d['device']}. "
+        + source(folder, d["records"])
+    )
+
+
+def tab4_table(root: Path, folder: str) -> str:
+    d = tab4_hit_rate.data(root)
+    rows = []
+    for r in d["rows"]:
+        lo, hi = paper.TAB4_HIT_RATE_PERCENT[r["system"]]
+        h = r["hit_rate"] * 100
+        rows.append(
+            [
+                SYSTEMS[r["system"]],
+                r["batch"],
+                r["needle_depth"],
+                f1(h, "%"),
+                f"{lo}-{hi}%",
+                f"{h / hi:.2f}-{h / lo:.2f}",
+                f1(r["mb_per_step"]),
+            ]
+        )
+    head = ["system", "batch", "needle depth", "hit rate", TAB4_HEAD, "ours / paper", "MB/step host -> device"]
+    return md(head, rows) + f"\n\n{d['model']} {tokens(d['seqlen'])}. " + source(folder, d["records"])
+
+
+def tab6_table(root: Path, folder: str) -> str:
+    d = tab6_memory.data(root)
+    gb = {(r["system"], r["seqlen"]): r["device_gb"] for r in d["rows"]}
+    seqlens = sorted({n for _, n in gb})
+    mean = paper.TAB6_MEAN_RATIO_PERCENT
+    rows = [
+        [
+            tokens(n),
+            *[gb.get((s, n)) for s in SYSTEMS if s != "fullattn"],
+            f1(d["ratio"].get(n), "%"),
+            f"{d['ratio'][n] / mean:.2f}" if n in d["ratio"] else None,
+        ]
+        for n in seqlens
+    ]
+    if d["model"] == "llama3":
+        p = paper.TAB6_GB
+        rows.append(
+            [
+                f"{tokens(paper.TAB6_SEQLEN)} (paper)",
+                p["clo"],
+                p["retroinfer"],
+                None,
+                f1(p["clo"] / p["retroinfer"] * 100, "%"),
+                None,
+            ]
+        )
+    head = [
+        "seqlen",
+        *[f"{SYSTEMS[s]} GB" for s in SYSTEMS if s != "fullattn"],
+        "CLO / RetroInfer-style",
+        f"ours / paper mean ({mean}%)",
+    ]
+    return md(head, rows) + f"\n\n{d['model']}, device memory of the KV state. " + source(folder, d["records"])
+
+
+def fig4_6_table(root: Path, folder: str) -> str:
+    d = fig4_6_similarity.data(root)
+    cut = paper.FIG4_6_COSINE
+    rows = [
+        [f"samples (step x query head) with cosine > {cut}", f1(d["above"] * 100, "%"), paper.FIG4_6],
+        [f"heads whose mean cosine > {cut}", f1(d["heads_above"] * 100, "%"), paper.FIG4_6],
+        ["mean adjacent-step query cosine", f"{d['cos'].mean():.3f}", None],
+        ["mean adjacent-step top-k overlap", f"{d['overlap'].mean():.3f}", None],
+    ]
+    return (
+        md(["quantity", "ours", "paper"], rows)
+        + f"\n\n{d['model']}, {d['steps']} step pairs. "
+        + source(folder, d["records"])
+    )
+
+
+def fig3_13_table(root: Path, folder: str) -> str:
+    d = fig3_13_link.data(root)
+    by = {(r["path"], r.get("threads"), r["tokens"]): r for r in d["rows"]}
+    rows = [
+        [
+            tokens(t),
+            by[("bulk", None, t)]["gb_s"],
+            *[by.get((p, n, t), {}).get("gb_s") for p, n in COLUMNS],
+            f"{by[(*COLUMNS[1], t)]['gb_s'] / paper.FIG3_PEAK_GB_S:.2f}" if (*COLUMNS[1], t) in by else None,
+        ]
+        for t in sorted({r["tokens"] for r in d["rows"]})
+    ]
+    head = ["tokens", "bulk GB/s", "uva GB/s", "cpu_gather 4 threads GB/s", f"4 threads / {paper.FIG3_PEAK_GB_S}"]
+    return md(head, rows) + f"\n\nOn {d['device']}. " + source(folder, d["records"])
+
+
+def fig10_table(root: Path, folder: str) -> str:
+    d = fig10_throughput.data(root)
+    lo, hi = paper.FIG10_SPEEDUP.get(d["model"], (None, None))
+    rows = [[tokens(n), b, f"{x:.2f}x", f"{lo}-{hi}x" if lo else None] for (n, b), x in sorted(d["speedup"].items())]
+    return md(["seqlen", "batch", "CLO / best baseline", paper.FIG10], rows) + "\n\n" + source(folder, d["records"])
+
+
+def tab5_table(root: Path, folder: str) -> str:
+    d = tab5_accuracy.data(root)
+    rows = []
+    for (model, s), sc in sorted(d["scores"].items()):
+        ref = paper.TAB5_SCORES.get(model, {}).get(s)
+        for t in d["tasks"]:
+            p = ref[paper.TAB5_TASKS.index(t)] if ref and t in paper.TAB5_TASKS else None
+            rows.append([model, SYSTEMS[s], t, sc.get(t), p, f"{sc[t] - p:+.2f}" if p and t in sc else None])
+    return (
+        md(["model", "system", "task", "ours", paper.TAB5, "ours - paper"], rows)
+        + "\n\n"
+        + source(folder, d["records"])
+    )
+
+
+TABLES = {
+    fig2_breakdown.plot: fig2_table,
+    ablation.plot: ablation_table,
+    tab4_hit_rate.plot: tab4_table,
+    tab6_memory.plot: tab6_table,
+    fig4_6_similarity.plot: fig4_6_table,
+    fig3_13_link.plot: fig3_13_table,
+    fig10_throughput.plot: fig10_table,
+    tab5_accuracy.plot: tab5_table,
+}

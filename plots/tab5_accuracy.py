@@ -1,0 +1,86 @@
+"""Paper Table 5: accuracy on LongBench and RULER 16K-128K per system, one panel per model, with the paper's scores
+(black ticks) over our bars. No producer has written these records yet; this reads the format it is to write,
+one JSON file per system and model (record*.json):
+
+    {"experiment": "accuracy", "system": "clo", "model": "llama3",
+     "scores": {"ruler_16k": 85.7, "niah_single_1@4k": 0.8, ...},  # task -> score, any task name
+     "environment": {"git": {"commit": ...}, ...}, ...}
+
+The paper's score is drawn only for its own tasks (paper.TAB5_TASKS: longbench, ruler_16k ... ruler_128k, 0-100).
+
+    python -m plots.tab5_accuracy results/tab5_accuracy --out tab5.png
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from plots import paper  # noqa: E402
+from plots.records import SYSTEMS, RecordError, check_systems, cli, load_files, names, save  # noqa: E402
+
+
+def data(root: Path) -> dict:
+    """{"scores": {(model, system): {task: score}}, "files": {(model, system): file}, "tasks", "records"}."""
+    recs = load_files(root, "record*.json", lambda r: r.get("experiment") == "accuracy", "accuracy records")
+    check_systems([(r["record"].get("system"), r["file"]) for r in recs], recs.root)
+    scores, files = {}, {}
+    for r in recs:
+        rec = r["record"]
+        key = (rec["model"], rec["system"])
+        if key in files:
+            raise RecordError(f"two accuracy records of {key[1]} on {key[0]} under {root}: {files[key]}, {r['file']}")
+        bad = sorted(t for t, v in rec["scores"].items() if not isinstance(v, (int, float)) or isinstance(v, bool))
+        if bad:
+            raise RecordError(f"scores of {', '.join(bad)} in {r['file']} are not numbers")
+        scores[key], files[key] = rec["scores"], r["file"]
+    seen = {t for s in scores.values() for t in s}
+    tasks = [t for t in paper.TAB5_TASKS if t in seen] + sorted(seen - set(paper.TAB5_TASKS))
+    if not tasks:
+        raise RecordError(f"no scores in {names(recs.files)} under {root}")
+    return {"scores": scores, "files": files, "tasks": tasks, "records": recs}
+
+
+def plot(root: Path, out: Path) -> dict:
+    d = data(root)
+    models = sorted({m for m, _ in d["scores"]})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        systems = [s for s in SYSTEMS if (model, s) in d["scores"]]
+        w = 0.8 / len(systems)
+        ref = paper.TAB5_SCORES.get(model, {})
+        for j, s in enumerate(systems):
+            xs = [i + (j - (len(systems) - 1) / 2) * w for i in range(len(d["tasks"]))]
+            vals = [d["scores"][(model, s)].get(t, float("nan")) for t in d["tasks"]]
+            ax.bar(xs, vals, width=w, color=f"C{list(SYSTEMS).index(s)}", label=SYSTEMS[s])
+            ours_tasks = [(x, t) for x, t in zip(xs, d["tasks"]) if s in ref and t in paper.TAB5_TASKS]
+            known = [(x, ref[s][paper.TAB5_TASKS.index(t)]) for x, t in ours_tasks]
+            if known:
+                ax.scatter(
+                    *zip(*known), marker="_", s=200, color="black", zorder=3, label=paper.TAB5 if j == 0 else None
+                )
+        ax.set_xticks(range(len(d["tasks"])), d["tasks"], fontsize=8)
+        ax.set_ylabel("score")
+        ax.set_title(model, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Tab. 5: accuracy, commit {d['records'].commit}", fontsize=9)
+    save(fig, out)
+    return d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("root", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    for (model, s), sc in plot(args.root, args.out)["scores"].items():
+        print(f"{model:<8} {s:<11} " + " ".join(f"{t} {v:.2f}" for t, v in sc.items()))
+
+
+if __name__ == "__main__":
+    cli(main)

@@ -1,0 +1,100 @@
+"""Paper Table 6: device memory of each system's KV state by sequence length (experiments.memory_table's JSON),
+with the paper's Llama3 128K numbers (hatched) beside ours, and CLO's share of RetroInfer-style's memory
+against the paper's 128K share and its table mean.
+
+    python -m plots.tab6_memory results/tab6_memory --out tab6.png
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from plots import paper  # noqa: E402
+from plots.records import SYSTEMS, RecordError, check_systems, cli, load_files, one_value, save, tokens  # noqa: E402
+
+
+def model_of(rec: dict) -> str:
+    models = [o.split("=", 1)[1] for o in rec.get("overrides", []) if o.startswith("model=")]
+    return models[-1] if models else "smollm2"  # conf/config.yaml's default model
+
+
+def data(root: Path) -> dict:
+    """{"rows": [{"system", "seqlen", "device_gb", "host_gb", "file"}], "ratio": {seqlen: CLO / RetroInfer %},
+    "model", "records"}."""
+    recs = load_files(root, "*.json", lambda r: "table" in r and "rows" in r, "memory tables (memory_table.py)")
+    model = one_value(recs, model_of, "models")
+    rows = [{**row, "file": r["file"]} for r in recs for row in r["record"]["rows"]]
+    check_systems([(row["system"], row["file"]) for row in rows], recs.root)
+    seen: dict[tuple, str] = {}
+    for row in rows:
+        key = (row["system"], row["seqlen"])
+        if key in seen:
+            raise RecordError(f"{row['system']} at {row['seqlen']} twice under {root}: {seen[key]}, {row['file']}")
+        seen[key] = row["file"]
+    gb = {(r["system"], r["seqlen"]): r["device_gb"] for r in rows}
+    ratio = {s: gb[("clo", s)] / gb[("retroinfer", s)] * 100 for c, s in gb if c == "clo" and ("retroinfer", s) in gb}
+    return {"rows": rows, "ratio": ratio, "model": model, "records": recs}
+
+
+def plot(root: Path, out: Path) -> dict:
+    d = data(root)
+    rows = d["rows"]
+    seqlens = sorted({r["seqlen"] for r in rows})
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
+    gb = {(r["system"], r["seqlen"]): r["device_gb"] for r in rows}
+    ref = d["model"] == "llama3"  # the paper's numbers are Llama3's
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [2, 1]})
+    w = 0.8 / len(systems)
+    for j, s in enumerate(systems):
+        xs = [i + (j - (len(systems) - 1) / 2) * w for i in range(len(seqlens))]
+        ax.bar(xs, [gb.get((s, n), 0) for n in seqlens], width=w, color=f"C{j}", label=SYSTEMS[s])
+        if ref and s in paper.TAB6_GB:
+            ax.bar(
+                len(seqlens) + (j - (len(systems) - 1) / 2) * w,
+                paper.TAB6_GB[s],
+                width=w,
+                color="none",
+                edgecolor=f"C{j}",
+                hatch="//",
+                label=f"{SYSTEMS[s]}, {paper.TAB6}",
+            )
+    groups = [tokens(n) for n in seqlens] + ([f"{tokens(paper.TAB6_SEQLEN)}\n(paper)"] if ref else [])
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("device memory of the KV state, GB")
+    ax.legend(fontsize=7)
+    ratio = d["ratio"]
+    ax2.plot([tokens(n) for n in ratio], list(ratio.values()), "o-", label="ours")
+    if ref:
+        p = paper.TAB6_GB["clo"] / paper.TAB6_GB["retroinfer"] * 100
+        ax2.axhline(p, ls="--", color="black", label=f"{paper.TAB6}: {p:.0f}%")
+        ax2.axhline(
+            paper.TAB6_MEAN_RATIO_PERCENT,
+            ls=":",
+            color="gray",
+            label=f"paper Tab. 6 mean: {paper.TAB6_MEAN_RATIO_PERCENT}%",
+        )
+    ax2.set_ylim(0, 100)
+    ax2.set_ylabel("CLO / RetroInfer-style, %")
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"Tab. 6: {d['model']}, B=1, commit {d['records'].commit}", fontsize=9)
+    save(fig, out)
+    return d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("root", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    for n, r in plot(args.root, args.out)["ratio"].items():
+        print(f"{tokens(n):>6}: CLO {r:.0f}% of RetroInfer-style")
+
+
+if __name__ == "__main__":
+    cli(main)

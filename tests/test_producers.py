@@ -1,0 +1,67 @@
+"""The figure producers of issue 18 on the CPU at tiny sizes: experiments.fig4_6_similarity (every sample recomputed
+from the queries it saw) and experiments.bench_link (its record's rows, checked rows, refusals); each record drawn."""
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from experiments import bench_link
+from experiments.fig4_6_similarity import measure, out_path
+from kvoffload.errors import ConfigError
+from plots import fig3_13_link, fig4_6_similarity
+from tests.test_config import CONF
+from tests.test_reuse_profile import TINY, tiny_decode
+
+
+def config(tmp_path, *overrides):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose(
+            "config",
+            overrides=["seqlen=1200", "workload.gen_tokens=6", "workload.stop_at_eos=false", "device=cpu", *TINY]
+            + [f"+similarity_out={tmp_path / 'sim' / 'record.json'}", *overrides],
+        )
+
+
+def test_similarity_record_holds_every_sample(tmp_path):
+    probes = []
+    data = measure(config(tmp_path), decode=lambda cfg, make_kv, min_steps: tiny_decode(cfg, make_kv, keep=probes))
+    (probe,) = probes
+    assert data["decode_steps"] == 5 and data["shape"] == {"layers": 3, "heads": 4, "kv_heads": 2}
+    for layer in range(3):
+        q = [step[0] for step in probe.queries[layer]]  # [B, H, D] per step
+        for h in range(4):
+            want = [torch.nn.functional.cosine_similarity(q[t][0, h], q[t - 1][0, h], dim=0) for t in range(1, 5)]
+            assert data["query_cos"][layer][h] == pytest.approx([float(w) for w in want], abs=1e-4)
+        assert len(data["topk_overlap"][layer]) == 2 and all(len(x) == 4 for x in data["topk_overlap"][layer])
+    path = tmp_path / "sim" / "record.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(data))
+    d = fig4_6_similarity.plot(path.parent, tmp_path / "fig4_6.png")
+    assert d["cos"].shape == (3, 4, 4) and 0 <= d["above"] <= 1
+    with pytest.raises(ConfigError, match="exists: force=true"):
+        out_path(config(tmp_path))
+    with pytest.raises(ConfigError, match="batch must be 1"):
+        measure(config(tmp_path, "batch=2"), decode=tiny_decode)
+
+
+def test_link_bench_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "link" / "record.json"
+    bench_link.main(["--out", str(out), "--tokens", "64,256", "--kv-heads", "2", "--head-dim", "8", "--iters", "2"])
+    rec = json.loads(out.read_text())
+    assert rec["device"] == "cpu" and rec["shape"] == {"kv_heads": 2, "head_dim": 8, "row_bytes": 32}
+    assert [(r["path"], r["tokens"], r["threads"]) for r in rec["rows"]] == [
+        ("bulk", 64, None),
+        ("cpu_gather", 64, None),  # on a CPU the thread counts do not apply
+        ("bulk", 256, None),
+        ("cpu_gather", 256, None),
+    ]
+    assert all(r["exact_rows"] for r in rec["rows"] if r["path"] != "bulk")
+    assert all(r["bytes"] == r["tokens"] * 2 * 32 and r["gb_s"] > 0 for r in rec["rows"])
+    assert rec["command"].startswith("python -m experiments.bench_link --out")
+    fig3_13_link.plot(out.parent, tmp_path / "link.png")
+    for bad, why in ((["--tokens", "0"], "at least 1"), (["--fraction", "2"], "must be in (0, 1]")):
+        with pytest.raises(SystemExit) as e:
+            bench_link.main(["--out", str(tmp_path / "x.json"), *bad])
+        assert e.value.code == 2 and why in capsys.readouterr().err
