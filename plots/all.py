@@ -45,6 +45,12 @@ FIGURES = (
         fig2_breakdown.plot,
         "paper Fig. 2 under the fitted persistent + AR(1) query process",
     ),
+    Figure(
+        "fig2_breakdown_fair_baselines",
+        "fair_baselines_128k",
+        fig2_breakdown.plot,
+        "paper Fig. 2 with the native-speed baselines, fitted query process",
+    ),
     Figure("ablation_gpu", "ablation_gpu_128k", ablation.plot, "the +T/+G/+P ablation, latency (GPU)"),
     Figure("ablation_cpu", "ablation_cpu", ablation.plot, "the +T/+G/+P ablation, hit rate and bytes (CPU)"),
     Figure("tab4_hit_rate", "tab4_hit_rate", tab4_hit_rate.plot, "paper Tab. 4: cache hit rate"),
