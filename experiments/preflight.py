@@ -363,27 +363,53 @@ class Limits:
     emulated: bool = False  # the budget is hardware.gpu_mem_gb (on a CPU run, or below what is free on a GPU)
 
 
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device: the one place the preflight reads them (tests fake a device here)."""
+    return torch.cuda.mem_get_info(device)
+
+
 def memory_limits(device: torch.device, gpu_mem_gb: float | None) -> Limits:
+    """The host's RAM and the device budget. A hardware.gpu_mem_gb above what the device has free is refused: the
+    run would otherwise plan under less than it was asked to emulate."""
     host = host_available_bytes()
     if device.type == "cpu":
         if gpu_mem_gb is None:
             return Limits(device, host, None)
         return Limits(device, host, int(gpu_mem_gb * GB), "hardware.gpu_mem_gb", emulated=True)
-    free, total = torch.cuda.mem_get_info(device)
-    budget = free if gpu_mem_gb is None else min(int(gpu_mem_gb * GB), free)
-    return Limits(device, host, budget, f"{free / GB:.1f} GB free of {total / GB:.1f}", emulated=budget < free)
+    free, total = device_memory(device)
+    where = f"{free / GB:.1f} GB free of {total / GB:.1f}"
+    if gpu_mem_gb is None:
+        return Limits(device, host, free, where)
+    budget = int(gpu_mem_gb * GB)
+    if budget > free:
+        has = f"has free ({free / GB:.1f} GB of {total / GB:.1f})" if budget <= total else f"has ({total / GB:.1f} GB)"
+        raise ConfigError(
+            f"hardware.gpu_mem_gb={gpu_mem_gb:g} is more than the GPU {has}: use at most "
+            f"{math.floor(free / GB * 10) / 10:g}, or null for what is free"
+        )
+    return Limits(device, host, budget, f"hardware.gpu_mem_gb; {where}", emulated=budget < free)
 
 
 def kv_budget(cfg: ModelConfig, spec: KVSpec, gpu_mem_gb: float | None, chunk: int | None = None) -> int | None:
     """The device bytes a KV system may plan for: the budget less the weights and the prefill's activations
     (None where no budget applies). A system plans under it (CLO's persistent heads), so it is known before the
-    system's estimate; check_memory then returns the same number for a run that fits."""
+    system's estimate; check_memory then returns the same number for a run that fits. A budget that does not
+    hold the weights is refused here: no batch, length or system would fit it."""
     limits = memory_limits(spec.device, gpu_mem_gb)
     if limits.budget is None:
         return None
-    fixed = cfg.num_params * spec.dtype_bytes + activation_bytes(
-        cfg, spec.prompt_tokens, spec.batch, spec.dtype_bytes, chunk
-    )
+    weights = cfg.num_params * spec.dtype_bytes
+    if weights >= limits.budget:
+        dtype = str(spec.dtype).removeprefix("torch.")
+        bf16 = cfg.num_params * 2 < limits.budget and spec.dtype == torch.float32
+        raise ConfigError(
+            f"the budget is {limits.budget / GB:.1f} GB ({limits.where}), less than {cfg.name}'s weights alone "
+            f"({weights / GB:.1f} GB in {dtype}), and it must also hold the prefill's activations and the KV: "
+            + ("use dtype=bfloat16, " if bf16 else "")
+            + ("a larger hardware.gpu_mem_gb" if gpu_mem_gb is not None else "a GPU with more free memory")
+            + " or a smaller model"
+        )
+    fixed = weights + activation_bytes(cfg, spec.prompt_tokens, spec.batch, spec.dtype_bytes, chunk)
     return max(limits.budget - fixed, 0)
 
 
@@ -440,7 +466,9 @@ def ways_out(
             bf16 = replace(spec, dtype=torch.bfloat16)
             if fits(bf16):
                 p = estimate(bf16)
-                need = p.kv_host + p.device_total if limits.device.type == "cpu" else p.device_total
+                need = p.device_total  # of the memory that was short (a CPU run's RAM holds the device's share)
+                if short == "host":
+                    need = p.kv_host + (need if limits.device.type == "cpu" else 0)
                 fitting.append(f"dtype=bfloat16 (about {need / GB:.1f} GB)")
             else:  # neither alone: bfloat16 with a shorter prompt or a smaller batch may
                 bases.append(("dtype=bfloat16 with ", bf16))
