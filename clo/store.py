@@ -8,6 +8,7 @@ graph."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,28 @@ class Selection:
     persist_idx: torch.Tensor | None = None
 
 
+def store_order(num_kv_heads: int, persistent: list[int]) -> list[int]:
+    """The store's head order: the cached heads, then the persistent ones (model head ids)."""
+    return sorted(set(range(num_kv_heads)) - set(persistent)) + sorted(persistent)
+
+
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    try:
+        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+    except RuntimeError as e:  # pinning tens of GB can fail well below the RAM size
+        raise ConfigError(
+            f"could not allocate {math.prod(shape) * dtype.itemsize / 2**30:.1f} GiB of pinned host memory for a "
+            f"layer's offloaded KV ({e}); lower seqlen or batch"
+        ) from e
+
+
+def to_device(values, dev: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A few host values (a list or a CPU tensor) onto the device with no host sync: torch.tensor(..., device=cuda)
+    and .to(cuda) from pageable memory wait for the stream, which would stall a prefill that runs ahead."""
+    t = torch.as_tensor(values, dtype=dtype)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
 class LayerStore:
     def __init__(
         self,
@@ -44,29 +67,28 @@ class LayerStore:
         prefetch: list[int],
         group: int,
         topk: str = "radix",
+        host: torch.Tensor | None = None,
     ):
+        """kv [B, Hkv, T0, 2, D]: the prompt's K/V, its heads already in store_order (clo.prefill.staged_kv). host:
+        the buffer its host copy goes to (None, or another shape: allocated here); making that copy is the
+        caller's (clo.prefill.Offload), so is setting tau and weights. Nothing here waits for the device."""
         b, hkv, t0, _, d = kv.shape
         dev, dtype = spec.device, spec.dtype
         self.t0, self.k, self.group = t0, k, group
         self.topk = topk  # select_topk's method
         self.sink, self.recent, self.n_mid = split_prompt(t0, sink, recent)
-        cached = sorted(set(range(hkv)) - set(persistent))
+        order = store_order(hkv, persistent)
+        cached = order[: hkv - len(persistent)]
         self.nc = len(cached)
-        self.order = torch.tensor(cached + sorted(persistent), dtype=torch.long, device=dev)
+        self.order = to_device(order, dev, torch.long)
         self.cached = torch.arange(self.nc, device=dev)  # head ids in the permuted order
         self.persistent = torch.arange(self.nc, hkv, device=dev)
         self.every_head = torch.arange(hkv, device=dev)
-        kv = kv[:, self.order]
-        try:
-            self.host = torch.empty(kv.shape, dtype=dtype, pin_memory=dev.type == "cuda")
-        except RuntimeError as e:  # pinning tens of GB can fail well below the RAM size
-            raise ConfigError(
-                f"could not allocate {kv.numel() * kv.element_size() / 2**30:.1f} GiB of pinned host "
-                f"memory for a layer's offloaded KV ({e}); lower seqlen or batch"
-            ) from e
-        self.host.copy_(kv)
+        if host is None or host.shape != kv.shape:
+            host = host_buffer(kv.shape, dtype, dev.type == "cuda")
+        self.host = host
         self.window = prompt_window(kv, self.sink, self.recent, spec.max_len)
-        self.prefetch_mask = torch.tensor([h in prefetch for h in cached], dtype=torch.bool, device=dev)
+        self.prefetch_mask = to_device([h in prefetch for h in cached], dev, torch.bool)
         self.n_managed = sum(h not in prefetch for h in cached)  # cached heads the lookups decide (not prefetch)
         self.slots = torch.zeros(b, self.nc, k, 2, d, dtype=dtype, device=dev)  # the transfer engine writes here
         self.slots_len = torch.full((b,), k, device=dev)

@@ -23,7 +23,8 @@ import torch
 from clo.accounting import count_step, memory_parts, step_device_bytes
 from clo.config import CLOConfig
 from clo.plan import CLOPlan, estimate_parts, k_select, make_plan
-from clo.store import LayerStore, Selection
+from clo.prefill import Offload, host_stores, staged_kv
+from clo.store import LayerStore, Selection, store_order, to_device
 from kvoffload.kernels.decode_attention import SplitAttention
 from kvoffload.kernels.head_cache import lookup_and_update
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
@@ -83,31 +84,36 @@ class CLO(KVOffloadSystem):
         # than computed from the position in every layer: tiny kernels on the critical path otherwise
         self.win_at = torch.zeros(1, dtype=torch.long, device=spec.device)
         self.win_len = torch.zeros(spec.batch, dtype=torch.long, device=spec.device)
+        self.offload = Offload(spec.device)  # prefill's host copies and hash encoding
+        self.hosts = host_stores(spec, cfg.dense_layers)  # handed to the stores at prefill
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The layer's prompt K/V into its store: staged in the store's head order on the device, then copied to
+        host memory and its keys hash-encoded by `offload` (on CUDA while the next layer computes)."""
+        self.offload.finish()  # the last layer's staged K/V go before this layer's are made
         spec, cfg, heads = self.spec, self.cfg, self.plan.heads
-        kv = torch.stack([k, v], dim=3)  # [B, Hkv, T0, 2, D]
         if layer in self.dense:
-            self.dense.prefill(layer, kv)
+            self.dense.prefill(layer, torch.stack([k, v], dim=3))
             return
-        g = spec.group_size
-        store = LayerStore(
-            kv,
-            spec,
-            cfg.sink,
-            cfg.recent,
-            k_select(cfg, kv.shape[2]),
-            heads.persistent[layer],
-            heads.prefetch[layer],
-            g,
-            cfg.topk,
-        )
-        cached_ids = store.order[: store.nc].cpu()
-        store.tau = self.plan.tau[layer, cached_ids].to(spec.device)
-        store.weights = self.plan.importance[layer, cached_ids].repeat_interleave(g).view(-1, g).to(spec.device)
-        self.retriever.index(layer, k[:, store.order, store.sink : store.sink + store.n_mid])
+        g, persistent = spec.group_size, heads.persistent[layer]
+        order = store_order(spec.num_kv_heads, persistent)
+        kv = staged_kv(k, v, order)
+        k_sel = k_select(cfg, kv.shape[2])
+        host, self.hosts[layer] = self.hosts[layer], None
+        store = LayerStore(kv, spec, cfg.sink, cfg.recent, k_sel, persistent, heads.prefetch[layer], g, cfg.topk, host)
+        cached = order[: store.nc]
+        store.tau = to_device(self.plan.tau[layer, cached], spec.device)
+        store.weights = to_device(self.plan.importance[layer, cached].repeat_interleave(g).view(-1, g), spec.device)
+        keys = kv[:, :, store.sink : store.sink + store.n_mid, 0]
+        if cfg.retriever != "hash":  # the oracle keeps the keys it is given: a view would hold all of kv
+            keys = keys.contiguous()
+        self.offload.start(kv, store.host, lambda: self.retriever.index(layer, keys))
         self.stores[layer] = store
+
+    def end_prefill(self, prompt_len: int) -> None:
+        self.offload.finish()  # decode reads the codes and the host store (the CPU-gather path from the host)
+        super().end_prefill(prompt_len)
 
     # ---- decode --------------------------------------------------------------------------------------------
     def begin_step(self) -> None:

@@ -93,12 +93,13 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         link_gb_s=link_gb_s(device),
         layer_time_s=model_layer_time_s(model_cfg, batch, device, dtype),
     )
-    spec = replace(spec, gpu_budget_bytes=preflight.kv_budget(model_cfg, spec, numbers.gpu_mem_gb))
-    plan = preflight.plan_memory(model_cfg, system, spec, seqlen)
+    chunk = numbers.prefill_chunk
+    spec = replace(spec, gpu_budget_bytes=preflight.kv_budget(model_cfg, spec, numbers.gpu_mem_gb, chunk))
+    plan = preflight.plan_memory(model_cfg, system, spec, seqlen, chunk)
     what = f"system={system_name} model={model_cfg.name} seqlen={preflight.tokens_text(seqlen)} batch={batch}"
 
     def estimate(s: KVSpec) -> preflight.MemoryPlan:  # a changed run, planned by a fresh system: the ways out
-        return preflight.plan_memory(model_cfg, build_system(cfg.system, system_name), s, s.prompt_tokens)
+        return preflight.plan_memory(model_cfg, build_system(cfg.system, system_name), s, s.prompt_tokens, chunk)
 
     preflight.check_memory(plan, device, numbers.gpu_mem_gb, what, estimate, spec, model_cfg.name)
     decode_mode = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
@@ -121,6 +122,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}")
     model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), numbers.seed, device, dtype)
     model.query_process = query_process
+    model.prefill_chunk = chunk
     # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and decode_mode != "graph")
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget

@@ -205,6 +205,7 @@ class RunNumbers:
     needle_depth: float
     gpu_mem_gb: float | None
     hbm_gb_s: float | None
+    prefill_chunk: int = 8192
 
 
 def check_numbers(cfg) -> RunNumbers:
@@ -223,6 +224,7 @@ def check_numbers(cfg) -> RunNumbers:
         needle_depth=number(cfg.workload.get("needle_depth", 0.5), "workload.needle_depth", 0.0, 1.0),
         gpu_mem_gb=number(hw.get("gpu_mem_gb"), "hardware.gpu_mem_gb", 0.0, above=True, null=True),
         hbm_gb_s=number(hw.get("hbm_gb_s"), "hardware.hbm_gb_s", 0.0, above=True, null=True),
+        prefill_chunk=parse_tokens(cfg.get("prefill_chunk", 8192), "prefill_chunk"),
     )
 
 
@@ -292,22 +294,52 @@ class MemoryPlan:
         return self.weights + self.activations + self.kv_device
 
 
-def activation_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: int) -> int:
-    """Peak transient memory of prefill: the residual stream, q/k/v/attention output of one layer, one MLP chunk
-    (8192 tokens) and the final logits. A generous estimate, not a measurement."""
+# Beyond the tensors prefill_peak_bytes counts: library workspaces (cuBLAS, flash attention's log-sum-exp), the math
+# path's scores where SDPA cannot take the causal offset itself (decoder.MASKED_SCORE_BYTES and its softmax), a
+# system's chunked hash encoding, the allocator's rounding.
+WORKSPACE_BYTES = 256 * 1024**2
+
+
+def prefill_peak_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: int, chunk: int) -> int:
+    """The most bytes of tensors Decoder.prefill holds at once, from the shapes alone. Through the layers: the
+    residual stream x, the layer's K and V of the whole prompt, and one staged copy of them (the system's:
+    CLO's head-permuted K/V held until its host copy is done, during the next layer's chunks on CUDA; the
+    baselines' stacked K/V). Within a layer, one chunk of `chunk` tokens at its widest: the norm's fp32
+    temporaries, the projections with RoPE's temporaries, q and the attention output with the causal mask of
+    the CPU path, or the MLP (gate/up, SiLU(gate) and its product: the CPU reference's; CUDA's fused kernel
+    needs one intermediate less). Then the last position's logits."""
+    from kvoffload.model.decoder import MASKED_ROWS
+
+    t, c = batch * seqlen, batch * min(seqlen, chunk)
+    hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, 2 * cfg.num_kv_heads * d  # per token
+    resident = t * (hid + 2 * kv) * dtype_bytes
+    norm = c * hid * (8 + 2 * dtype_bytes)  # fp32 x, its square / the normed fp32, and the rounded result
+    rope = 4 * min(seqlen, chunk) * d * (4 + dtype_bytes)  # the chunk's cos/sin, fp32 and rounded
+    projections = c * (hid + q + kv + 3 * q) * dtype_bytes + rope  # h, the fused qkv, RoPE's three q-sized
+    mask = 5 * min(seqlen, chunk, MASKED_ROWS) * seqlen  # bool mask and its float copy (off CUDA's flash path)
+    attention = c * (3 * q + hid) * dtype_bytes + mask  # q, o and its flattened copy, o_proj's output
+    mlp = c * (hid + 4 * inter) * dtype_bytes
+    logits = batch * cfg.vocab_size * (dtype_bytes + 4)
+    return resident + max(norm, projections, attention, mlp) + logits
+
+
+def activation_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: int, chunk: int | None = None) -> int:
+    """Peak transient device memory of prefill (prefill_peak_bytes, plus WORKSPACE_BYTES); chunk: the run's
+    prefill_chunk (None: the decoder's default)."""
     from kvoffload.model.decoder import PREFILL_CHUNK
 
-    t = batch * seqlen
-    per_token = cfg.hidden_size * 3 + (cfg.num_heads * 2 + cfg.num_kv_heads * 2) * cfg.head_dim
-    mlp = batch * min(seqlen, PREFILL_CHUNK) * cfg.intermediate_size * 3
-    return (t * per_token + mlp) * dtype_bytes + batch * cfg.vocab_size * 4 + 256 * 1024**2
+    chunk = PREFILL_CHUNK if chunk is None else chunk
+    return prefill_peak_bytes(cfg, seqlen, batch, dtype_bytes, chunk) + WORKSPACE_BYTES
 
 
-def plan_memory(cfg: ModelConfig, system: KVOffloadSystem, spec: KVSpec, seqlen: int) -> MemoryPlan:
+def plan_memory(
+    cfg: ModelConfig, system: KVOffloadSystem, spec: KVSpec, seqlen: int, chunk: int | None = None
+) -> MemoryPlan:
     est = system.estimate_memory(spec)
     return MemoryPlan(
         weights=cfg.num_params * spec.dtype_bytes,
-        activations=activation_bytes(cfg, seqlen, spec.batch, spec.dtype_bytes),
+        activations=activation_bytes(cfg, seqlen, spec.batch, spec.dtype_bytes, chunk),
         kv_device=est.device_bytes,
         kv_host=est.host_bytes,
     )
@@ -331,25 +363,53 @@ class Limits:
     emulated: bool = False  # the budget is hardware.gpu_mem_gb (on a CPU run, or below what is free on a GPU)
 
 
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device: the one place the preflight reads them (tests fake a device here)."""
+    return torch.cuda.mem_get_info(device)
+
+
 def memory_limits(device: torch.device, gpu_mem_gb: float | None) -> Limits:
+    """The host's RAM and the device budget. A hardware.gpu_mem_gb above what the device has free is refused: the
+    run would otherwise plan under less than it was asked to emulate."""
     host = host_available_bytes()
     if device.type == "cpu":
         if gpu_mem_gb is None:
             return Limits(device, host, None)
         return Limits(device, host, int(gpu_mem_gb * GB), "hardware.gpu_mem_gb", emulated=True)
-    free, total = torch.cuda.mem_get_info(device)
-    budget = free if gpu_mem_gb is None else min(int(gpu_mem_gb * GB), free)
-    return Limits(device, host, budget, f"{free / GB:.1f} GB free of {total / GB:.1f}", emulated=budget < free)
+    free, total = device_memory(device)
+    where = f"{free / GB:.1f} GB free of {total / GB:.1f}"
+    if gpu_mem_gb is None:
+        return Limits(device, host, free, where)
+    budget = int(gpu_mem_gb * GB)
+    if budget > free:
+        has = f"has free ({free / GB:.1f} GB of {total / GB:.1f})" if budget <= total else f"has ({total / GB:.1f} GB)"
+        raise ConfigError(
+            f"hardware.gpu_mem_gb={gpu_mem_gb:g} is more than the GPU {has}: use at most "
+            f"{math.floor(free / GB * 10) / 10:g}, or null for what is free"
+        )
+    return Limits(device, host, budget, f"hardware.gpu_mem_gb; {where}", emulated=budget < free)
 
 
-def kv_budget(cfg: ModelConfig, spec: KVSpec, gpu_mem_gb: float | None) -> int | None:
+def kv_budget(cfg: ModelConfig, spec: KVSpec, gpu_mem_gb: float | None, chunk: int | None = None) -> int | None:
     """The device bytes a KV system may plan for: the budget less the weights and the prefill's activations
     (None where no budget applies). A system plans under it (CLO's persistent heads), so it is known before the
-    system's estimate; check_memory then returns the same number for a run that fits."""
+    system's estimate; check_memory then returns the same number for a run that fits. A budget that does not
+    hold the weights is refused here: no batch, length or system would fit it."""
     limits = memory_limits(spec.device, gpu_mem_gb)
     if limits.budget is None:
         return None
-    fixed = cfg.num_params * spec.dtype_bytes + activation_bytes(cfg, spec.prompt_tokens, spec.batch, spec.dtype_bytes)
+    weights = cfg.num_params * spec.dtype_bytes
+    if weights >= limits.budget:
+        dtype = str(spec.dtype).removeprefix("torch.")
+        bf16 = cfg.num_params * 2 < limits.budget and spec.dtype == torch.float32
+        raise ConfigError(
+            f"the budget is {limits.budget / GB:.1f} GB ({limits.where}), less than {cfg.name}'s weights alone "
+            f"({weights / GB:.1f} GB in {dtype}), and it must also hold the prefill's activations and the KV: "
+            + ("use dtype=bfloat16, " if bf16 else "")
+            + ("a larger hardware.gpu_mem_gb" if gpu_mem_gb is not None else "a GPU with more free memory")
+            + " or a smaller model"
+        )
+    fixed = weights + activation_bytes(cfg, spec.prompt_tokens, spec.batch, spec.dtype_bytes, chunk)
     return max(limits.budget - fixed, 0)
 
 
@@ -406,7 +466,9 @@ def ways_out(
             bf16 = replace(spec, dtype=torch.bfloat16)
             if fits(bf16):
                 p = estimate(bf16)
-                need = p.kv_host + p.device_total if limits.device.type == "cpu" else p.device_total
+                need = p.device_total  # of the memory that was short (a CPU run's RAM holds the device's share)
+                if short == "host":
+                    need = p.kv_host + (need if limits.device.type == "cpu" else 0)
                 fitting.append(f"dtype=bfloat16 (about {need / GB:.1f} GB)")
             else:  # neither alone: bfloat16 with a shorter prompt or a smaller batch may
                 bases.append(("dtype=bfloat16 with ", bf16))

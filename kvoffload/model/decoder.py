@@ -1,6 +1,6 @@
 """A lean decoder for the Llama and Qwen2 families (gpt-fast style). Module names mirror HuggingFace's so a
-checkpoint's state dict loads as it is. Prefill attends densely over the prompt and hands each layer's K/V to
-the KV system; decode asks the KV system for attention, one layer at a time."""
+checkpoint's state dict loads as it is. Prefill attends densely over the prompt, a chunk of queries at a time,
+and hands each layer's K/V to the KV system; decode asks the KV system for attention, one layer at a time."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from kvoffload.kernels.dense_ops import rms_norm, rms_norm_pair, rope, silu_mul
 from kvoffload.kernels.gemv import linear, linear_pair, linear_silu_mul
@@ -16,9 +17,41 @@ from kvoffload.kv.interface import KVOffloadSystem
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.rope import Rotary, apply_rotary
 
-# Prefill runs the MLP (and lm_head) over at most this many tokens at a time: at 128K tokens an unchunked
-# Llama-3-8B MLP intermediate alone is 3.7 GB.
+# Prefill runs a layer over at most this many tokens at a time (Decoder.prefill_chunk, the run's `prefill_chunk`):
+# q, the attention output and the MLP's intermediates exist for one chunk only. At 128K tokens an unchunked
+# Llama-3-8B MLP intermediate alone is 3.7 GB, and q and the attention output 1 GB each.
 PREFILL_CHUNK = 8192
+# Where the causal offset needs an explicit mask (off CUDA, or without flash attention), queries go through SDPA
+# this many rows at a time at most, and fewer where the math path's scores would pass MASKED_SCORE_BYTES: the mask
+# (and its float copy) and the scores grow with rows x keys.
+MASKED_ROWS = 256
+MASKED_SCORE_BYTES = 64 * 1024**2
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q [B, H, C, D]: the queries at positions start .. start + C - 1; k, v [B, Hkv, start + C, D]: every key up
+    to the last of them -> [B, H, C, D]. Query i sees keys 0 .. start + i: causal aligned at the bottom right,
+    where SDPA's is_causal aligns at the top left once q is shorter than k."""
+    c, keys = q.shape[2], k.shape[2]
+    if start == 0:  # square: both alignments agree
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if q.is_cuda and _flash_usable(q, k, v):  # flash attention's own causal is bottom-right: no mask is made
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, keys), enable_gqa=True)
+    out = torch.empty_like(q)
+    rows = max(1, min(MASKED_ROWS, MASKED_SCORE_BYTES // (4 * q.shape[0] * q.shape[1] * keys)))
+    for r in range(0, c, rows):
+        n = min(r + rows, c)
+        mask = torch.ones(n - r, start + n, dtype=torch.bool, device=q.device).tril(start + r)
+        out[:, :, r:n] = F.scaled_dot_product_attention(
+            q[:, :, r:n], k[:, :, : start + n], v[:, :, : start + n], attn_mask=mask, enable_gqa=True
+        )
+    return out
+
+
+def _flash_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
 
 
 class RMSNorm(nn.Module):
@@ -111,11 +144,24 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def mlp_block(self, x: torch.Tensor) -> torch.Tensor:
-        for s in range(0, x.shape[1], PREFILL_CHUNK):
-            chunk = x[:, s : s + PREFILL_CHUNK]
-            x[:, s : s + PREFILL_CHUNK] = chunk + self.mlp(self.post_attention_layernorm(chunk))
-        return x
+    def prefill(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, chunk: int):
+        """The layer over the whole prompt, in place on x [B, T, hidden], `chunk` tokens at a time -> post-RoPE k, v
+        [B, Hkv, T, D] of every token. A chunk's attention and MLP run before the next chunk's projections: its
+        queries need only the keys up to its own end, and its rows of x nothing of the chunks after it."""
+        attn = self.self_attn
+        b, t, _ = x.shape
+        k, v = x.new_empty(b, attn.hkv, t, attn.d), x.new_empty(b, attn.hkv, t, attn.d)
+        for s in range(0, t, chunk):
+            e = min(s + chunk, t)
+            xc = x[:, s:e]  # a view: the residual additions below write into x
+            cos, sin = rotary.cos_sin(positions[s:e], x.dtype)
+            q, k[:, :, s:e], v[:, :, s:e] = attn.qkv(self.input_layernorm(xc), cos, sin)
+            o = causal_attention(q, k[:, :, :e], v[:, :, :e], s)
+            del q
+            xc += attn.o_proj(o.transpose(1, 2).flatten(2))
+            del o
+            xc += self.mlp(self.post_attention_layernorm(xc))
+        return k, v
 
     def decode_mlp(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step after attention: x [B, 1, hidden] the layer's input, o [B, H, D] its attention output
@@ -166,6 +212,7 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rotary: Rotary | None = None
+        self.prefill_chunk = PREFILL_CHUNK  # the runner sets the run's `prefill_chunk`
         # Optional synthetic query process (experiments.query_process) replacing the queries the KV system sees.
         self.query_process = None
         # a HF checkpoint's state dict loads as it is: its q/k/v and gate/up projections are fused on the way in
@@ -185,20 +232,16 @@ class Decoder(nn.Module):
         all_logits: bool = False,
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """tokens [B, T] -> logits of the last position [B, V] (or of every position [B, T, V])."""
-        b, t = tokens.shape
+        """tokens [B, T] -> logits of the last position [B, V] (or of every position [B, T, V]). Alive at once: the
+        residual stream x, one layer's K/V of the whole prompt and one chunk's q, attention output and MLP
+        temporaries (experiments.preflight.prefill_peak_bytes counts them)."""
+        t = tokens.shape[1]
         x = self.model.embed_tokens(tokens)
-        cos, sin = self.rotary().cos_sin(torch.arange(t, device=tokens.device), x.dtype)
+        positions = torch.arange(t, device=tokens.device)
         for i, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            q, k, v = self._chunked_qkv(layer, x, cos, sin)
+            k, v = layer.prefill(x, positions, self.rotary(), self.prefill_chunk)
             kv.prefill(i, k, v)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            del q, k, v
-            for s in range(0, t, PREFILL_CHUNK):  # in place, a chunk at a time: no second residual stream
-                x[:, s : s + PREFILL_CHUNK] += attn.o_proj(o[:, :, s : s + PREFILL_CHUNK].transpose(1, 2).flatten(2))
-            del o
-            x = layer.mlp_block(x)
+            del k, v
             if on_layer is not None:
                 on_layer(i)
         kv.end_prefill(t)
@@ -206,27 +249,9 @@ class Decoder(nn.Module):
             return self._chunked_logits(x)
         return self.lm_head(self.model.norm(x[:, -1])).float()
 
-    @staticmethod
-    def _chunked_qkv(layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q, k, v [B, heads, T, D] of the whole prompt, computed PREFILL_CHUNK tokens at a time: the norm's fp32
-        temporaries and RoPE's of the whole prompt at once are 8 GiB each at 512K tokens."""
-        attn = layer.self_attn
-        b, t, _ = x.shape
-        q = x.new_empty(b, attn.h, t, attn.d)
-        k, v = x.new_empty(b, attn.hkv, t, attn.d), x.new_empty(b, attn.hkv, t, attn.d)
-        for s in range(0, t, PREFILL_CHUNK):
-            e = min(s + PREFILL_CHUNK, t)
-            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e] = attn.qkv(layer.input_layernorm(x[:, s:e]), cos[s:e], sin[s:e])
-        return q, k, v
-
     def _chunked_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat(
-            [
-                self.lm_head(self.model.norm(x[:, s : s + PREFILL_CHUNK])).float()
-                for s in range(0, x.shape[1], PREFILL_CHUNK)
-            ],
-            dim=1,
-        )
+        c = self.prefill_chunk
+        return torch.cat([self.lm_head(self.model.norm(x[:, s : s + c])).float() for s in range(0, x.shape[1], c)], 1)
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, position: torch.Tensor, kv: KVOffloadSystem) -> torch.Tensor:

@@ -47,6 +47,11 @@ class ExactRetriever:
         return sum(k.nbytes for k in self.keys if k is not None)  # the oracle keeps every candidate key
 
 
+# HashRetriever.index encodes this many (sequence, head, token) rows at a time: ~3 KB of temporaries each at rbit
+# 256 and D 128, ~50 MB in all (within experiments.preflight.WORKSPACE_BYTES)
+INDEX_ROWS = 16384
+
+
 class HashRetriever:
     name = "hash"
 
@@ -77,9 +82,19 @@ class HashRetriever:
         """x [B, Hkv, N, D] -> codes [B, Hkv, N, rbit / 8]."""
         return pack_signs(torch.einsum("bknd,kdr->bknr", x.float(), self.proj[layer]))
 
-    def index(self, layer: int, keys: torch.Tensor) -> None:
-        self.codes[layer] = self.encode(layer, keys)
-        self.norms[layer] = keys.float().norm(dim=-1)
+    def index(self, layer: int, keys: torch.Tensor, rows: int = INDEX_ROWS) -> None:
+        """keys [B, Hkv, T, D] (a strided view will do) -> their codes and norms, encoded `rows` (sequence, head,
+        token) rows at a time: a whole layer's fp32 projections at once are 8x its bf16 keys at rbit 256 and D 128
+        (1 GB at 128K tokens)."""
+        b, hkv, t, _ = keys.shape
+        codes = torch.empty(b, hkv, t, self.rbit // 8, dtype=torch.uint8, device=keys.device)
+        norms = torch.empty(b, hkv, t, dtype=torch.float32, device=keys.device)
+        chunk = max(1, rows // (b * hkv))
+        for s in range(0, t, chunk):
+            part = keys[:, :, s : s + chunk]
+            codes[:, :, s : s + chunk] = self.encode(layer, part)
+            norms[:, :, s : s + chunk] = part.float().norm(dim=-1)
+        self.codes[layer], self.norms[layer] = codes, norms
 
     def encode_query(self, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """q [B, H, D] -> codes of each scored KV head's query group [B, h, G, rbit / 8]."""

@@ -1,0 +1,137 @@
+"""Chunked prefill (issue 16): a layer runs over the prompt a chunk of queries at a time, each chunk attending to
+the keys up to its own end. It must give what the whole prompt at once gives: the logits of every position and
+the K/V handed to the KV system, for chunk sizes that do and do not divide the prompt."""
+
+import json
+
+import pytest
+import torch
+
+from baselines.fullattn import FullAttn
+from kvoffload.kv.interface import KVSpec
+from kvoffload.model import decoder as decoder_module
+from kvoffload.model.config import ModelConfig
+from kvoffload.model.decoder import causal_attention
+from kvoffload.model.weights import synthetic_decoder
+
+CPU = torch.device("cpu")
+
+
+def tiny(family: str = "llama", **kw) -> ModelConfig:
+    shapes = dict(hidden_size=64, intermediate_size=160, num_layers=3, num_heads=8, num_kv_heads=2, head_dim=8)
+    return ModelConfig(
+        name=f"tiny-{family}",
+        family=family,
+        vocab_size=97,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=1024,
+        attention_bias=family == "qwen2",
+        **{**shapes, **kw},
+    )
+
+
+class Recorder(FullAttn):
+    """FullAttn that keeps a copy of what each layer's prefill is handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.handed = {}
+
+    def prefill(self, layer, k, v):
+        self.handed[layer] = (k.clone(), v.clone())
+        super().prefill(layer, k, v)
+
+
+def recorder(cfg: ModelConfig, batch: int, max_len: int) -> Recorder:
+    kv = Recorder()
+    kv.allocate(
+        KVSpec(cfg.num_layers, batch, max_len, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU)
+    )
+    return kv
+
+
+@torch.inference_mode()
+def whole_prompt_prefill(model, tokens: torch.Tensor):
+    """The reference: every layer over the whole prompt at once, the causal softmax written out (no SDPA, no
+    chunks) -> (logits [B, T, V], [(k, v) per layer])."""
+    t = tokens.shape[1]
+    x = model.model.embed_tokens(tokens)
+    cos, sin = model.rotary().cos_sin(torch.arange(t), x.dtype)
+    future = torch.ones(t, t, dtype=torch.bool).triu(1)
+    handed = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
+        handed.append((k, v))
+        g = attn.h // attn.hkv
+        scores = q @ k.repeat_interleave(g, 1).transpose(-1, -2) / attn.d**0.5
+        o = scores.masked_fill(future, float("-inf")).softmax(-1) @ v.repeat_interleave(g, 1)
+        x = x + attn.o_proj(o.transpose(1, 2).flatten(2))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.model.norm(x)).float(), handed
+
+
+def masked_softmax_attention(q, k, v, start):
+    g = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(g, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
+    rows = torch.arange(start, start + q.shape[2])[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[2])[None, :] > rows, float("-inf"))
+    return scores.softmax(-1) @ v.repeat_interleave(g, 1)
+
+
+@pytest.mark.parametrize("start,c", [(0, 5), (1, 5), (16, 16), (37, 11), (100, 1)])
+@pytest.mark.parametrize("rows", [256, 3])  # 3: the masked path in blocks of query rows
+def test_causal_attention_is_bottom_right_aligned(start, c, rows, monkeypatch):
+    monkeypatch.setattr(decoder_module, "MASKED_ROWS", rows)
+    g = torch.Generator().manual_seed(start + c)
+    q = torch.randn(2, 6, c, 16, generator=g)
+    k, v = torch.randn(2, 3, start + c, 16, generator=g), torch.randn(2, 3, start + c, 16, generator=g)
+    torch.testing.assert_close(causal_attention(q, k, v, start), masked_softmax_attention(q, k, v, start))
+
+
+def test_the_last_chunk_row_sees_every_key_and_the_first_only_its_past():
+    """A guard on the test above: with one key made huge and its value distinct, the query rows before it must not
+    see it, the rows at or after it must."""
+    start, c = 6, 4
+    q = torch.ones(1, 2, c, 8)
+    k, v = torch.zeros(1, 1, start + c, 8), torch.zeros(1, 1, start + c, 8)
+    k[0, 0, start + 1], v[0, 0, start + 1] = 50.0, 1.0  # the second query of the chunk and later see it
+    o = causal_attention(q, k, v, start)
+    assert o[0, :, 0].abs().max() == 0 and torch.all(o[0, :, 1:] > 0.99)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("chunk", [1, 7, 8, 40, 4096])  # 8 divides the 40-token prompt, 7 does not; 40, 4096: one
+def test_chunked_prefill_equals_the_whole_prompt(family, chunk):
+    cfg = tiny(family)
+    model = synthetic_decoder(cfg, 0, CPU, torch.float32)
+    if family == "qwen2":  # nonzero q/k/v biases, so that they count
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.qkv_proj.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    want_logits, want_kv = whole_prompt_prefill(model, tokens)
+    model.prefill_chunk = chunk
+    kv = recorder(cfg, 2, 48)
+    got = model.prefill(tokens, kv, all_logits=True)
+    torch.testing.assert_close(got, want_logits, atol=2e-5, rtol=1e-5)
+    for layer, (k, v) in enumerate(want_kv):
+        torch.testing.assert_close(kv.handed[layer][0], k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv.handed[layer][1], v, atol=1e-5, rtol=1e-5)
+    last = model.prefill(tokens, recorder(cfg, 2, 48))  # the last position's logits, the runner's path
+    torch.testing.assert_close(last, want_logits[:, -1], atol=2e-5, rtol=1e-5)
+
+
+def test_real_smollm2_chunked_prefill_equals_the_whole_prompt(smollm2_folder):
+    from kvoffload.model.weights import hf_decoder
+
+    cfg = ModelConfig.from_hf(json.loads((smollm2_folder / "config.json").read_text()), "smollm2")
+    model = hf_decoder(cfg, smollm2_folder, CPU, torch.float32)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 48), generator=torch.Generator().manual_seed(5))
+    want, _ = whole_prompt_prefill(model, tokens)
+    for chunk in (16, 20):  # 16 divides the prompt, 20 does not
+        model.prefill_chunk = chunk
+        got = model.prefill(tokens, recorder(cfg, 1, 50), all_logits=True)
+        assert (got - want).abs().max() < 1e-4 * want.abs().max(), chunk
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
