@@ -43,7 +43,7 @@ stage bench_clo_layer_speculative 300 python3 -m experiments.bench_clo_layer --p
   --out "$out/clo_layer_speculative.json" --trace "$out/traces_speculative" --uva-programs \
   ${LAYER_MS:+--layer-time-ms $LAYER_MS} ${LINK_GB_S:+--link-gb-s $LINK_GB_S}
 run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants its flags first
-stage clo_graph 120 $run +experiment=clo_synthetic system=clo,fullattn seqlen=${SEQLENS:-32k,128k} workload.gen_tokens=32
+stage clo_graph 240 $run +experiment=clo_synthetic system=clo,fullattn seqlen=${SEQLENS:-32k,128k} workload.gen_tokens=32
 # CLO's two persist_query modes at 128K; LAYER_MS and LINK_GB_S pin Eq. 12's inputs so that both runs get one plan
 stage clo_persist_query 420 $run +experiment=clo_synthetic system=clo system.persist_query=real,speculative \
   system.layer_time_ms=${LAYER_MS:-null} system.link_gb_s=${LINK_GB_S:-null} seqlen=128k workload.gen_tokens=32
