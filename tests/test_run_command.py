@@ -318,6 +318,32 @@ def test_fig2_experiment_runs_every_system_and_plots(tmp_path):
     assert rows["retroinfer"]["cache_mgmt"] > 0 and rows["clo"]["cache_mgmt"] > 0
 
 
+@pytest.mark.slow
+def test_fig10_experiment_sweeps_batch_and_plots(tmp_path):
+    """The Figure 10 bundle as one command (tiny here: SmolLM2 shapes, synthetic weights, 600 tokens, no budget)."""
+    from plots.fig10_throughput import data
+
+    run(
+        "--multirun",
+        "+experiment=fig10_throughput",
+        "model=smollm2",
+        "model.weights=synthetic",
+        "seqlen=600",
+        "batch=1,2",
+        "system=clo",
+        "hardware.gpu_mem_gb=null",
+        "model.reuse_profile=data/profiles/smollm2.json",
+        "workload.query_process=data/profiles/smollm2.json",
+        "workload.gen_tokens=4",
+        "decode_mode=eager",
+        tmp=tmp_path,
+    )
+    recs = records(tmp_path)
+    assert sorted((r["system"], r["batch"]) for r in recs.values()) == [("clo", 1), ("clo", 2)]
+    points = data(tmp_path / "results")["points"]
+    assert all(p["decode_tokens_per_s"] > 0 for p in points.values()) and len(points) == 2
+
+
 def test_bad_workload_settings_refused_before_loading(tmp_path):
     err = bad(tmp_path, "workload.prompt=poem", "seqlen=64", *FAST[:1], *FAST[2:])
     assert "valid: auto, needle, random" in err and "[run]" not in err
