@@ -44,9 +44,7 @@ def test_every_system_has_a_yaml_and_a_class():
 def test_estimate_equals_what_is_allocated_and_decode_runs(name):
     system, spec = build(name)
     estimate = system.estimate_parts(spec)
-    assert system.estimate_memory(spec).device_bytes == sum(
-        v for k, v in estimate.items() if not k.startswith("host")
-    )
+    assert system.estimate_memory(spec).device_bytes == sum(v for k, v in estimate.items() if not k.startswith("host"))
     system.allocate(spec, PhaseTimer(spec.device, enabled=False))
     g = torch.Generator().manual_seed(0)
     shape = (spec.batch, spec.num_kv_heads, T0, spec.head_dim)
