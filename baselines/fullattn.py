@@ -4,7 +4,8 @@ the fastest measured; `attention_backend=flashinfer` is flashinfer's batch decod
 (baselines/paged_decode.py; tensor cores by default, its faster path), in eager steps and in a step captured in
 a CUDA graph alike (planned once per step on the host, before the replay); `sdpa` torch SDPA (eager only: a step
 captured in a graph then uses the Triton kernel). The cache is token-major ([layer, batch, token, kv_head, dim],
-flashinfer's NHD), its token axis padded to whole pages, so that the first n tokens of a sequence are one contiguous block."""
+flashinfer's NHD), its token axis padded to whole pages, so that the first n tokens of a sequence are one
+contiguous block."""
 
 from __future__ import annotations
 

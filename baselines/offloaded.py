@@ -35,6 +35,11 @@ class OffloadedBaseline(KVOffloadSystem):
         super().__init__()
         check_budget(topk_ratio, sink, recent, dense_layers)
         cpu_threads = resolve_threads(cpu_threads)  # validated now, before any long work
+        cores = resolve_threads("auto")
+        if cpu_threads > cores:  # more threads than cores only time-slice: not the baseline at its strongest
+            raise ConfigError(
+                f"cpu_threads={cpu_threads} exceeds the {cores} cores this process may use; valid: 1..{cores}, auto"
+            )
         TransferEngine(transfer, cpu_threads, torch.device("cpu"), uva_programs)  # validates the transfer now
         self.topk_ratio, self.sink, self.recent, self.dense_layers = topk_ratio, sink, recent, dense_layers
         check_topk_method(topk)

@@ -319,7 +319,7 @@ def prefill_peak_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: i
     projections = c * (hid + q + kv + 3 * q) * dtype_bytes + rope  # h, the fused qkv, RoPE's three q-sized
     mask = 5 * min(seqlen, chunk, MASKED_ROWS) * seqlen  # bool mask and its float copy (off CUDA's flash path)
     attention = c * (3 * q + hid) * dtype_bytes + mask  # q, o and its flattened copy, o_proj's output
-    mlp = c * (hid + 4 * inter) * dtype_bytes
+    mlp = min(seqlen, chunk) * (hid + 4 * inter) * dtype_bytes  # one sequence's chunk at a time
     logits = batch * cfg.vocab_size * (dtype_bytes + 4)
     return resident + max(norm, projections, attention, mlp) + logits
 
