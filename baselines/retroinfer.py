@@ -141,12 +141,6 @@ class RetroInfer(OffloadedBaseline):
 
     def _allocate(self, spec: KVSpec) -> None:
         super()._allocate(spec)
-        n_mid = split_prompt(spec.prompt_tokens, self.sink, self.recent)[2]
-        if self.retriever_kind == "wave" and 0 < n_mid < self.wave.cluster_size:
-            raise ConfigError(
-                f"wave_cluster_size={self.wave.cluster_size} exceeds the prompt's {n_mid} middle tokens: not one "
-                f"cluster to retrieve; valid: 1..{n_mid}"
-            )
         if self.retriever_kind == "wave":
             w = self.wave
             self.retriever = WaveRetriever(spec.num_layers, w.cluster_size, w.segment, w.iters)
