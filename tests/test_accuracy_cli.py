@@ -47,3 +47,10 @@ def test_lm_evals_command_line_runs_the_clo_model(tmp_path):
     (results,) = tmp_path.glob("*/results_*.json")
     score = json.loads(results.read_text())["results"]["ruler_vt"]["2048,none"]
     assert 0.0 <= score <= 1.0
+
+
+def test_a_sweep_records_each_jobs_refusal_and_exits_1(tmp_path):
+    p = run("experiments.accuracy", "--multirun", "system=fullattn,clo", "workload.limit=0", f"results_dir={tmp_path}")
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "2 jobs: 0 ok, 0 skipped, 2 failed" in p.stderr and p.stderr.count("must be at least 1") >= 2
+    assert len(list(tmp_path.glob("*/record.json"))) == 2

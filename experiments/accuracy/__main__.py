@@ -117,9 +117,12 @@ def main(cfg: DictConfig) -> dict:
 
 
 def cli() -> None:
-    argv = sys.argv[1:]
-    if not any(a.split("=", 1)[0].lstrip("+~") == "workload" for a in preflight.command_line_overrides(argv)):
-        sys.argv.insert(1, "workload=accuracy")
+    """workload=accuracy unless the command line names a workload, put among its overrides (Hydra's parser takes
+    them as one run of positional arguments)."""
+    overrides = preflight.command_line_overrides(sys.argv[1:])
+    if not any(o.split("=", 1)[0].lstrip("+~") == "workload" for o in overrides):
+        at = sys.argv.index(overrides[0], 1) if overrides else len(sys.argv)
+        sys.argv.insert(at, "workload=accuracy")
     preflight.refuse_unknown_keys()
     main()
 
