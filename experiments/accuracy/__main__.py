@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import hydra
@@ -50,6 +51,7 @@ def run(cfg: DictConfig, system_name: str) -> dict:
     runnable, skipped = check_tasks(tm, tasks)
     for line in skipped:
         print(f"[accuracy] {line}", file=sys.stderr)
+    load_at_start = _load_average()
     lm = CLOLM(config=cfg, system_name=system_name)  # loads the weights (or reuses the previous job's)
     tokenizer = lm.tokenizer.name_or_path
     if max(lengths) > lm.max_length and any(is_ruler(tm, t) for t in runnable):
@@ -78,7 +80,13 @@ def run(cfg: DictConfig, system_name: str) -> dict:
         "cost_per_sample": cost_summary(results),
         "prefill_cache": {"hits": cache.hits, "misses": cache.misses, "gb_held": round(cache.used / 2**30, 3)},
         "decode_mode": lm.decode_mode,
-        "environment": {**environment(lm.device), "load_average": _load_average()},
+        "system_state": lm.system_state,
+        # a shared machine's load skews the times: its 1/5/15-minute load averages when the run started and ended
+        "environment": {
+            **environment(lm.device),
+            "lm_eval": version("lm_eval"),
+            "load_average": {"start": load_at_start, "end": _load_average()},
+        },
     }
 
 

@@ -72,6 +72,7 @@ class CLOLM(TemplateLM):
             raise ConfigError(f"max_length={self._max_length} exceeds the model's max_position_embeddings={cap}")
         self.decode_mode: str | None = None
         self.records: list[dict] = []
+        self.system_state: dict | None = None  # the last request's system.describe(): its plan, for the record
 
     # ---- what lm-eval reads -----------------------------------------------------------------------------------
     @property
@@ -130,6 +131,7 @@ class CLOLM(TemplateLM):
             self.decode_mode = preflight.resolve_decode_mode(self.cfg.decode_mode, self.device, system)
         # events cannot time phases inside a replayed graph
         system.timer.enabled = bool(self.cfg.get("profile_phases", True)) and self.decode_mode != "graph"
+        self.system_state = system.describe()
         t0 = time.perf_counter()
         pre.load_into(system)
         fields = {
