@@ -37,13 +37,13 @@ def test_nltk_finds_punkt_tab_and_never_downloads():
 
 @pytest.fixture(scope="module")
 def tm():
-    from experiments.accuracy.tasks import task_manager
+    from experiments.accuracy.tasks import index_for
 
-    return task_manager({})
+    return index_for(["niah_single_1"])
 
 
 def test_tasks_without_local_data_are_skipped_with_a_message(tm):
-    from experiments.accuracy.tasks import check_tasks, is_ruler
+    from experiments.accuracy.tasks import check_tasks, index_for, is_ruler
 
     runnable, skipped = check_tasks(tm, [*SIX, "longbench_qasper", "ruler_qa_squad", "niah_single_2"])
     assert runnable == SIX and all(is_ruler(tm, t) for t in SIX) and not is_ruler(tm, "longbench_qasper")
@@ -55,26 +55,27 @@ def test_tasks_without_local_data_are_skipped_with_a_message(tm):
         check_tasks(tm, ["niah_singel_1"])
     with pytest.raises(ConfigError, match="not a task"):
         check_tasks(tm, ["ruler"])
+    assert "arc_easy" not in tm.task_index and "arc_easy" in index_for(["arc_easy"]).task_index  # not in RULER's folder
 
 
 def test_accuracy_run_without_network(tmp_path, smollm2_folder):
-    """python -m experiments.accuracy, one RULER sample at 2K, FullAttn, offline: the record holds the score, the
-    sample and its cost."""
+    """python -m experiments.accuracy, one RULER sample at 1K (2K and up: the measurement and the slow test),
+    FullAttn, offline: the record holds the score, the sample and its cost."""
     env = {
         **os.environ,
         "CLO_CACHE": str(smollm2_folder.parent),
         "HF_HOME": str(tmp_path / "hf"),
         "PYTHONPATH": str(ROOT),
     }
-    cmd = [sys.executable, "-m", "experiments.accuracy", "workload.tasks=[niah_single_1]", "workload.lengths=[2k]"]
+    cmd = [sys.executable, "-m", "experiments.accuracy", "workload.tasks=[niah_single_1]", "workload.lengths=[1k]"]
     p = no_network([*cmd, "workload.limit=1", f"results_dir={tmp_path}", "wandb.enabled=false"], env, 600)
     assert p.returncode == 0, p.stderr[-3000:]
     (record,) = tmp_path.glob("*/record.json")
     rec = json.loads(record.read_text())
-    r = rec["tasks"]["niah_single_1"]["2048"]
+    r = rec["tasks"]["niah_single_1"]["1024"]
     (sample,) = r["samples"]
     assert rec["status"] == "ok" and r["n"] == 1 and r["score"] == sample["score"] in (0.0, 1.0)
-    assert 1500 < sample["cost"]["prompt_tokens"] <= 2048 - 128 and sample["cost"]["new_tokens"] <= 128
+    assert 700 < sample["cost"]["prompt_tokens"] <= 1024 - 128 and sample["cost"]["new_tokens"] <= 128
     assert rec["cost_per_sample"]["samples"] == 1 and rec["skipped"] == []
 
 

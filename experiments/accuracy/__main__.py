@@ -43,11 +43,11 @@ def settings(cfg: DictConfig) -> tuple[list[str], list[int], int | None]:
 
 def run(cfg: DictConfig, system_name: str) -> dict:
     from experiments.accuracy.lm import CLOLM
-    from experiments.accuracy.tasks import check_tasks, evaluate, is_ruler, task_folder, task_manager
+    from experiments.accuracy.tasks import check_tasks, evaluate, index_for, is_ruler, task_folder
 
     tasks, lengths, limit = settings(cfg)
     chat = preflight.switch(cfg.workload.get("apply_chat_template", False), "workload.apply_chat_template")
-    tm = task_manager({})
+    tm = index_for(tasks)
     runnable, skipped = check_tasks(tm, tasks)
     for line in skipped:
         print(f"[accuracy] {line}", file=sys.stderr)
