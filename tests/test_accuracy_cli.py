@@ -54,3 +54,12 @@ def test_a_sweep_records_each_jobs_refusal_and_exits_1(tmp_path):
     assert p.returncode == 1, p.stderr[-2000:]
     assert "2 jobs: 0 ok, 0 skipped, 2 failed" in p.stderr and p.stderr.count("must be at least 1") >= 2
     assert len(list(tmp_path.glob("*/record.json"))) == 2
+
+
+def test_the_readmes_accuracy_commands_pass_the_key_check():
+    from experiments.preflight import check_override_keys
+    from tests.test_config import shown_overrides
+
+    shown = shown_overrides("experiments.accuracy")
+    assert "system=fullattn,clo" in shown and "workload.limit=5" in shown
+    check_override_keys(shown)
