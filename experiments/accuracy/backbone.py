@@ -1,0 +1,197 @@
+"""The model side of an accuracy run, built once and shared by every system that is evaluated in one process: the
+decoder with its weights, the tokenizer, the runner's measurements that systems plan with, and the prompts'
+prefills. Prefill is dense attention over the prompt whatever the system (a system only receives each layer's K/V),
+so a prompt's prefill is computed once and handed to each system in turn (`PrefillCache`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from experiments import preflight
+from experiments.execute import build_system, load_tokenizer, weights_source
+from experiments.timing import link_gb_s, model_layer_time_s
+from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
+from kvoffload.kv.timer import PhaseTimer
+from kvoffload.model.config import ModelConfig
+from kvoffload.model.weights import build_decoder
+
+
+@dataclass
+class Prefill:
+    """One prompt's prefill: the last position's logits [1, V] and every layer's K/V [1, Hkv, T, D]."""
+
+    logits: torch.Tensor
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def load_into(self, system: KVOffloadSystem) -> None:
+        """Hands the K/V to `system` as the decoder's prefill would (copies: a system may keep what it is given)."""
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            system.prefill(layer, k.clone(), v.clone())
+        system.end_prefill(self.tokens)
+
+
+class PrefillRecorder(KVOffloadSystem):
+    """Receives the decoder's prefill and keeps each layer's K/V; decodes nothing."""
+
+    name = "prefill-recorder"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
+        return {"kv": 0, "host": 0}
+
+    def memory_parts(self) -> dict[str, int]:
+        return {"kv": sum(t.numel() * t.element_size() for t in (*self.k, *self.v)), "host": 0}
+
+    def _allocate(self, spec: KVSpec) -> None:
+        pass
+
+    def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k.append(k)
+        self.v.append(v)
+
+    def decode(self, layer, q, k, v):
+        raise RuntimeError("PrefillRecorder only records a prefill")
+
+
+@dataclass
+class PrefillCache:
+    """Prefills by prompt, up to max_bytes of K/V. A sweep meets its prompts in the same order for each system, so
+    the cache keeps the first prompts until it is full rather than evicting (evicting the oldest would miss every
+    time once the sweep is larger than the cache)."""
+
+    max_bytes: int
+    entries: dict[tuple[int, ...], Prefill] = field(default_factory=dict)
+    used: int = 0
+    hits: int = 0
+    misses: int = 0
+
+    def get(self, ids: tuple[int, ...]) -> Prefill | None:
+        p = self.entries.get(ids)
+        self.hits += p is not None
+        self.misses += p is None
+        return p
+
+    def put(self, ids: tuple[int, ...], p: Prefill) -> None:
+        if self.used + p.nbytes <= self.max_bytes:
+            self.entries[ids] = p
+            self.used += p.nbytes
+
+
+class Backbone:
+    """Decoder, tokenizer and measurements from a composed config (its model, device, dtype and seed)."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
+        self.device = preflight.resolve_device(cfg.device)
+        self.dtype = preflight.resolve_dtype(cfg.dtype, self.device)
+        self.source = weights_source(cfg.model)
+        if self.source == "synthetic":
+            raise ConfigError(f"model={self.model_cfg.name} has synthetic weights: accuracy needs real ones")
+        self.tokenizer = load_tokenizer(self.source, cfg.model)
+        if self.tokenizer is None:
+            raise ConfigError(f"model={self.model_cfg.name}: no tokenizer files next to its weights")
+        gb = cfg.workload.get("prefill_cache_gb", 0) or 0
+        self.cache = PrefillCache(int(preflight.number(gb, "workload.prefill_cache_gb", 0.0) * GB))
+        self.link_gb_s = link_gb_s(self.device)
+        self.layer_time_s = model_layer_time_s(self.model_cfg, 1, self.device, self.dtype)
+        seed = preflight.integer(cfg.seed, "seed", 0)
+        self.model, self.weights = build_decoder(
+            self.model_cfg, self.source, cfg.model.get("path"), seed, self.device, self.dtype
+        )
+
+    @staticmethod
+    def key(cfg: DictConfig) -> str:
+        """What the backbone depends on: two configs with the same key share one."""
+        return repr(
+            (
+                OmegaConf.to_container(cfg.model, resolve=True),
+                cfg.device,
+                cfg.dtype,
+                cfg.seed,
+                cfg.workload.get("prefill_cache_gb"),
+            )
+        )
+
+    def prefill(self, ids: list[int]) -> tuple[Prefill, bool]:
+        """The prompt's prefill and whether it was computed earlier (for another system)."""
+        key = tuple(ids)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit, True
+        rec = PrefillRecorder()
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+        sync(self.device)
+        t0 = time.perf_counter()
+        logits = self.model.prefill(tokens, rec)
+        sync(self.device)
+        p = Prefill(logits, rec.k, rec.v, time.perf_counter() - t0)
+        self.cache.put(key, p)
+        return p, False
+
+    def all_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits at every position [T, V] of a dense forward pass (no system involved)."""
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+        return self.model.prefill(tokens, PrefillRecorder(), all_logits=True)[0]
+
+    def system(self, system_cfg: DictConfig, name: str, prompt_len: int, max_new: int) -> KVOffloadSystem:
+        """A fresh system planned and allocated for one request (its plan depends on the prompt's length)."""
+        m, numbers = self.model_cfg, self.cfg.get("hardware") or {}
+        gpu_mem_gb = preflight.number(numbers.get("gpu_mem_gb"), "hardware.gpu_mem_gb", 0.0, above=True, null=True)
+        system = build_system(system_cfg, name)
+        spec = KVSpec(
+            m.num_layers,
+            1,
+            prompt_len + max_new,
+            m.num_heads,
+            m.num_kv_heads,
+            m.head_dim,
+            self.dtype,
+            self.device,
+            prompt_len=prompt_len,
+            link_gb_s=self.link_gb_s,
+            layer_time_s=self.layer_time_s,
+        )
+        spec = replace(spec, gpu_budget_bytes=preflight.kv_budget(m, spec, gpu_mem_gb))
+        plan = preflight.plan_memory(m, system, spec, prompt_len)
+        what = f"system={name} model={m.name} prompt of {prompt_len} tokens"
+        preflight.check_memory(plan, self.device, gpu_mem_gb, what, model_name=m.name)
+        system.allocate(spec, PhaseTimer(self.device))
+        return system
+
+
+_LAST: tuple[str, Backbone] | None = None
+
+
+def backbone_for(cfg: DictConfig) -> Backbone:
+    """The backbone for cfg, reused when the previous call had the same key (the jobs of one sweep)."""
+    global _LAST
+    key = Backbone.key(cfg)
+    if _LAST is None or _LAST[0] != key:
+        _LAST = None  # the old one's memory goes first
+        _LAST = (key, Backbone(cfg))
+    return _LAST[1]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,65 @@
+"""The accuracy commands refuse bad input with one `error:` line and exit status 2 before any weight is loaded, and
+lm-eval's own command line runs the `clo` model (experiments.accuracy.lm_eval_cli)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvoffload.paths import ROOT
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["experiments.accuracy", "sytem=clo"], "unknown key 'sytem'"),
+        (["experiments.accuracy", "workload.lengths=[2x]"], "workload.lengths='2x'"),
+        (["experiments.accuracy", "workload.limit=0"], "workload.limit=0 must be at least 1"),
+        (
+            ["experiments.accuracy.lm_eval_cli", "run", "--model", "clo", "--model_args", "sytem=clo", "--tasks", "x"],
+            "sytem",
+        ),
+    ],
+)
+def test_bad_input_is_one_error_line(args, says, tmp_path):
+    p = run(*args, f"results_dir={tmp_path}" if args[0] == "experiments.accuracy" else "--limit=1")
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and says in last, p.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_lm_evals_command_line_runs_the_clo_model(tmp_path):
+    args = ["run", "--model", "clo", "--model_args", "system=fullattn", "--tasks", "ruler_vt", "--device", "cpu"]
+    more = ["--metadata", "max_seq_lengths=[2048]", "--limit", "1", "--output_path", str(tmp_path)]
+    p = run("experiments.accuracy.lm_eval_cli", *args, *more, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (results,) = tmp_path.glob("*/results_*.json")
+    score = json.loads(results.read_text())["results"]["ruler_vt"]["2048,none"]
+    assert 0.0 <= score <= 1.0
+
+
+def test_a_sweep_records_each_jobs_refusal_and_exits_1(tmp_path):
+    p = run("experiments.accuracy", "--multirun", "system=fullattn,clo", "workload.limit=0", f"results_dir={tmp_path}")
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "2 jobs: 0 ok, 0 skipped, 2 failed" in p.stderr and p.stderr.count("must be at least 1") >= 2
+    assert len(list(tmp_path.glob("*/record.json"))) == 2
+
+
+def test_the_readmes_accuracy_commands_pass_the_key_check():
+    from experiments.preflight import check_override_keys
+    from tests.test_config import shown_overrides
+
+    shown = shown_overrides("experiments.accuracy")
+    assert "system=fullattn,clo" in shown and "workload.limit=5" in shown
+    check_override_keys(shown)
