@@ -69,6 +69,8 @@ def build_system(system_cfg: DictConfig, system_name: str) -> KVOffloadSystem:
 
 def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     # ---- everything that can be refused is checked before any weight is loaded --------------------------
+    if cfg.workload.get("name") == "accuracy":
+        raise ConfigError("workload=accuracy runs lm-eval tasks: python -m experiments.accuracy [overrides] (README)")
     numbers = preflight.check_numbers(cfg)
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
     seqlen, batch, gen_tokens = numbers.seqlen, numbers.batch, numbers.gen_tokens

@@ -344,6 +344,10 @@ def test_fig10_experiment_sweeps_batch_and_plots(tmp_path):
     assert all(p["decode_tokens_per_s"] > 0 for p in points.values()) and len(points) == 2
 
 
+def test_accuracy_workload_is_pointed_to_its_command(tmp_path):
+    assert "python -m experiments.accuracy" in bad(tmp_path, "workload=accuracy", *FAST[:1])
+
+
 def test_bad_workload_settings_refused_before_loading(tmp_path):
     err = bad(tmp_path, "workload.prompt=poem", "seqlen=64", *FAST[:1], *FAST[2:])
     assert "valid: auto, needle, random" in err and "[run]" not in err
