@@ -6,6 +6,8 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from baselines.fullattn import FullAttn
 from clo.system import CLO
@@ -13,8 +15,14 @@ from experiments import preflight
 from experiments.timing import link_gb_s
 from kvoffload.kv.interface import KVSpec
 from kvoffload.kv.timer import PhaseTimer
+from kvoffload.model.chunk_attention import (
+    _cudnn_attend,
+    _cudnn_split_usable,
+    _flash_usable,
+    causal_attention,
+    split_causal_attention,
+)
 from kvoffload.model.config import ModelConfig
-from kvoffload.model.decoder import _flash_usable, causal_attention
 from kvoffload.model.weights import synthetic_decoder
 
 pytestmark = pytest.mark.gpu
@@ -55,19 +63,60 @@ def spec(cfg: ModelConfig, t: int, batch: int = 1) -> KVSpec:
     )
 
 
-def test_a_chunk_takes_flash_attention_with_its_offset_and_matches_the_masked_softmax():
-    g = torch.Generator(device=CUDA).manual_seed(0)
-    start, c = 3000, 1000
+def chunk_inputs(start: int, c: int, seed: int = 0):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
     q = torch.randn(1, 32, c, 128, device=CUDA, dtype=torch.bfloat16, generator=g)
     k = torch.randn(1, 8, start + c, 128, device=CUDA, dtype=torch.bfloat16, generator=g)
-    v = torch.randn_like(k)
-    assert _flash_usable(q, k, v)  # the fast path: no mask, no math fallback
-    got = causal_attention(q, k, v, start).float()
+    return q, k, torch.randn_like(k)
+
+
+def flash_chunk(q, k, v):
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), enable_gqa=True
+    )
+
+
+@pytest.mark.parametrize("path", ["split", "flash"])
+def test_a_chunk_matches_the_masked_softmax_on_either_fast_path(path):
+    """On Hopper causal_attention takes the split path (cuDNN, two calls merged by log-sum-exp), elsewhere on CUDA
+    flash attention 2; both must give the masked softmax."""
+    start, c = 3000, 1000
+    q, k, v = chunk_inputs(start, c)
+    if path == "split":
+        assert _cudnn_split_usable(q, k, v, start), "cuDNN attention unusable here: the prefill runs flash attention 2"
+        got = split_causal_attention(q, k, v, start, _cudnn_attend)
+        assert torch.equal(causal_attention(q, k, v, start), got)  # the path causal_attention takes
+    else:
+        assert _flash_usable(q, k, v)
+        got = flash_chunk(q, k, v)
     qf, kf, vf = q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1)
     scores = qf @ kf.transpose(-1, -2) / 128**0.5
     future = torch.arange(start + c, device=CUDA)[None, :] > torch.arange(start, start + c, device=CUDA)[:, None]
     want = scores.masked_fill(future, float("-inf")).softmax(-1) @ vf
-    assert (got - want).abs().max() < 2e-2
+    assert (got.float() - want).abs().max() < 2e-2
+
+
+def test_the_split_path_is_faster_than_flash_attention_2():
+    """The last chunk of a 128K prompt at Llama-3-8B's heads: the reason the split path is taken on Hopper."""
+    start, c = 131072 - 8192, 8192
+    q, k, v = chunk_inputs(start, c)
+    if not _cudnn_split_usable(q, k, v, start):
+        pytest.skip("cuDNN attention unusable here")
+    ms = {}
+    for name, fn in (
+        ("split", lambda: split_causal_attention(q, k, v, start, _cudnn_attend)),
+        ("flash", lambda: flash_chunk(q, k, v)),
+    ):
+        fn()  # plans and modules built
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        end.synchronize()
+        ms[name] = begin.elapsed_time(end) / 5
+    print(f"last 8K chunk of 128K: split (cuDNN) {ms['split']:.2f} ms, flash attention 2 {ms['flash']:.2f} ms")
+    assert ms["split"] < 0.9 * ms["flash"]
 
 
 def test_chunked_prefill_on_cuda_equals_one_chunk():
