@@ -220,7 +220,7 @@ def test_the_staged_kv_outlives_its_copy():
         assert torch.equal(kv.stores[layer].host, torch.stack([ks[layer], vs[layer]], dim=3)[:, order].cpu())
 
 
-@pytest.mark.parametrize("t", [32768])
+@pytest.mark.parametrize("t", [32768, 131072])
 def test_clos_prefill_keeps_up_with_fullattns(t):
     """Issue 16's target at Llama-3-8B's layer shapes (8 layers: 1 dense, 7 offloaded, as 30 of 32), B=1: CLO's
     prefill at least 0.8x FullAttn's tokens/s, its host stores allocated (pinned) before, as the runner does."""
@@ -228,7 +228,8 @@ def test_clos_prefill_keeps_up_with_fullattns(t):
     model = synthetic_decoder(cfg, 0, CUDA, torch.bfloat16)
     tokens = torch.randint(0, 2000, (1, t), device=CUDA)
     seconds = {}
-    for name in ("fullattn", "clo", "fullattn", "clo"):  # the first of each warms up
+    # the first of each warms up: Triton's compiles, cuDNN's plans (one per prefix length) are made once a process
+    for name in ("fullattn", "clo", "fullattn", "clo"):
         kv = FullAttn() if name == "fullattn" else CLO(dense_layers=1)
         kv.allocate(spec(cfg, t), PhaseTimer(CUDA))
         torch.cuda.synchronize()
@@ -237,5 +238,6 @@ def test_clos_prefill_keeps_up_with_fullattns(t):
         torch.cuda.synchronize()
         seconds[name] = time.perf_counter() - start
         del kv
-    print(f"prefill at {t}: fullattn {seconds['fullattn']:.3f} s, clo {seconds['clo']:.3f} s")
-    assert seconds["fullattn"] / seconds["clo"] >= 0.8
+    ratio = seconds["fullattn"] / seconds["clo"]
+    print(f"prefill at {t}: fullattn {seconds['fullattn']:.3f} s, clo {seconds['clo']:.3f} s, clo/fullattn {ratio:.2f}")
+    assert ratio >= 0.8
