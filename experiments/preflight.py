@@ -308,7 +308,7 @@ def prefill_peak_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: i
     temporaries, the projections with RoPE's temporaries, q and the attention output with the causal mask of
     the CPU path, or the MLP (gate/up, SiLU(gate) and its product: the CPU reference's; CUDA's fused kernel
     needs one intermediate less). Then the last position's logits."""
-    from kvoffload.model.decoder import MASKED_ROWS
+    from kvoffload.model.chunk_attention import MASKED_ROWS
 
     t, c = batch * seqlen, batch * min(seqlen, chunk)
     hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim

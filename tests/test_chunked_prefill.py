@@ -9,9 +9,9 @@ import torch
 
 from baselines.fullattn import FullAttn
 from kvoffload.kv.interface import KVSpec
-from kvoffload.model import decoder as decoder_module
+from kvoffload.model import chunk_attention
+from kvoffload.model.chunk_attention import causal_attention, split_causal_attention
 from kvoffload.model.config import ModelConfig
-from kvoffload.model.decoder import causal_attention
 from kvoffload.model.weights import synthetic_decoder
 
 CPU = torch.device("cpu")
@@ -83,11 +83,34 @@ def masked_softmax_attention(q, k, v, start):
 @pytest.mark.parametrize("start,c", [(0, 5), (1, 5), (16, 16), (37, 11), (100, 1)])
 @pytest.mark.parametrize("rows", [256, 3])  # 3: the masked path in blocks of query rows
 def test_causal_attention_is_bottom_right_aligned(start, c, rows, monkeypatch):
-    monkeypatch.setattr(decoder_module, "MASKED_ROWS", rows)
+    monkeypatch.setattr(chunk_attention, "MASKED_ROWS", rows)
     g = torch.Generator().manual_seed(start + c)
     q = torch.randn(2, 6, c, 16, generator=g)
     k, v = torch.randn(2, 3, start + c, 16, generator=g), torch.randn(2, 3, start + c, 16, generator=g)
     torch.testing.assert_close(causal_attention(q, k, v, start), masked_softmax_attention(q, k, v, start))
+
+
+def math_attend(q, k, v, causal):
+    """Attention with the log-sum-exp of each query's scaled scores: what the split path takes from cuDNN, in fp32,
+    the output rounded to the inputs' dtype as cuDNN returns it."""
+    g = q.shape[1] // k.shape[1]
+    scores = q.float() @ k.float().repeat_interleave(g, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ v.float().repeat_interleave(g, 1)).to(q.dtype), scores.logsumexp(-1)
+
+
+@pytest.mark.parametrize("start,c", [(1, 5), (16, 16), (37, 11), (100, 1)])
+def test_the_split_path_merges_the_keys_before_the_chunk_with_its_own(start, c):
+    g = torch.Generator().manual_seed(start * c)
+    q = torch.randn(2, 6, c, 16, generator=g)
+    k, v = torch.randn(2, 3, start + c, 16, generator=g), torch.randn(2, 3, start + c, 16, generator=g)
+    want = masked_softmax_attention(q, k, v, start)
+    torch.testing.assert_close(split_causal_attention(q, k, v, start, math_attend), want)
+    # in bf16 the merge runs in place on the rounded outputs: within a few of their rounding steps
+    bf = [t.bfloat16() for t in (q, k, v)]
+    got = split_causal_attention(*bf, start, math_attend).float()
+    assert (got - masked_softmax_attention(*(t.float() for t in bf), start)).abs().max() < 3 * 2**-8
 
 
 def test_the_last_chunk_row_sees_every_key_and_the_first_only_its_past():

@@ -85,7 +85,7 @@ def test_the_estimate_is_fullattns_measured_peak_plus_the_staging(model, one_thr
 def test_the_peak_grows_with_the_prompt_by_what_is_resident_only(model, one_thread):
     """Twice the prompt at the same chunk: the peak grows by the residual stream, the layer's K/V and the CPU
     path's causal mask (bool and float, MASKED_ROWS rows), not by anything per chunk."""
-    from kvoffload.model.decoder import MASKED_ROWS
+    from kvoffload.model.chunk_attention import MASKED_ROWS
 
     (short, _), (long, _) = (run(model, FullAttn(), 1, t, 128) for t in (2048, 4096))
     per_token = (CFG.hidden_size + 2 * CFG.num_kv_heads * CFG.head_dim) * 4 + 5 * min(128, MASKED_ROWS)

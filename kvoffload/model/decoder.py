@@ -7,13 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from kvoffload.kernels.dense_ops import rms_norm, rms_norm_pair, rope, silu_mul
 from kvoffload.kernels.gemv import linear, linear_pair, linear_silu_mul
 from kvoffload.kv.interface import KVOffloadSystem
+from kvoffload.model.chunk_attention import causal_attention
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.rope import Rotary, apply_rotary
 
@@ -21,37 +20,6 @@ from kvoffload.model.rope import Rotary, apply_rotary
 # q, the attention output and the MLP's intermediates exist for one chunk only. At 128K tokens an unchunked
 # Llama-3-8B MLP intermediate alone is 3.7 GB, and q and the attention output 1 GB each.
 PREFILL_CHUNK = 8192
-# Where the causal offset needs an explicit mask (off CUDA, or without flash attention), queries go through SDPA
-# this many rows at a time at most, and fewer where the math path's scores would pass MASKED_SCORE_BYTES: the mask
-# (and its float copy) and the scores grow with rows x keys.
-MASKED_ROWS = 256
-MASKED_SCORE_BYTES = 64 * 1024**2
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """q [B, H, C, D]: the queries at positions start .. start + C - 1; k, v [B, Hkv, start + C, D]: every key up
-    to the last of them -> [B, H, C, D]. Query i sees keys 0 .. start + i: causal aligned at the bottom right,
-    where SDPA's is_causal aligns at the top left once q is shorter than k."""
-    c, keys = q.shape[2], k.shape[2]
-    if start == 0:  # square: both alignments agree
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if q.is_cuda and _flash_usable(q, k, v):  # flash attention's own causal is bottom-right: no mask is made
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, keys), enable_gqa=True)
-    out = torch.empty_like(q)
-    rows = max(1, min(MASKED_ROWS, MASKED_SCORE_BYTES // (4 * q.shape[0] * q.shape[1] * keys)))
-    for r in range(0, c, rows):
-        n = min(r + rows, c)
-        mask = torch.ones(n - r, start + n, dtype=torch.bool, device=q.device).tril(start + r)
-        out[:, :, r:n] = F.scaled_dot_product_attention(
-            q[:, :, r:n], k[:, :, : start + n], v[:, :, : start + n], attn_mask=mask, enable_gqa=True
-        )
-    return out
-
-
-def _flash_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    from torch.backends.cuda import SDPAParams, can_use_flash_attention
-
-    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
 
 
 class RMSNorm(nn.Module):
