@@ -1,7 +1,7 @@
 """Paper Figure 10: decode throughput against batch size, one panel per sequence length, one line per system; below,
 CLO's throughput over the best offloading baseline at each point, against the paper's range for that model.
 Reads run records (experiments.run over system x batch x seqlen); where one point has several records (decode
-modes), the fastest. No producer has written these records yet.
+modes), the fastest; a point the preflight refused (it does not fit the budget) is drawn as an OOM cross.
 
     python -m plots.fig10_throughput results/fig10_throughput --out fig10.png
 """
@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
-from plots.records import SYSTEMS, cli, load_records, one_value, save, tokens  # noqa: E402
+from plots.records import SYSTEMS, cli, load_records, one_value, read_json, save, tokens  # noqa: E402
 
 BASELINES = ("retroinfer", "infinigen")  # the offloading baselines CLO is compared with
 
@@ -44,10 +44,27 @@ def data(root: Path) -> dict:
             speedup[(n, b)] = row["decode_tokens_per_s"] / max(base)
     return {
         "points": points,
+        "refused": refused_points(root),
         "speedup": speedup,
         "model": one_value(recs, lambda r: r["model"], "models"),
         "records": recs,
     }
+
+
+def refused_points(root: Path) -> list[tuple[str, int, int]]:
+    """(system, seqlen, batch) of the runs the preflight refused before allocating (Figure 10's "OOM"): their
+    records hold the run's overrides, not its metrics."""
+    out = []
+    for path in sorted(Path(root).rglob("record*.json")):
+        rec = read_json(path)
+        if not isinstance(rec, dict) or rec.get("error_kind") != "config" or "needs about" not in str(rec.get("error")):
+            continue  # a crash is not a refusal: plots.all reports the folder's other runs only
+        over = dict(x.split("=", 1) for x in rec.get("overrides", []) if "=" in x and not x.startswith("+"))
+        if {"system", "seqlen", "batch"} <= set(over):
+            n = over["seqlen"].lower()
+            seqlen = int(float(n[:-1]) * 1024 ** (1 if n[-1] == "k" else 2)) if n[-1] in "km" else int(n)
+            out.append((over["system"], seqlen, int(over["batch"])))
+    return sorted(out)
 
 
 def plot(root: Path, out: Path) -> dict:
@@ -61,6 +78,11 @@ def plot(root: Path, out: Path) -> dict:
             xs = sorted(b for x, m, b in pts if x == s and m == n)
             if xs:
                 ax.plot(xs, [pts[(s, n, b)]["decode_tokens_per_s"] for b in xs], "o-", color=f"C{i}", label=SYSTEMS[s])
+        floor = ax.get_ylim()[0]
+        for i, s in enumerate(SYSTEMS):  # refused: the point does not fit the budget
+            xs = [b for x, m, b in d["refused"] if x == s and m == n]
+            if xs:
+                ax.plot(xs, [floor] * len(xs), "x", color=f"C{i}", ms=9, label=f"{SYSTEMS[s]}: OOM")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{tokens(n)}", fontsize=9)
         ax.set_xlabel("batch")

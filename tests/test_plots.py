@@ -185,10 +185,17 @@ def test_throughput_from_run_records(tmp_path):
             rec = run_record(s, batch=b)
             rec["metrics"]["decode_tokens_per_s"] = tps * b
             recs[f"{s}_{b}/record.json"] = rec
+    recs["fullattn_16/record.json"] = {  # the preflight's refusal, as experiments.run records it
+        "status": "failed",
+        "error_kind": "config",
+        "error": "system=fullattn model=llama3 seqlen=128k batch=16 needs about 300.0 GB of GPU memory",
+        "overrides": ["system=fullattn", "seqlen=128k", "batch=16", "+experiment=fig10_throughput"],
+    }
     for name in recs:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
     d = fig10_throughput.plot(write(tmp_path, recs), tmp_path / "fig10.png")
     assert d["speedup"] == {(131072, 1): pytest.approx(1.2), (131072, 4): pytest.approx(1.2)}
+    assert d["refused"] == [("fullattn", 131072, 16)]  # drawn as FullAttn's OOM
 
 
 def test_accuracy_records_against_table_5(tmp_path):
