@@ -8,7 +8,6 @@ is read from the record's switches (conf/ablation/*.yaml), not from its name.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -17,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
-from plots.records import RecordError, cli, load_records, names, one_value, save, tokens  # noqa: E402
+from plots.records import RecordError, cli, load_records, names, one_value, plot_arguments, save, tokens  # noqa: E402
 
 # (adaptive_threshold, gqa_aggregation, persistent) of conf/ablation/*.yaml
 VARIANTS = {
@@ -114,9 +113,7 @@ def plot(root: Path, out: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = plot_arguments(__doc__)
     args = ap.parse_args()
     for v, row in plot(args.root, args.out).items():
         print(f"{LABELS[v]:<12} {row['ms_per_step']:8.2f} ms/step ({row['vs_base_percent']:+.1f}%)")

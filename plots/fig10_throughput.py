@@ -8,7 +8,6 @@ modes), the fastest; a point the preflight refused (it does not fit the budget) 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -17,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
-from plots.records import SYSTEMS, cli, load_records, one_value, read_json, save, tokens  # noqa: E402
+from plots.records import SYSTEMS, cli, load_records, one_value, plot_arguments, read_json, save, tokens  # noqa: E402
 
 BASELINES = ("retroinfer", "infinigen")  # the offloading baselines CLO is compared with
 
@@ -104,9 +103,7 @@ def plot(root: Path, out: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = plot_arguments(__doc__)
     args = ap.parse_args()
     for (n, b), x in sorted(plot(args.root, args.out)["speedup"].items()):
         print(f"{tokens(n):>6} batch {b:>3}: CLO {x:.2f}x the best baseline")

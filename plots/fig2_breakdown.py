@@ -8,7 +8,6 @@ modes), its fastest. A graph-replayed step has no phases: its bar is all 'other'
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -17,7 +16,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
-from plots.records import SYSTEMS, RecordError, cli, load_records, one_value, phases_of, save, stacked_phases, tokens  # noqa: E402
+from plots.records import (  # noqa: E402
+    SYSTEMS,
+    RecordError,
+    cli,
+    load_records,
+    one_value,
+    phases_of,
+    plot_arguments,
+    save,
+    stacked_phases,
+    tokens,
+)
 
 ORDER = list(SYSTEMS)
 
@@ -93,9 +103,7 @@ def plot(root: Path, out: Path) -> dict[str, dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = plot_arguments(__doc__)
     args = ap.parse_args()
     for name, row in plot(args.root, args.out).items():
         print(f"{name:<12} {row['percent_of_fullattn']:6.0f}% of FullAttn per layer")

@@ -8,7 +8,6 @@ lines. The paper's GDRCopy peak (21.21 GB/s with 4 threads on PCIe 4.0) is drawn
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -17,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
-from plots.records import RecordError, cli, load_files, save, tokens  # noqa: E402
+from plots.records import RecordError, cli, load_files, plot_arguments, save, tokens  # noqa: E402
 
 PATHS = ("bulk", "uva", "cpu_gather")
 
@@ -82,9 +81,7 @@ def plot(root: Path, out: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = plot_arguments(__doc__)
     args = ap.parse_args()
     print(f"{len(plot(args.root, args.out)['rows'])} rows -> {args.out}")
 

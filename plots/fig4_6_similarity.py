@@ -7,7 +7,6 @@ map over layers; (c) the adjacent-step overlap of each KV head's exact top-k. Th
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -17,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from plots import paper  # noqa: E402
-from plots.records import RecordError, cli, load_files, one_value, save  # noqa: E402
+from plots.records import RecordError, cli, load_files, one_value, plot_arguments, save  # noqa: E402
 
 
 def data(root: Path) -> dict:
@@ -84,9 +83,7 @@ def plot(root: Path, out: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = plot_arguments(__doc__)
     args = ap.parse_args()
     d = plot(args.root, args.out)
     print(f"{d['above'] * 100:.1f}% of samples and {d['heads_above'] * 100:.1f}% of heads above {paper.FIG4_6_COSINE}")

@@ -7,7 +7,6 @@ commits are refused unless --allow-mixed-commits, which puts each run's commit u
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -15,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from plots.records import cli, commit_of, load_records, phases_of, save, stacked_phases  # noqa: E402
+from plots.records import cli, commit_of, load_records, phases_of, plot_arguments, save, stacked_phases  # noqa: E402
 
 
 def plot(root: Path, out: Path, allow_mixed: bool = False) -> int:
@@ -39,9 +38,7 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = plot_arguments(__doc__)
     ap.add_argument("--allow-mixed-commits", action="store_true", help="draw records of several commits, labelled")
     args = ap.parse_args()
     print(f"{plot(args.root, args.out, args.allow_mixed_commits)} runs -> {args.out}")

@@ -6,6 +6,7 @@ exits with status 2. NoRecords (a RecordError) is the folder with nothing to dra
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -176,6 +177,14 @@ def save(fig, out: Path) -> list[Path]:
         fig.savefig(p, dpi=120, metadata={"CreationDate": None} if p.suffix == ".pdf" else None)
     plt.close(fig)
     return paths
+
+
+def plot_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The command line every plot module takes: a records folder and the output's stem (PNG and PDF)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("root", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    return ap
 
 
 def cli(fn: Callable[[], None]) -> None:

@@ -6,7 +6,6 @@ with the paper's range for each system as a hatched band. Reads run records of `
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -15,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
-from plots.records import SYSTEMS, RecordError, cli, load_records, names, one_value, save, tokens  # noqa: E402
+from plots.records import SYSTEMS, RecordError, cli, load_records, names, one_value, plot_arguments, save, tokens  # noqa: E402
 
 CACHED = ("clo", "retroinfer")  # the systems with a cache
 
@@ -84,9 +83,7 @@ def plot(root: Path, out: Path) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = plot_arguments(__doc__)
     args = ap.parse_args()
     for r in plot(args.root, args.out):
         print(f"{r['system']:<11} b{r['batch']} depth {r['needle_depth']}: {r['hit_rate'] * 100:.1f}%")

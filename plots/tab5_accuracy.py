@@ -13,7 +13,6 @@ The paper's score is drawn only for its own tasks (paper.TAB5_TASKS: longbench, 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -22,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
-from plots.records import SYSTEMS, RecordError, check_systems, cli, load_files, names, save  # noqa: E402
+from plots.records import SYSTEMS, RecordError, check_systems, cli, load_files, names, plot_arguments, save  # noqa: E402
 
 
 def data(root: Path) -> dict:
@@ -74,9 +73,7 @@ def plot(root: Path, out: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = plot_arguments(__doc__)
     args = ap.parse_args()
     for (model, s), sc in plot(args.root, args.out)["scores"].items():
         print(f"{model:<8} {s:<11} " + " ".join(f"{t} {v:.2f}" for t, v in sc.items()))

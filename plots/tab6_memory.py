@@ -7,7 +7,6 @@ against the paper's 128K share and its table mean.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
@@ -16,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
-from plots.records import SYSTEMS, RecordError, check_systems, cli, load_files, one_value, save, tokens  # noqa: E402
+from plots.records import SYSTEMS, RecordError, check_systems, cli, load_files, one_value, plot_arguments, save, tokens  # noqa: E402
 
 
 def model_of(rec: dict) -> str:
@@ -88,9 +87,7 @@ def plot(root: Path, out: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("root", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = plot_arguments(__doc__)
     args = ap.parse_args()
     for n, r in plot(args.root, args.out)["ratio"].items():
         print(f"{tokens(n):>6}: CLO {r:.0f}% of RetroInfer-style")
