@@ -96,7 +96,8 @@ def step_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=-100)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Waits for the device's queued work (timing boundaries); nothing to wait for on a CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -113,11 +114,11 @@ def generate(
 ) -> Generation:
     """prompt [B, T]. Stops early only when every sequence has emitted a stop id."""
     dev = prompt.device
-    _sync(dev)
+    sync_device(dev)
     t0 = time.perf_counter()
     logits = model.prefill(prompt, kv, on_layer=on_prefill_layer)
     token = logits.argmax(-1)
-    _sync(dev)
+    sync_device(dev)
     prefill_s = time.perf_counter() - t0
     step = DecodeStep(model, kv, prompt.shape[0], dev, decode_mode)
     out = [token]
@@ -135,7 +136,7 @@ def generate(
         done |= torch.isin(token, stop)
         if on_token is not None:
             on_token(i)
-    _sync(dev)
+    sync_device(dev)
     return Generation(
         torch.stack(out, dim=1),
         prefill_s,

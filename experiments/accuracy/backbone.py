@@ -15,6 +15,7 @@ from experiments import preflight
 from experiments.execute import build_system, load_tokenizer, weights_source
 from experiments.timing import link_gb_s, model_layer_time_s
 from kvoffload.errors import ConfigError
+from kvoffload.generate import sync_device
 from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
 from kvoffload.kv.timer import PhaseTimer
 from kvoffload.model.config import ModelConfig
@@ -140,10 +141,10 @@ class Backbone:
             return hit, True
         rec = PrefillRecorder()
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
-        sync(self.device)
+        sync_device(self.device)
         t0 = time.perf_counter()
         logits = self.model.prefill(tokens, rec)
-        sync(self.device)
+        sync_device(self.device)
         p = Prefill(logits, rec.k, rec.v, time.perf_counter() - t0)
         self.cache.put(key, p)
         return p, False
@@ -190,8 +191,3 @@ def backbone_for(cfg: DictConfig) -> Backbone:
         _LAST = None  # the old one's memory goes first
         _LAST = (key, Backbone(cfg))
     return _LAST[1]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvoffload.generate import DecodeStep
+from kvoffload.generate import DecodeStep, sync_device
 from kvoffload.kv.interface import KVOffloadSystem, StepStats
 from kvoffload.kv.timer import PHASES
 from kvoffload.model.decoder import Decoder
@@ -42,11 +42,6 @@ class DecodeRun:
         }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def greedy_until(
     model: Decoder,
     kv: KVOffloadSystem,
@@ -69,7 +64,7 @@ def greedy_until(
         token = step(token)
         steps.append(kv.end_step())
         out.append(int(token))
-    _sync(device)
+    sync_device(device)
     return DecodeRun(out, time.perf_counter() - t0, steps)
 
 
@@ -90,5 +85,5 @@ def teacher_forced(
     logp = torch.log_softmax(torch.stack(rows).float(), dim=-1)
     total = float(logp.gather(1, targets[:, None]).sum())
     greedy = bool((logp.argmax(-1) == targets).all())
-    _sync(device)
+    sync_device(device)
     return DecodeRun(continuation, time.perf_counter() - t0, steps, total, greedy)
