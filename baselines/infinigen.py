@@ -203,9 +203,9 @@ class InfiniGen(OffloadedBaseline):
         if self.oracle_query or layer not in self.pending:  # no speculation for this layer: fetch now
             self.fetch(layer, q)
         buf, event, _ = self.pending.pop(layer)
-        if self.fetcher is not None and not isinstance(event, torch.cuda.Event):
+        if self.fetcher is not None:  # every fetch went to the worker (pipelined() excludes the oracle)
             with self.phase("transfer_exposed"):
-                self.fetcher.wait(event)  # the worker's fetch: the compute stream waits, the host does not sync
+                self.fetcher.wait(event)  # the compute stream waits, the host does not sync
             return buf, None
         with self.phase("launch_sync"):
             if event is not None:
