@@ -32,7 +32,7 @@ import torch
 
 from baselines.lru import BlockLRU, distinct_sorted
 from baselines.offloaded import OffloadedBaseline
-from baselines.retroinfer_graphs import LayerGraphs
+from baselines.retroinfer_graphs import LayerGraphs, block_scores
 from baselines.wave_index import WaveRetriever
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec
@@ -171,14 +171,12 @@ class RetroInfer(OffloadedBaseline):
         self.use_graphs = self.graphs != "off" and not why_not
         self.layer_graphs: dict[int, LayerGraphs] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.n_mid = 0
         on_device = spec.device if self.transfer_kind == "uva" else torch.device("cpu")  # where fill wants indices
         self.fill_heads = torch.zeros(1, dtype=torch.long, device=on_device)
         self.fill_miss = torch.ones(1, 1, dtype=torch.bool, device=on_device)
 
     def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int) -> None:
         spec = self.spec
-        self.n_mid = n_mid
         if not n_mid:
             return
         self.retriever.index(layer, keys_mid)
@@ -217,11 +215,7 @@ class RetroInfer(OffloadedBaseline):
             n_mid = scores.shape[-1]
             real = None  # token selection, or whole blocks only: every gathered row is a token
             if self.selection == "block":  # the best token of each block scores the block
-                full = n_mid // bs
-                best = scores[..., : full * bs].unflatten(-1, (full, bs)).amax(-1)
-                if n_mid % bs:  # the partial last block, by its real tokens (its padding is no candidate)
-                    best = torch.cat([best, scores[..., full * bs :].amax(-1, keepdim=True)], dim=-1)
-                blocks = select_topk(best, k_sel // bs, 0, method=self.topk)
+                blocks = select_topk(block_scores(scores, bs), k_sel // bs, 0, method=self.topk)
                 idx = (blocks[..., None] * bs + torch.arange(bs, device=dev)).view(rows, k_sel)
                 if n_mid % bs:  # rows past the middle are the last block's padding: masked out of attention
                     real = (idx < n_mid).view(spec.batch, spec.num_kv_heads, k_sel)

@@ -22,7 +22,19 @@ import torch
 
 from kvoffload.kernels.decode_attention import hybrid_attention
 from kvoffload.kernels.uva_gather import uva_copy_blocks
+from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import select_topk
+
+
+def block_scores(scores: torch.Tensor, block_size: int) -> torch.Tensor:
+    """scores [..., n_mid] per token -> [..., ceil(n_mid / block_size)] per block: a block scores its best token;
+    a partial last block by its real tokens (its padding is no candidate)."""
+    n_mid = scores.shape[-1]
+    full = n_mid // block_size
+    best = scores[..., : full * block_size].unflatten(-1, (full, block_size)).amax(-1)
+    if n_mid % block_size:
+        best = torch.cat([best, scores[..., full * block_size :].amax(-1, keepdim=True)], dim=-1)
+    return best
 
 
 class LayerGraphs:
@@ -35,7 +47,7 @@ class LayerGraphs:
         self.bs = bs = system.block_size
         cache = system.cache[layer]
         self.rows, self.cap = cache.shape[:2]
-        self.n_mid = system.n_mid
+        self.n_mid = split_prompt(system.t0, system.sink, system.recent)[2]
         self.nsel = system.k_select(system.t0) // bs
         assert self.cap >= self.nsel, "a step's blocks fit the cache (RetroInfer.geometry), so every miss is admitted"
         b, hkv, d, dev = spec.batch, spec.num_kv_heads, spec.head_dim, spec.device
@@ -58,11 +70,7 @@ class LayerGraphs:
     def _retrieve(self) -> None:
         s, bs = self.system, self.bs
         scores = s.retriever.scores(self.layer, self.q, s.heads)  # [B, Hkv, n_mid]
-        full = self.n_mid // bs
-        best = scores[..., : full * bs].unflatten(-1, (full, bs)).amax(-1)
-        if self.n_mid % bs:  # the partial last block, by its real tokens
-            best = torch.cat([best, scores[..., full * bs :].amax(-1, keepdim=True)], dim=-1)
-        blocks = select_topk(best, self.nsel, 0, method=s.topk)  # ascending
+        blocks = select_topk(block_scores(scores, bs), self.nsel, 0, method=s.topk)  # ascending
         self.blocks.copy_(blocks.view(self.rows, self.nsel))
         self.blocks_host.copy_(self.blocks, non_blocking=True)
 
