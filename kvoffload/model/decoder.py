@@ -130,7 +130,7 @@ class Layer(nn.Module):
             del o
             # the MLP (the widest temporaries, 4 x intermediate per token) one sequence's chunk at a time: its
             # bytes alive are bounded by the chunk, not by batch x chunk (16x fewer at BSZ 16)
-            for row in xc if b > 1 else (xc,):
+            for row in xc:
                 row += self.mlp(self.post_attention_layernorm(row))
         return k, v
 
