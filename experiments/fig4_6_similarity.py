@@ -21,10 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments import preflight
 from experiments.profile import decode_real
-from experiments.records import environment, git_commit, refuse
+from experiments.records import environment, git_commit, refuse, write_measurement
 from experiments.reuse_profile import ReuseProbe, budget_of
 from kvoffload.errors import ConfigError
-from kvoffload.paths import ROOT, repo_path, write_json_atomic
+from kvoffload.paths import ROOT, repo_path
 
 
 def samples(probe: ReuseProbe, num_layers: int) -> tuple[list, list]:
@@ -87,10 +87,9 @@ def out_path(cfg: DictConfig):
 def main(cfg: DictConfig) -> None:
     try:
         path = out_path(cfg)
-        data = measure(cfg)
     except ConfigError as e:
         refuse(e)
-    write_json_atomic(path, data)
+    data, path = write_measurement(measure, cfg, lambda d: path)
     cos = torch.tensor(data["query_cos"])
     print(
         f"{cos.numel()} query cosines ({data['decode_steps']} steps): mean {cos.mean():.3f}, "
