@@ -35,7 +35,7 @@ from baselines.offloaded import OffloadedBaseline
 from baselines.retroinfer_graphs import LayerGraphs, block_scores
 from baselines.wave_index import WaveRetriever
 from kvoffload.errors import ConfigError
-from kvoffload.kv.interface import KVSpec
+from kvoffload.kv.interface import KVSpec, split_host
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import RETRIEVERS, make_retriever, metadata_bytes_per_token, select_topk, topk_work
 
@@ -88,6 +88,7 @@ class RetroInfer(OffloadedBaseline):
             )
         self.retriever_kind, self.rbit, self.seed = retriever, rbit, seed
         self.block_size, self.cache_multiple = block_size, cache_multiple
+        self.multiple = cache_multiple  # the allocated cache's (fit_multiple: smaller under a device budget)
         if graphs not in GRAPH_MODES:
             raise ConfigError(f"graphs={graphs!r}; valid: {', '.join(GRAPH_MODES)}")
         self.graphs = graphs
@@ -108,20 +109,37 @@ class RetroInfer(OffloadedBaseline):
             k = (math.ceil(n_mid / self.block_size) if k == n_mid else k // self.block_size) * self.block_size
         return k
 
-    def geometry(self, t0: int) -> tuple[int, int, int]:
-        """(blocks per head, blocks retrieved per step if packed, cache slots per head) for a t0-token prompt."""
+    def geometry(self, t0: int, multiple: float | None = None) -> tuple[int, int, int]:
+        """(blocks per head, blocks retrieved per step if packed, cache slots per head) for a t0-token prompt and a
+        cache of `multiple` x a step's blocks (default: the allocated cache's)."""
         n_mid = split_prompt(t0, self.sink, self.recent)[2]
         n_blocks = math.ceil(n_mid / self.block_size)
         per_step = math.ceil(self.k_select(t0) / self.block_size)
-        return n_blocks, per_step, min(n_blocks, math.ceil(self.cache_multiple * per_step))
+        return n_blocks, per_step, min(n_blocks, math.ceil((multiple or self.multiple) * per_step))
+
+    def fit_multiple(self, spec: KVSpec) -> float:
+        """The cache multiple this run gets: the configured one, or under a device budget that it does not fit
+        (KVSpec.gpu_budget_bytes) the largest that fits, down to 1 (one step's blocks; below that a step's misses
+        could not all be admitted). A cache that even 1 does not fit keeps the configured multiple, and the
+        allocation refuses it with the numbers. As CLO demotes persistent heads under a budget, RetroInfer runs
+        with the cache the budget allows rather than not at all."""
+        budget = spec.gpu_budget_bytes
+        parts = self.estimate_parts(spec, self.cache_multiple)
+        device = split_host(parts).device_bytes
+        if budget is None or device <= budget:
+            return self.cache_multiple
+        _, per_step, cap = self.geometry(spec.prompt_tokens, self.cache_multiple)
+        per_slot = parts["cache"] // max(cap, 1)  # bytes of one slot of every sparse layer's heads
+        fitting = (budget - (device - parts["cache"])) // max(per_slot, 1)
+        return fitting / per_step if per_step and fitting >= per_step else self.cache_multiple
 
     def host_padding(self, n_mid: int) -> int:
         return -n_mid % self.block_size
 
-    def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
+    def estimate_parts(self, spec: KVSpec, multiple: float | None = None) -> dict[str, int]:
         t0 = spec.prompt_tokens
         n_mid = split_prompt(t0, self.sink, self.recent)[2]
-        n_blocks, _, cap = self.geometry(t0)
+        n_blocks, _, cap = self.geometry(t0, multiple or self.fit_multiple(spec))
         heads = spec.batch * spec.num_kv_heads
         sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
         if self.retriever_kind == "wave":
@@ -140,6 +158,7 @@ class RetroInfer(OffloadedBaseline):
         }
 
     def _allocate(self, spec: KVSpec) -> None:
+        self.multiple = self.fit_multiple(spec)
         super()._allocate(spec)
         if self.retriever_kind == "wave":
             w = self.wave
@@ -272,7 +291,8 @@ class RetroInfer(OffloadedBaseline):
             "blocks_per_head": n_blocks,
             "retrieved_blocks_per_step": per_step,
             "cache_blocks_per_head": cap,
-            "cache_multiple": self.cache_multiple,
+            "cache_multiple": self.multiple,
+            "cache_multiple_configured": self.cache_multiple,  # more than cache_multiple: cut to the device budget
             "evictions": self.evictions,
             "cpu_threads": self.cpu_threads,
             "transfer": self.transfer_kind,

@@ -76,7 +76,10 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     seqlen, batch, gen_tokens = numbers.seqlen, numbers.batch, numbers.gen_tokens
     preflight.check_length(model_cfg, seqlen, gen_tokens)
     device = preflight.resolve_device(cfg.device)
-    free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3) if device.type == "cuda" else None
+    free_at_start = None
+    if device.type == "cuda":
+        free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3)
+        torch.cuda.reset_peak_memory_stats(device)  # the record's peak is this run's, not the sweep's so far
     dtype = preflight.resolve_dtype(cfg.dtype, device)
     source = weights_source(cfg.model)
     system = build_system(cfg.system, system_name)

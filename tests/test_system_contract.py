@@ -2,11 +2,14 @@
 it is built from its yaml by Hydra, estimates its memory from shapes alone, and then holds exactly that after
 allocation and prefill; it decodes on the CPU; what it reports holding is its real buffers."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.kv.timer import PhaseTimer
 from kvoffload.paths import ROOT
@@ -15,20 +18,20 @@ SYSTEMS = sorted(p.stem for p in (ROOT / "conf" / "system").glob("*.yaml"))
 T0, STEPS = 700, 3
 
 
-def build(name: str) -> tuple[KVOffloadSystem, KVSpec]:
+def build(name: str, t0: int = T0) -> tuple[KVOffloadSystem, KVSpec]:
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
         cfg = compose("config", overrides=[f"system={name}"])  # SmolLM2's shapes, and its profiles
     m = cfg.model
     spec = KVSpec(
         m.num_layers,
         2,
-        T0 + STEPS,
+        t0 + STEPS,
         m.num_heads,
         m.num_kv_heads,
         m.head_dim,
         torch.float32,
         torch.device("cpu"),
-        prompt_len=T0,
+        prompt_len=t0,
     )
     return instantiate(cfg.system), spec
 
@@ -40,19 +43,48 @@ def test_every_system_has_a_yaml_and_a_class():
         assert isinstance(system, KVOffloadSystem) and system.name == name
 
 
+def prefill_random(system: KVOffloadSystem, spec: KVSpec) -> torch.Generator:
+    g = torch.Generator().manual_seed(0)
+    shape = (spec.batch, spec.num_kv_heads, spec.prompt_tokens, spec.head_dim)
+    with torch.inference_mode():
+        for layer in range(spec.num_layers):
+            system.prefill(layer, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        system.end_prefill(spec.prompt_tokens)
+    return g
+
+
+# systems that plan inside a device budget (CLO demotes persistent heads, RetroInfer shrinks its block cache);
+# the others hold what their shapes need or refuse
+PLAN_UNDER_BUDGET = {"clo", "retroinfer"}
+
+
+@pytest.mark.parametrize("name", SYSTEMS)
+def test_under_a_budget_the_estimate_obeys_it_and_equals_what_is_allocated(name):
+    system, spec = build(name, t0=2000)  # top-k 10 % reaches beyond sink + recent: a block cache exists
+    spec = replace(spec, layer_time_s=1e-9)  # Eq. 12's N_p = 0: CLO's hard heads are all persistent
+    unbudgeted = system.estimate_memory(spec).device_bytes
+    spec = replace(spec, gpu_budget_bytes=unbudgeted - 1)  # one byte short: the smallest cut in the plan
+    system, _ = build(name, t0=2000)
+    if name not in PLAN_UNDER_BUDGET:
+        with pytest.raises(ConfigError, match="budget"):
+            system.allocate(spec, PhaseTimer(spec.device, enabled=False))
+        return
+    estimate = system.estimate_parts(spec)
+    assert system.estimate_memory(spec).device_bytes <= spec.gpu_budget_bytes < unbudgeted
+    system.allocate(spec, PhaseTimer(spec.device, enabled=False))
+    prefill_random(system, spec)
+    assert system.memory_parts() == estimate
+
+
 @pytest.mark.parametrize("name", SYSTEMS)
 def test_estimate_equals_what_is_allocated_and_decode_runs(name):
     system, spec = build(name)
     estimate = system.estimate_parts(spec)
     assert system.estimate_memory(spec).device_bytes == sum(v for k, v in estimate.items() if not k.startswith("host"))
     system.allocate(spec, PhaseTimer(spec.device, enabled=False))
-    g = torch.Generator().manual_seed(0)
-    shape = (spec.batch, spec.num_kv_heads, T0, spec.head_dim)
+    g = prefill_random(system, spec)
+    assert system.memory_parts() == estimate
     with torch.inference_mode():
-        for layer in range(spec.num_layers):
-            system.prefill(layer, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
-        system.end_prefill(T0)
-        assert system.memory_parts() == estimate
         for _ in range(STEPS):
             system.begin_step()
             for layer in range(spec.num_layers):
