@@ -82,6 +82,8 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)  # the record's peak is this run's, not the sweep's so far
     dtype = preflight.resolve_dtype(cfg.dtype, device)
     source = weights_source(cfg.model)
+    if numbers.kv_fill == "projection" and source != "synthetic":
+        raise ConfigError("workload.kv_fill=projection is for synthetic weights (speed runs); real weights prefill")
     system = build_system(cfg.system, system_name)
     # the link and one layer's dense time are measured first: the system's plan, its memory estimate and its
     # allocation all read them
@@ -98,13 +100,13 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         link_gb_s=link_gb_s(device),
         layer_time_s=model_layer_time_s(model_cfg, batch, device, dtype),
     )
-    chunk = numbers.prefill_chunk
-    spec = replace(spec, gpu_budget_bytes=preflight.kv_budget(model_cfg, spec, numbers.gpu_mem_gb, chunk))
-    plan = preflight.plan_memory(model_cfg, system, spec, seqlen, chunk)
+    chunk, fill = numbers.prefill_chunk, numbers.kv_fill
+    spec = replace(spec, gpu_budget_bytes=preflight.kv_budget(model_cfg, spec, numbers.gpu_mem_gb, chunk, fill))
+    plan = preflight.plan_memory(model_cfg, system, spec, seqlen, chunk, fill)
     what = f"system={system_name} model={model_cfg.name} seqlen={preflight.tokens_text(seqlen)} batch={batch}"
 
     def estimate(s: KVSpec) -> preflight.MemoryPlan:  # a changed run, planned by a fresh system: the ways out
-        return preflight.plan_memory(model_cfg, build_system(cfg.system, system_name), s, s.prompt_tokens, chunk)
+        return preflight.plan_memory(model_cfg, build_system(cfg.system, system_name), s, s.prompt_tokens, chunk, fill)
 
     preflight.check_memory(plan, device, numbers.gpu_mem_gb, what, estimate, spec, model_cfg.name)
     decode_mode = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
@@ -134,7 +136,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
     trace = Path(cfg.trace_dir) / "decode_step.trace.json" if cfg.get("trace_dir") else None
     gen = run_generation(
-        model, system, prompt.tokens.to(device), gen_tokens, stop, decode_mode, trace, numbers.warmup_steps
+        model, system, prompt.tokens.to(device), gen_tokens, stop, decode_mode, trace, numbers.warmup_steps, fill
     )
 
     text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
@@ -149,6 +151,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         "decode_mode": decode_mode,
         "phases_timed": timer.enabled,
         "query_process": query_desc,
+        "kv_fill": KV_FILL_TEXT[fill],
         "prompt": {"kind": prompt.kind, "tokens": int(prompt.tokens.shape[1]), **prompt.meta},
         "answer": {
             "expected": prompt.answer,
@@ -156,11 +159,20 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
             "found": (prompt.answer in text) if prompt.answer and text is not None else None,
         },
         "environment": {**environment(device), "device_free_gb_at_start": free_at_start},
-        "metrics": metrics(gen, system, model_cfg, spec, seqlen, hbm, state.get("link_gb_s"), numbers.warmup_steps),
+        "metrics": metrics(
+            gen, system, model_cfg, spec, seqlen, hbm, state.get("link_gb_s"), numbers.warmup_steps, fill
+        ),
         "system_state": state,
         "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
         "steps": [s.as_dict() for s in gen.steps],
     }
+
+
+KV_FILL_TEXT = {
+    "prefill": "prefill: the model's own prefill of the prompt",
+    "projection": "projection: each layer's K/V projection of the prompt's embeddings (no attention, no MLP), then "
+    "the system's own prefill work; prefill tokens/s not measured",
+}
 
 
 def log(msg: str) -> None:
@@ -168,7 +180,15 @@ def log(msg: str) -> None:
 
 
 def run_generation(
-    model, system, tokens, gen_tokens, stop, decode_mode, trace: Path | None = None, warmup: int = 0
+    model,
+    system,
+    tokens,
+    gen_tokens,
+    stop,
+    decode_mode,
+    trace: Path | None = None,
+    warmup: int = 0,
+    kv_fill: str = "prefill",
 ) -> Generation:
     """generate() with progress bars; with `trace`, the GPU kernels of one steady decode step (the first after
     the warm-up and a graph's capture) are written there as a Chrome trace (torch profiler; open in Perfetto)."""
@@ -195,6 +215,7 @@ def run_generation(
             decode_mode,
             on_prefill_layer=lambda _: bar_p.update(1),
             on_token=on_token,
+            kv_fill=kv_fill,
         )
 
 
@@ -226,6 +247,7 @@ def metrics(
     hbm_gb_s: float,
     link_gb_s: float | None,
     warmup: int,
+    kv_fill: str = "prefill",
 ) -> dict[str, Any]:
     # The first steps pay one-off costs (kernel JIT, allocator growth): they stay in the record, not the means.
     # With a graph, the capture step too (it runs the step eagerly while recording it).
@@ -247,8 +269,8 @@ def metrics(
         h2d = sum(s.bytes_h2d for s in steps) / n
         sys_floor_ms = max(hbm_ms, h2d / (link_gb_s * 1e9) * 1e3 if link_gb_s else 0.0)
     return {
-        "prefill_s": round(gen.prefill_s, 4),
-        "prefill_tokens_per_s": round(spec.batch * seqlen / gen.prefill_s, 1),
+        "prefill_s": round(gen.prefill_s, 4),  # with kv_fill=projection: the fill's time, not a prefill's
+        "prefill_tokens_per_s": round(spec.batch * seqlen / gen.prefill_s, 1) if kv_fill == "prefill" else None,
         "decode_steps": len(gen.steps),
         "decode_steps_measured": len(steps),
         "decode_wall_tokens_per_s": round(gen.decode_tokens_per_s, 2),  # all steps, warm-up and loop included

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvoffload.errors import ConfigError
-from kvoffload.generate import DECODE_MODES
+from kvoffload.generate import DECODE_MODES, KV_FILLS
 from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
 from kvoffload.model.config import ModelConfig
 
@@ -206,6 +206,7 @@ class RunNumbers:
     gpu_mem_gb: float | None
     hbm_gb_s: float | None
     prefill_chunk: int = 8192
+    kv_fill: str = "prefill"
 
 
 def check_numbers(cfg) -> RunNumbers:
@@ -225,7 +226,14 @@ def check_numbers(cfg) -> RunNumbers:
         gpu_mem_gb=number(hw.get("gpu_mem_gb"), "hardware.gpu_mem_gb", 0.0, above=True, null=True),
         hbm_gb_s=number(hw.get("hbm_gb_s"), "hardware.hbm_gb_s", 0.0, above=True, null=True),
         prefill_chunk=parse_tokens(cfg.get("prefill_chunk", 8192), "prefill_chunk"),
+        kv_fill=choice(cfg.workload.get("kv_fill", "prefill"), "workload.kv_fill", KV_FILLS),
     )
+
+
+def choice(value: Any, key: str, valid: tuple[str, ...]) -> str:
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r}; valid: {', '.join(valid)}")
+    return value
 
 
 def _select(cfg, key: str):
@@ -324,22 +332,54 @@ def prefill_peak_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: i
     return resident + max(norm, projections, attention, mlp) + logits
 
 
-def activation_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: int, chunk: int | None = None) -> int:
+def fill_peak_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: int, chunk: int) -> int:
+    """The most bytes of tensors Decoder.fill holds at once: the layer's K and V of the whole prompt and one staged
+    copy of them (as prefill_peak_bytes), then one sequence's chunk of embeddings, the norm's temporaries and the
+    projections with RoPE's."""
+    c, hid, d = min(seqlen, chunk), cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, 2 * cfg.num_kv_heads * d
+    norm = c * hid * (8 + 3 * dtype_bytes)  # + the embeddings
+    projections = c * (2 * hid + q + kv + 3 * q) * dtype_bytes + 4 * c * d * (4 + dtype_bytes)
+    return batch * seqlen * 2 * kv * dtype_bytes + max(norm, projections) + batch * cfg.vocab_size * (dtype_bytes + 4)
+
+
+def activation_bytes(
+    cfg: ModelConfig,
+    seqlen: int,
+    batch: int,
+    dtype_bytes: int,
+    chunk: int | None = None,
+    kv_fill: str = "prefill",
+) -> int:
     """Peak transient device memory of prefill (prefill_peak_bytes, plus WORKSPACE_BYTES); chunk: the run's
-    prefill_chunk (None: the decoder's default)."""
+    prefill_chunk (None: the decoder's default). kv_fill=projection (Decoder.fill) counts the larger of the fill's
+    own peak and one sequence's prefill: a decode batch that a server builds by prefilling its sequences one at a
+    time, beside the batch's KV state, needs no more."""
     from kvoffload.model.decoder import PREFILL_CHUNK
 
     chunk = PREFILL_CHUNK if chunk is None else chunk
-    return prefill_peak_bytes(cfg, seqlen, batch, dtype_bytes, chunk) + WORKSPACE_BYTES
+    if kv_fill == "projection":
+        peak = max(
+            fill_peak_bytes(cfg, seqlen, batch, dtype_bytes, chunk),
+            prefill_peak_bytes(cfg, seqlen, 1, dtype_bytes, chunk),
+        )
+    else:
+        peak = prefill_peak_bytes(cfg, seqlen, batch, dtype_bytes, chunk)
+    return peak + WORKSPACE_BYTES
 
 
 def plan_memory(
-    cfg: ModelConfig, system: KVOffloadSystem, spec: KVSpec, seqlen: int, chunk: int | None = None
+    cfg: ModelConfig,
+    system: KVOffloadSystem,
+    spec: KVSpec,
+    seqlen: int,
+    chunk: int | None = None,
+    kv_fill: str = "prefill",
 ) -> MemoryPlan:
     est = system.estimate_memory(spec)
     return MemoryPlan(
         weights=cfg.num_params * spec.dtype_bytes,
-        activations=activation_bytes(cfg, seqlen, spec.batch, spec.dtype_bytes, chunk),
+        activations=activation_bytes(cfg, seqlen, spec.batch, spec.dtype_bytes, chunk, kv_fill),
         kv_device=est.device_bytes,
         kv_host=est.host_bytes,
     )
@@ -390,7 +430,9 @@ def memory_limits(device: torch.device, gpu_mem_gb: float | None) -> Limits:
     return Limits(device, host, budget, f"hardware.gpu_mem_gb; {where}", emulated=budget < free)
 
 
-def kv_budget(cfg: ModelConfig, spec: KVSpec, gpu_mem_gb: float | None, chunk: int | None = None) -> int | None:
+def kv_budget(
+    cfg: ModelConfig, spec: KVSpec, gpu_mem_gb: float | None, chunk: int | None = None, kv_fill: str = "prefill"
+) -> int | None:
     """The device bytes a KV system may plan for: the budget less the weights and the prefill's activations
     (None where no budget applies). A system plans under it (CLO's persistent heads), so it is known before the
     system's estimate; check_memory then returns the same number for a run that fits. A budget that does not
@@ -409,7 +451,7 @@ def kv_budget(cfg: ModelConfig, spec: KVSpec, gpu_mem_gb: float | None, chunk: i
             + ("a larger hardware.gpu_mem_gb" if gpu_mem_gb is not None else "a GPU with more free memory")
             + " or a smaller model"
         )
-    fixed = weights + activation_bytes(cfg, spec.prompt_tokens, spec.batch, spec.dtype_bytes, chunk)
+    fixed = weights + activation_bytes(cfg, spec.prompt_tokens, spec.batch, spec.dtype_bytes, chunk, kv_fill)
     return max(limits.budget - fixed, 0)
 
 

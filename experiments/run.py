@@ -28,12 +28,16 @@ def summary(rec: dict) -> str:
     ph = m["phase_ms_per_step"]
     ans = rec["answer"]
     found = {True: "FOUND", False: "NOT found", None: "n/a"}[ans["found"]]
+    prefill = (
+        f"   prefill {m['prefill_s']:.2f} s ({m['prefill_tokens_per_s']:.0f} tok/s);"
+        if m["prefill_tokens_per_s"] is not None
+        else f"   KV filled by projection in {m['prefill_s']:.2f} s (no prefill measured);"
+    )
     lines = [
         f"== {rec['system']} | {rec['model']} ({rec['weights']}) | {rec['prompt']['kind']} prompt of "
         f"{rec['prompt']['tokens']} tokens x batch {rec['batch']} on {rec['environment']['device']}",
         f"   answer: {found} (expected {ans['expected']}, generated {ans['text']!r})",
-        f"   prefill {m['prefill_s']:.2f} s ({m['prefill_tokens_per_s']:.0f} tok/s);"
-        f" decode {m['decode_tokens_per_s']:.2f}"
+        prefill + f" decode {m['decode_tokens_per_s']:.2f}"
         f" tok/s, {m['decode_ms_per_step']:.2f} ms/step = {m['step_over_floor']:.2f}x the dense memory floor "
         f"({m['dense_floor_ms_per_step']:.3f} ms at {m['bandwidth_gb_s']:.0f} GB/s)",
         "   per step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()),

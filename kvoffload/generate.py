@@ -30,6 +30,7 @@ class Generation:
 
 
 DECODE_MODES = ("eager", "graph", "piecewise")
+KV_FILLS = ("prefill", "projection")
 
 
 class DecodeStep:
@@ -111,12 +112,17 @@ def generate(
     decode_mode: str = "eager",
     on_prefill_layer: Callable[[int], None] | None = None,
     on_token: Callable[[int], None] | None = None,
+    kv_fill: str = "prefill",
 ) -> Generation:
-    """prompt [B, T]. Stops early only when every sequence has emitted a stop id."""
+    """prompt [B, T]. Stops early only when every sequence has emitted a stop id. kv_fill: "prefill" (the model's
+    prefill) or "projection" (Decoder.fill: each layer's K/V projection of the embeddings, for speed runs)."""
+    if kv_fill not in KV_FILLS:
+        raise ValueError(f"kv_fill {kv_fill!r}; valid: {', '.join(KV_FILLS)}")
     dev = prompt.device
     sync_device(dev)
     t0 = time.perf_counter()
-    logits = model.prefill(prompt, kv, on_layer=on_prefill_layer)
+    fill = model.prefill if kv_fill == "prefill" else model.fill
+    logits = fill(prompt, kv, on_layer=on_prefill_layer)
     token = logits.argmax(-1)
     sync_device(dev)
     prefill_s = time.perf_counter() - t0

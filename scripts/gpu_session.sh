@@ -58,6 +58,8 @@ stage trace_baselines 240 $run +experiment=fig2_breakdown system=retroinfer,infi
   'trace_dir='"$out"'/trace_${hydra:runtime.choices.system}'
 # paper Figure 10's points under the 48 GB budget; FIG10 narrows the sweep (e.g. "seqlen=32k batch=16 system=clo")
 stage fig10 540 $run +experiment=fig10_throughput ${FIG10:-}
+# its prefill throughput: real prefills (fig10_throughput fills the KV by projection); FIG10P narrows it
+stage fig10_prefill 400 $run +experiment=fig10_prefill ${FIG10P:-}
 stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg,tgp seqlen=128k workload.gen_tokens=16
 # the baselines' top-k, radix select vs torch.topk; the sweep's first run is slower in every phase (cold process)
 stage topk_ab 300 $run +experiment=fig2_breakdown system=retroinfer,infinigen system.topk=torch,radix workload.gen_tokens=16

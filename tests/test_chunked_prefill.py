@@ -158,3 +158,21 @@ def test_real_smollm2_chunked_prefill_equals_the_whole_prompt(smollm2_folder):
         got = model.prefill(tokens, recorder(cfg, 1, 50), all_logits=True)
         assert (got - want).abs().max() < 1e-4 * want.abs().max(), chunk
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_kv_fill_hands_layer_zeros_kv_as_the_prefill_does():
+    """Decoder.fill (workload.kv_fill=projection) gives every layer its own K/V projection of the embeddings: for
+    layer 0, whose input is the embeddings, exactly what the prefill hands the system; other layers differ (no
+    attention or MLP before them) but have the prompt's shape."""
+    cfg = tiny()
+    model = synthetic_decoder(cfg, 0, CPU, torch.float32)
+    model.prefill_chunk = 48
+    tokens = torch.randint(0, cfg.vocab_size, (2, 100), generator=torch.Generator().manual_seed(1))
+    filled, prefilled = recorder(cfg, 2, 104), recorder(cfg, 2, 104)
+    logits = model.fill(tokens, filled)
+    model.prefill(tokens, prefilled)
+    assert logits.shape == (2, cfg.vocab_size) and filled.length == prefilled.length == 100
+    for a, b in zip(filled.handed[0], prefilled.handed[0], strict=True):
+        torch.testing.assert_close(a, b)
+    assert filled.handed[1][0].shape == prefilled.handed[1][0].shape
+    assert not torch.allclose(filled.handed[1][0], prefilled.handed[1][0])

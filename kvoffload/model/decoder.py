@@ -220,6 +220,36 @@ class Decoder(nn.Module):
             return self._chunked_logits(x)
         return self.lm_head(self.model.norm(x[:, -1])).float()
 
+    @torch.inference_mode()
+    def fill(
+        self, tokens: torch.Tensor, kv: KVOffloadSystem, on_layer: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """A KV cache for decode-throughput runs without the prompt's attention and MLP (experiments'
+        workload.kv_fill=projection): each layer's K/V are that layer's own K/V projection (RMSNorm, W_K / W_V,
+        RoPE) of the prompt's token embeddings, handed to the system's prefill as Decoder.prefill does, so its
+        own prefill work (offload, hash encoding, clustering) runs as usual. tokens [B, T] -> the last position's
+        logits from its embedding alone [B, V]. Alive at once: one layer's K/V of the whole prompt and one chunk's
+        embeddings and projections (experiments.preflight.fill_peak_bytes)."""
+        b, t = tokens.shape
+        positions = torch.arange(t, device=tokens.device)
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            k = torch.empty(b, attn.hkv, t, attn.d, device=tokens.device, dtype=self.lm_head.weight.dtype)
+            v = torch.empty_like(k)
+            for s in range(0, t, self.prefill_chunk):
+                e = min(s + self.prefill_chunk, t)
+                cos, sin = self.rotary().cos_sin(positions[s:e], k.dtype)
+                for r in range(b):  # one sequence's chunk at a time: temporaries bounded by the chunk
+                    x = layer.input_layernorm(self.model.embed_tokens(tokens[r : r + 1, s:e]))
+                    _, k[r : r + 1, :, s:e], v[r : r + 1, :, s:e] = attn.qkv(x, cos, sin)
+                    del x
+            kv.prefill(i, k, v)
+            del k, v
+            if on_layer is not None:
+                on_layer(i)
+        kv.end_prefill(t)
+        return self.lm_head(self.model.norm(self.model.embed_tokens(tokens[:, -1]))).float()
+
     def _chunked_logits(self, x: torch.Tensor) -> torch.Tensor:
         c = self.prefill_chunk
         return torch.cat([self.lm_head(self.model.norm(x[:, s : s + c])).float() for s in range(0, x.shape[1], c)], 1)
