@@ -85,7 +85,8 @@ def test_a_chunk_matches_the_masked_softmax_on_either_fast_path(path):
     if path == "split":
         assert _cudnn_split_usable(q, k, v, start), "cuDNN attention unusable here: the prefill runs flash attention 2"
         got = split_causal_attention(q, k, v, start, _cudnn_attend)
-        assert torch.equal(causal_attention(q, k, v, start), got)  # the path causal_attention takes
+        if chunk_attention.CUDNN_SPLIT:  # the path causal_attention takes when it is switched on
+            assert torch.equal(causal_attention(q, k, v, start), got)
     else:
         assert _flash_usable(q, k, v)
         got = flash_chunk(q, k, v)

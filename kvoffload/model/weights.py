@@ -42,7 +42,9 @@ def build_decoder(
 def synthetic_decoder(cfg: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype) -> Decoder:
     with torch.device("meta"):
         model = Decoder(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    # cast on the meta device first: materialising fp32 and then casting would hold both copies at once (an 8B
+    # model's 32 GB + 16 GB), beyond the device budgets the runs emulate
+    model = model.to(dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
