@@ -15,6 +15,7 @@ from experiments import preflight
 from experiments.timing import link_gb_s
 from kvoffload.kv.interface import KVSpec
 from kvoffload.kv.timer import PhaseTimer
+from kvoffload.model import chunk_attention
 from kvoffload.model.chunk_attention import (
     _cudnn_attend,
     _cudnn_split_usable,
