@@ -57,7 +57,13 @@ FIGURES = (
     Figure("tab6_memory", "tab6_memory", tab6_memory.plot, "paper Tab. 6: device memory of the KV state"),
     Figure("fig4_6_similarity", "fig4_6_similarity_smollm2", fig4_6_similarity.plot, "paper Fig. 4-6: query reuse"),
     Figure("fig3_13_link", "fig3_13_link", fig3_13_link.plot, "paper Fig. 3/13: link bandwidth"),
-    Figure("fig10_throughput", "fig10_throughput", fig10_throughput.plot, "paper Fig. 10: throughput"),
+    Figure(
+        "fig10_throughput",
+        "fig10_throughput",
+        fig10_throughput.plot,
+        "paper Fig. 10: throughput",
+        {"allow_mixed": True},
+    ),
     Figure("tab5_accuracy", "tab5_accuracy", tab5_accuracy.plot, "paper Tab. 5: accuracy"),
     Figure("phases_gpu_smoke_eager", "gpu_smoke_llama3/eager", phase_breakdown.plot, "FullAttn smoke runs, eager"),
     Figure(

@@ -21,10 +21,10 @@ from plots.records import SYSTEMS, cli, load_records, one_value, plot_arguments,
 BASELINES = ("retroinfer", "infinigen")  # the offloading baselines CLO is compared with
 
 
-def data(root: Path) -> dict:
+def data(root: Path, allow_mixed: bool = False) -> dict:
     """{"points": {(system, seqlen, batch): {"decode_tokens_per_s", "prefill_tokens_per_s", "file"}},
     "speedup": {(seqlen, batch): CLO / best baseline}, "model", "records"}."""
-    recs = load_records(root)
+    recs = load_records(root, allow_mixed=allow_mixed)
     points: dict[tuple, dict] = {}
     for r in recs:
         rec = r["record"]
@@ -66,8 +66,8 @@ def refused_points(root: Path) -> list[tuple[str, int, int]]:
     return sorted(out)
 
 
-def plot(root: Path, out: Path) -> dict:
-    d = data(root)
+def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
+    d = data(root, allow_mixed)
     pts = d["points"]
     seqlens = sorted({n for _, n, _ in pts})
     fig, axes = plt.subplots(2, len(seqlens), figsize=(4 * len(seqlens) + 1, 6.5), squeeze=False)
@@ -94,10 +94,12 @@ def plot(root: Path, out: Path) -> dict:
             lo, hi = paper.FIG10_SPEEDUP[d["model"]]
             ax2.axhspan(lo, hi, facecolor="none", hatch="//", edgecolor="gray", label=f"{paper.FIG10} ({d['model']})")
         ax2.axhline(1, color="black", lw=0.5)
-        ax2.set_xscale("log", base=2)
+        if xs:  # a length where no baseline ran (refused, or not yet run) has no ratio to draw
+            ax2.set_xscale("log", base=2)
         ax2.set_xlabel("batch")
         ax2.legend(fontsize=7)
-    fig.suptitle(f"Fig. 10: {d['model']}, commit {d['records'].commit}", fontsize=9)
+    commits = d["records"].commits
+    fig.suptitle(f"Fig. 10: {d['model']}, commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}", fontsize=9)
     save(fig, out)
     return d
 

@@ -17,7 +17,7 @@ from plots import (
     tab5_accuracy,
     tab6_memory,
 )
-from plots.records import SYSTEMS, tokens
+from plots.records import SYSTEMS, commit_of, tokens
 
 TAB4_HEAD = paper.TAB4 + ": range"
 COLUMNS = (("uva", None), ("cpu_gather", paper.FIG3_PEAK_THREADS))  # the link table's paths beside the bulk copy
@@ -208,10 +208,24 @@ def fig3_13_table(root: Path, folder: str) -> str:
 
 
 def fig10_table(root: Path, folder: str) -> str:
-    d = fig10_throughput.data(root)
+    """Decode tokens/s of every system per point ("OOM": the preflight refused it), CLO over the best offloading
+    baseline and the paper's range. The folder may hold records of several commits (plots.all's option): each
+    point names its records' commits."""
+    d = fig10_throughput.data(root, allow_mixed=True)
     lo, hi = paper.FIG10_SPEEDUP.get(d["model"], (None, None))
-    rows = [[tokens(n), b, f"{x:.2f}x", f"{lo}-{hi}x" if lo else None] for (n, b), x in sorted(d["speedup"].items())]
-    return md(["seqlen", "batch", "CLO / best baseline", paper.FIG10], rows) + "\n\n" + source(folder, d["records"])
+    pts, refused = d["points"], set(d["refused"])
+    commit = {(r["record"]["seqlen"], r["record"]["batch"]): commit_of(r["record"]) for r in d["records"]}
+    rows = []
+    for n, b in sorted({(n, b) for _, n, b in pts} | {(n, b) for _, n, b in refused}):
+        cells = [
+            f1(pts[(s, n, b)]["decode_tokens_per_s"]) if (s, n, b) in pts else "OOM" if (s, n, b) in refused else None
+            for s in SYSTEMS
+        ]
+        x = d["speedup"].get((n, b))
+        rows.append([tokens(n), b, *cells, f"{x:.2f}x" if x else None, commit.get((n, b))])
+    head = ["seqlen", "batch", *(f"{SYSTEMS[s]} tok/s" for s in SYSTEMS), "CLO / best baseline", "commit"]
+    ref = f"{paper.FIG10}: CLO / best baseline {lo}-{hi}x ({d['model']})." if lo else ""
+    return md(head, rows) + f"\n\n{ref} " + source(folder, d["records"])
 
 
 def tab5_table(root: Path, folder: str) -> str:
