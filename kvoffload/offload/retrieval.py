@@ -73,7 +73,8 @@ def load_hash_weights(
         )
     if rbit is not None and w.shape[3] != rbit:
         raise ConfigError(
-            f"hash_weights {path.name} has rbit {w.shape[3]}, the system's rbit is {rbit}: set rbit={w.shape[3]}"
+            f"hash_weights {path.name} has rbit {w.shape[3]}, the system's rbit is {rbit}: set rbit={w.shape[3]}, "
+            f"or hash_weights=<a file of rbit {rbit}> or null (SimHash)"
         )
     return w.float(), f"learned ({path.name})"
 
