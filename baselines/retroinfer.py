@@ -134,7 +134,8 @@ class RetroInfer(OffloadedBaseline):
         n_blocks, _, cap = self.geometry(t0)
         heads = spec.batch * spec.num_kv_heads
         sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
-        if self.hash_weights is not None:  # refused now if they are another model's or another rbit's
+        # learned hash weights of another model or another rbit are refused here, before any allocation
+        if self.hash_weights is not None and self.retriever_kind == "hash":
             load_hash_weights(self.hash_weights, spec.num_layers, spec.num_kv_heads, spec.head_dim, self.rbit)
         if self.retriever_kind == "wave":
             meta = self.wave.estimate_bytes(heads, n_mid, spec.head_dim)

@@ -57,7 +57,8 @@ def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
     if cfg.dense_layers > L:
         raise ConfigError(f"dense_layers={cfg.dense_layers} exceeds the model's {L} layers")
     importance, importance_source = load_importance(cfg.importance, L, hkv)
-    if cfg.hash_weights is not None:  # refused now if they are another model's or another rbit's
+    # learned hash weights of another model or another rbit are refused here, before any allocation
+    if cfg.hash_weights is not None and cfg.retriever == "hash":
         load_hash_weights(cfg.hash_weights, L, hkv, spec.head_dim, cfg.rbit)
     if cfg.threshold_override is not None:
         tau = torch.full((L, hkv), float(cfg.threshold_override))

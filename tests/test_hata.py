@@ -97,8 +97,9 @@ def test_systems_run_with_learned_weights_and_refuse_bad_ones_before_allocating(
         base.update(speculative=False, persistent=False)
     with pytest.raises(ConfigError, match="no such file"):
         cls(**base, hash_weights=str(tmp_path / "missing.safetensors"))
-    with pytest.raises(ConfigError, match="retriever=hash"):
-        cls(**{**base, "retriever": "exact"}, hash_weights=str(weights_file(tmp_path)))
+    exact = cls(**{**base, "retriever": "exact"}, hash_weights=str(tmp_path / "missing.safetensors"))
+    exact.allocate(spec())  # the model's default weights are the hash retriever's: another ignores them
+    assert exact.retriever.name == "exact"
     wrong = cls(**base, hash_weights=str(weights_file(tmp_path, (L, HKV, D + 1, 64), "d.safetensors")))
     with pytest.raises(ConfigError, match="another model"):
         wrong.estimate_memory(spec())  # the preflight's estimate: before any allocation
