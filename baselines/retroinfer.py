@@ -37,7 +37,15 @@ from baselines.wave_index import WaveRetriever
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, split_host
 from kvoffload.offload.budget import split_prompt
-from kvoffload.offload.retrieval import RETRIEVERS, make_retriever, metadata_bytes_per_token, select_topk, topk_work
+from kvoffload.offload.retrieval import (
+    RETRIEVERS,
+    check_hash_weights,
+    load_hash_weights,
+    make_retriever,
+    metadata_bytes_per_token,
+    select_topk,
+    topk_work,
+)
 
 # block: whole blocks are retrieved, scored by their best token (RetroInfer retrieves whole clusters, so a miss
 #        moves only selected tokens); token: the top-k tokens, each pulling in its whole block (for the exact
@@ -60,6 +68,7 @@ class RetroInfer(OffloadedBaseline):
         retriever: str = "hash",
         rbit: int = 256,
         seed: int = 0,
+        hash_weights: str | None = None,
         block_size: int = 8,
         cache_multiple: float = 3.0,
         transfer: str = "uva",
@@ -86,7 +95,8 @@ class RetroInfer(OffloadedBaseline):
                 f"cache_multiple={cache_multiple}: a cache smaller than the blocks one step retrieves "
                 f"cannot hold a step's working set; use >= 1 (RetroInfer: 3)"
             )
-        self.retriever_kind, self.rbit, self.seed = retriever, rbit, seed
+        check_hash_weights(hash_weights, retriever)
+        self.retriever_kind, self.rbit, self.seed, self.hash_weights = retriever, rbit, seed, hash_weights
         self.block_size, self.cache_multiple = block_size, cache_multiple
         self.multiple = cache_multiple  # the allocated cache's (fit_multiple: smaller under a device budget)
         if graphs not in GRAPH_MODES:
@@ -142,6 +152,9 @@ class RetroInfer(OffloadedBaseline):
         n_blocks, _, cap = self.geometry(t0, multiple or self.fit_multiple(spec))
         heads = spec.batch * spec.num_kv_heads
         sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
+        # learned hash weights of another model or another rbit are refused here, before any allocation
+        if self.hash_weights is not None and self.retriever_kind == "hash":
+            load_hash_weights(self.hash_weights, spec.num_layers, spec.num_kv_heads, spec.head_dim, self.rbit)
         if self.retriever_kind == "wave":
             meta = self.wave.estimate_bytes(heads, n_mid, spec.head_dim)
         else:
@@ -172,6 +185,7 @@ class RetroInfer(OffloadedBaseline):
                 spec.device,
                 self.rbit,
                 self.seed,
+                self.hash_weights,
             )
         self.cache: list[torch.Tensor | None] = [None] * spec.num_layers
         self.lru: list[BlockLRU | None] = [None] * spec.num_layers

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from kvoffload.errors import ConfigError
 from kvoffload.kernels.head_cache import AGGREGATIONS
 from kvoffload.offload.budget import check_budget
-from kvoffload.offload.retrieval import RETRIEVERS, check_topk_method
+from kvoffload.offload.retrieval import RETRIEVERS, check_hash_weights, check_topk_method
 from kvoffload.offload.transfer import TRANSFERS, cpu_threads
 
 # which query selects a persistent head's top-k rows: the layer's real query, on the critical path (spec 2.3:
@@ -34,7 +34,8 @@ class CLOConfig:
     dense_layers: int = 2  # leading layers kept dense
     retriever: str = "hash"  # hash (HATA) | exact (oracle)
     rbit: int = 256  # hash bits per key
-    seed: int = 0  # of the hash projections
+    seed: int = 0  # of the hash projections (SimHash)
+    hash_weights: str | None = None  # learned projections (experiments.train_hata); None: SimHash
     eta: float = 0.8  # the strictest reuse threshold (Eq. 7)
     n: float = 3.0  # the importance exponent of Eq. 8
     adaptive_threshold: bool = True  # +T; false: tau = eta everywhere
@@ -70,6 +71,7 @@ class CLOConfig:
             raise ConfigError(f"rbit={self.rbit} must be a positive multiple of 8")
         _one_of("gqa_aggregation", self.gqa_aggregation, AGGREGATIONS)
         _one_of("retriever", self.retriever, RETRIEVERS)
+        check_hash_weights(self.hash_weights, self.retriever)
         _one_of("transfer", self.transfer, TRANSFERS)
         _one_of("persist_query", self.persist_query, PERSIST_QUERIES)
         check_topk_method(self.topk)

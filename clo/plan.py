@@ -1,6 +1,7 @@
 """CLO's plan: everything it decides before the first token, from its settings, the shapes and the runner's
-measurements (flashinfer's plan / run split). `make_plan` reads the profile and importance tables and nothing
-else: no device, no allocation, no measurement. The memory estimate and the allocation read the same plan.
+measurements (flashinfer's plan / run split). `make_plan` reads the profile and importance tables (and checks the
+learned hash weights' shapes) and nothing else: no device, no allocation, no measurement. The memory estimate and
+the allocation read the same plan.
 
   tau        [layers, kv_heads] reuse thresholds (Eq. 7-9, or eta, or the override)
   importance [layers, kv_heads] head importance (weights of the GQA aggregation, Eq. 10)
@@ -21,7 +22,7 @@ from clo.policy.thresholds import load_importance, thresholds
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, split_host
 from kvoffload.offload.budget import select_budget, split_prompt
-from kvoffload.offload.retrieval import metadata_bytes_per_token
+from kvoffload.offload.retrieval import load_hash_weights, metadata_bytes_per_token
 
 # T_comp when neither the setting nor the runner gives one (unit tests that build a KVSpec by hand)
 UNMEASURED_LAYER_S = 1e-4
@@ -56,6 +57,9 @@ def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
     if cfg.dense_layers > L:
         raise ConfigError(f"dense_layers={cfg.dense_layers} exceeds the model's {L} layers")
     importance, importance_source = load_importance(cfg.importance, L, hkv)
+    # learned hash weights of another model or another rbit are refused here, before any allocation
+    if cfg.hash_weights is not None and cfg.retriever == "hash":
+        load_hash_weights(cfg.hash_weights, L, hkv, spec.head_dim, cfg.rbit)
     if cfg.threshold_override is not None:
         tau = torch.full((L, hkv), float(cfg.threshold_override))
     elif cfg.adaptive_threshold:

@@ -63,7 +63,14 @@ class CLO(KVOffloadSystem):
         cfg, cuda = self.cfg, spec.device.type == "cuda"
         self.transfer = TransferEngine(cfg.transfer, cfg.cpu_threads, spec.device, cfg.uva_programs)
         self.retriever = make_retriever(
-            cfg.retriever, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.device, cfg.rbit, cfg.seed
+            cfg.retriever,
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.device,
+            cfg.rbit,
+            cfg.seed,
+            cfg.hash_weights,
         )
         self.dense = DenseLayers(spec, cfg.dense_layers)
         self.stores: list[LayerStore | None] = [None] * spec.num_layers

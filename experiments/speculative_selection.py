@@ -34,7 +34,7 @@ from experiments.records import environment, write_measurement
 from kvoffload.errors import ConfigError
 from kvoffload.model.config import ModelConfig
 from kvoffload.offload.budget import select_budget, split_prompt
-from kvoffload.offload.retrieval import ExactRetriever, HashRetriever, select_topk
+from kvoffload.offload.retrieval import ExactRetriever, make_retriever, select_topk
 from kvoffload.paths import ROOT
 
 SELECTIONS = ("hash_real", "hash_speculative", "exact_speculative", "exact_real")
@@ -56,7 +56,8 @@ class SelectionProbe(FullAttn):
             )
         self.first_layer, self.group = first_layer, model_cfg.group_size
         args = (model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, torch.device("cpu"))
-        self.hash = HashRetriever(*args, rbit=sys_cfg["rbit"], seed=sys_cfg["seed"])
+        # CLO's hash retriever: its learned weights where the config names them, else SimHash
+        self.hash = make_retriever("hash", *args, sys_cfg["rbit"], sys_cfg["seed"], sys_cfg.get("hash_weights"))
         self.exact = ExactRetriever(*args)
         shape = (model_cfg.num_layers, model_cfg.num_kv_heads)
         self.sums = {

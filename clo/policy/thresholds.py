@@ -4,13 +4,13 @@ on [layers, kv_heads] tables: no model, no device state."""
 
 from __future__ import annotations
 
+import json
 import math
-from pathlib import Path
 
 import torch
 
 from kvoffload.errors import ConfigError
-from kvoffload.paths import ROOT
+from kvoffload.paths import ROOT, repo_path
 
 DATA = ROOT / "data" / "head_importance"
 
@@ -29,10 +29,12 @@ def thresholds(importance: torch.Tensor, eta: float, n: float) -> torch.Tensor:
 
 def load_importance(source: str, num_layers: int, num_kv_heads: int) -> tuple[torch.Tensor, str]:
     """[layers, kv_heads] scores in [0, 1] and a description for the record.
-    source: 'uniform' | a folder name under data/head_importance | a path to a DuoAttention TSV."""
+    source: 'uniform' | a folder name under data/head_importance | a path to a TSV in DuoAttention's layout
+    (relative paths: from the repository root), e.g. a proxy of experiments.head_importance, whose provenance
+    (.json beside it) describes it."""
     if source == "uniform":
         return torch.ones(num_layers, num_kv_heads), "uniform (no importance scores: every head strict)"
-    path = Path(source)
+    path = repo_path(source)
     if not path.is_file():
         path = DATA / source / "full_attention_heads.tsv"
     if not path.is_file():
@@ -45,4 +47,6 @@ def load_importance(source: str, num_layers: int, num_kv_heads: int) -> tuple[to
             f"importance file {path.name} has shape {tuple(scores.shape)}, the model needs "
             f"({num_layers}, {num_kv_heads}) (layers, kv heads)"
         )
-    return scores.clamp(0.0, 1.0), f"DuoAttention gates from {path.parent.name}/{path.name}"
+    about = path.with_suffix(".json")
+    desc = json.loads(about.read_text()).get("description") if about.is_file() else None
+    return scores.clamp(0.0, 1.0), desc or f"DuoAttention gates from {path.parent.name}/{path.name}"

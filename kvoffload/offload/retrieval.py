@@ -3,19 +3,79 @@
 HashRetriever (HATA): keys and queries become sign bits of x @ W (W: head_dim x rbit per layer and KV head);
 score(k) = sum over the query group of (1 - 2 * hamming(q_j, k) / rbit) * |k|. Codes and key norms are made
 once at prefill and stay on the device. W is a seeded random projection (SimHash) unless learned weights are
-given: the record says which. ExactRetriever scores sum_j q_j . k: the oracle for tests and ablations.
+given (`load_hash_weights`: a file of experiments.train_hata): the record says which. ExactRetriever scores
+sum_j q_j . k: the oracle for tests and ablations.
 Both return absolute token indices [B, Hkv, k] of the candidates [lo, hi)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from kvoffload.errors import ConfigError
 from kvoffload.kernels.hash_score import pack_signs
 from kvoffload.kernels.radix_keys import count_first_pass_ref
+from kvoffload.paths import repo_path
 
 RETRIEVERS = ("hash", "exact")
 TOPK_METHODS = ("radix", "torch")  # select_topk's: the radix select on CUDA | torch.topk everywhere
+
+
+def simhash_weights(num_layers: int, num_kv_heads: int, head_dim: int, rbit: int, seed: int) -> torch.Tensor:
+    """The random projection (SimHash) HashRetriever uses without learned weights: [L, Hkv, D, rbit]."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_layers, num_kv_heads, head_dim, rbit, generator=gen)
+
+
+def save_hash_weights(path: Path, weights: torch.Tensor, meta: dict[str, str]) -> None:
+    """Learned W [L, Hkv, D, rbit] as safetensors (no pickle), written to a temporary file then renamed."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"weights": weights.contiguous()}, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def check_hash_weights(source: str | None, retriever: str) -> None:
+    """A system's `hash_weights` setting, checked when the system is made (before the model is loaded): the file
+    exists. Only the hash retriever reads it (another retriever ignores the model's default). The shapes are checked
+    once the model's are known."""
+    if source is None or retriever != "hash":
+        return
+    if not repo_path(source).is_file():
+        raise ConfigError(f"hash_weights={source!r}: no such file (make one with `python -m experiments.train_hata`)")
+
+
+def load_hash_weights(
+    source: str, num_layers: int, num_kv_heads: int, head_dim: int, rbit: int | None
+) -> tuple[torch.Tensor, str]:
+    """W [L, Hkv, D, rbit] fp32 from a safetensors file of experiments.train_hata (relative paths: from the
+    repository root), checked against the model's shapes and the retriever's rbit (None: any); and a description
+    for the record."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = repo_path(source)
+    if not path.is_file():
+        raise ConfigError(f"hash_weights={source!r}: no such file (make one with `python -m experiments.train_hata`)")
+    try:
+        w = load_file(str(path))["weights"]
+    except (SafetensorError, KeyError, OSError) as e:
+        raise ConfigError(f"hash_weights={source!r}: not a safetensors file with a 'weights' tensor ({e})") from None
+    want = (num_layers, num_kv_heads, head_dim)
+    if w.dim() != 4 or tuple(w.shape[:3]) != want:
+        raise ConfigError(
+            f"hash_weights {path.name} has shape {tuple(w.shape)}, the model needs {want} + (rbit,) "
+            "(layers, kv heads, head_dim, rbit): weights of another model"
+        )
+    if rbit is not None and w.shape[3] != rbit:
+        raise ConfigError(
+            f"hash_weights {path.name} has rbit {w.shape[3]}, the system's rbit is {rbit}: set rbit={w.shape[3]}, "
+            f"or hash_weights=<a file of rbit {rbit}> or null (SimHash)"
+        )
+    return w.float(), f"learned ({path.name})"
 
 
 class ExactRetriever:
@@ -64,16 +124,21 @@ class HashRetriever:
         rbit: int = 256,
         seed: int = 0,
         weights: torch.Tensor | None = None,
+        weights_source: str = "learned",
     ):
         if rbit % 8 or rbit <= 0:
             raise ConfigError(f"rbit={rbit} must be a positive multiple of 8")
         self.rbit = rbit
         if weights is None:
-            gen = torch.Generator().manual_seed(seed)
-            weights = torch.randn(num_layers, num_kv_heads, head_dim, rbit, generator=gen)
+            weights = simhash_weights(num_layers, num_kv_heads, head_dim, rbit, seed)
             self.weights_source = f"random projection (SimHash, seed {seed})"
         else:
-            self.weights_source = "learned"
+            if tuple(weights.shape) != (num_layers, num_kv_heads, head_dim, rbit):
+                raise ConfigError(
+                    f"hash weights of shape {tuple(weights.shape)}; the retriever needs "
+                    f"{(num_layers, num_kv_heads, head_dim, rbit)} (layers, kv heads, head_dim, rbit)"
+                )
+            self.weights_source = weights_source
         self.proj = weights.to(device)
         self.codes: list[torch.Tensor | None] = [None] * num_layers
         self.norms: list[torch.Tensor | None] = [None] * num_layers
@@ -135,10 +200,21 @@ def metadata_bytes_per_token(kind: str, rbit: int, head_dim: int, dtype_bytes: i
 
 
 def make_retriever(
-    kind: str, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device, rbit: int, seed: int
+    kind: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    rbit: int,
+    seed: int,
+    hash_weights: str | None = None,
 ):
+    """hash_weights: a learned W's file (load_hash_weights) for the hash retriever; None: SimHash with `seed`."""
     if kind == "hash":
-        return HashRetriever(num_layers, num_kv_heads, head_dim, device, rbit, seed)
+        if hash_weights is None:
+            return HashRetriever(num_layers, num_kv_heads, head_dim, device, rbit, seed)
+        w, source = load_hash_weights(hash_weights, num_layers, num_kv_heads, head_dim, rbit)
+        return HashRetriever(num_layers, num_kv_heads, head_dim, device, rbit, seed, w, source)
     if kind == "exact":
         return ExactRetriever(num_layers, num_kv_heads, head_dim, device)
     raise ConfigError(f"retriever={kind!r}; valid: {', '.join(RETRIEVERS)}")
