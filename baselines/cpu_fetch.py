@@ -16,6 +16,7 @@ attention, which reads the other parity's device buffer)."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -31,6 +32,7 @@ class PipelinedFetcher:
         self.copied: list[torch.cuda.Event | None] = [None, None]  # each parity's last copy
         self.stream = torch.cuda.Stream(device)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch")
+        self.gather_ms = 0.0  # the worker's time in the CPU gathers since take_gather_ms (the host work of a step)
 
     @property
     def nbytes(self) -> int:
@@ -55,12 +57,19 @@ class PipelinedFetcher:
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for a in range(0, idx.shape[0], CHUNK_ROWS):
                 b = min(a + CHUNK_ROWS, idx.shape[0])
+                t0 = time.perf_counter()
                 torch.index_select(host_rows, 0, idx[a:b], out=staging[a:b])
+                self.gather_ms += (time.perf_counter() - t0) * 1e3
                 out_rows[a:b].copy_(staging[a:b], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         self.copied[parity] = done
         return done
+
+    def take_gather_ms(self) -> float:
+        """The gathers' time since the last call (call it when no fetch is in flight: at the end of a step)."""
+        ms, self.gather_ms = self.gather_ms, 0.0
+        return ms
 
     @staticmethod
     def wait(fetch: Future) -> None:

@@ -34,7 +34,7 @@ import torch
 from baselines.cpu_fetch import PipelinedFetcher
 from baselines.offloaded import OffloadedBaseline
 from kvoffload.errors import ConfigError
-from kvoffload.kv.interface import KVSpec
+from kvoffload.kv.interface import KVSpec, StepStats
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import ExactRetriever, select_topk
 from kvoffload.paths import repo_path
@@ -212,6 +212,11 @@ class InfiniGen(OffloadedBaseline):
                 event.synchronize()
         self.step.host_syncs += 1
         return buf, None  # every row a token
+
+    def end_step(self) -> StepStats:
+        if self.fetcher is not None:  # every fetch of the step has been waited for: its gathers are done
+            self.step.host_work_ms += self.fetcher.take_gather_ms()
+        return super().end_step()
 
     def memory_parts(self) -> dict[str, int]:
         partial = (

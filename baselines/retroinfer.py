@@ -35,7 +35,7 @@ from baselines.offloaded import OffloadedBaseline
 from baselines.retroinfer_graphs import LayerGraphs, block_scores
 from baselines.wave_index import WaveRetriever
 from kvoffload.errors import ConfigError
-from kvoffload.kv.interface import KVSpec, split_host
+from kvoffload.kv.interface import KVSpec, host_work, split_host
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import (
     RETRIEVERS,
@@ -259,7 +259,7 @@ class RetroInfer(OffloadedBaseline):
             ublock_host = ublock.to(torch.int32).cpu()  # a blocking copy: the launch thread waits for the device
         self.step.host_syncs += 1
         self.step.bytes_d2h += ublock_host.nbytes
-        with self.phase("cache_mgmt"):
+        with self.phase("cache_mgmt"), host_work(self.step):
             res = lru.access(ublock_host)
         with self.phase("transfer_exposed"):
             n_miss = res.miss_row.numel()

@@ -22,6 +22,7 @@ import torch
 
 from kvoffload.kernels.decode_attention import hybrid_attention
 from kvoffload.kernels.uva_gather import uva_copy_blocks
+from kvoffload.kv.interface import host_work
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import select_topk
 
@@ -119,7 +120,7 @@ class LayerGraphs:
             self.retrieved.synchronize()  # the block ids are on the host
         s.step.host_syncs += 1
         s.step.bytes_d2h += self.blocks_host.nbytes
-        with s.phase("cache_mgmt"):
+        with s.phase("cache_mgmt"), host_work(s.step):
             s.lru[self.layer].access_into(
                 self.blocks_host.numpy(), self.dest_host.numpy(), self.src_host.numpy(), self.counts.numpy()
             )

@@ -43,9 +43,10 @@ def summary(rec: dict) -> str:
         "   per step (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()),
         *(
             [
-                "   the system's own floor (device bytes it reads, link bytes it moves): "
-                f"{m['system_floor_ms_per_step']:.3f}"
-                f" ms; step = {m['step_over_system_floor']:.2f}x it"
+                "   the system's own floor (device bytes it reads + link bytes it moves + its own CPU work): "
+                f"{m['system_floor_ms_per_step']:.3f} ms ("
+                + " + ".join(f"{k} {v:.3f}" for k, v in m["system_floor_parts_ms"].items())
+                + f"); step = {m['step_over_system_floor']:.2f}x it"
             ]
             if m.get("system_floor_ms_per_step")
             else []

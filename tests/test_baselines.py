@@ -484,3 +484,13 @@ def test_retroinfer_with_the_wave_index_attends_real_rows_of_its_clusters():
     want = exact_topk_attention(k0, v0, data, SINK, RECENT, T0 - SINK - RECENT, 0)
     assert_outputs(got, want)
     assert "wave index" in s.describe()["retriever"]
+
+
+def test_retroinfers_lru_is_timed_as_its_host_work():
+    """The CPU-side LRU of every sparse layer is the step's host work (StepStats.host_work_ms), the third part of
+    the system's own floor; FullAttn-like dense decoding has none."""
+    s = make(RetroInfer, retriever="exact")
+    _, _, stats = feed(s)
+    assert all(st.host_work_ms > 0 for st in stats)
+    dense = make(RetroInfer, retriever="exact", dense_layers=L)
+    assert all(st.host_work_ms == 0 for st in feed(dense)[2])

@@ -11,6 +11,8 @@ internals: they share shapes (KVSpec) and statistics (StepStats) only.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 
@@ -98,10 +100,23 @@ class StepStats:
     bytes_h2d: int = 0
     bytes_d2h: int = 0
     host_syncs: int = 0
+    # the system's own CPU work on the step's path, timed on the host (RetroInfer's LRU, InfiniGen's gather): the
+    # third part of the system's own floor, beside its device bytes and its link bytes
+    host_work_ms: float = 0.0
     phase_ms: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@contextlib.contextmanager
+def host_work(step: StepStats):
+    """Times the block as the step's host work (StepStats.host_work_ms)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        step.host_work_ms += (time.perf_counter() - t0) * 1e3
 
 
 class KVOffloadSystem(ABC):
