@@ -125,13 +125,14 @@ class RetroInfer(OffloadedBaseline):
         n_mid = split_prompt(t0, self.sink, self.recent)[2]
         n_blocks = math.ceil(n_mid / self.block_size)
         per_step = math.ceil(self.k_select(t0) / self.block_size)
-        return n_blocks, per_step, min(n_blocks, math.ceil((multiple or self.multiple) * per_step))
+        # the 1e-9: fit_multiple's fitting / per_step times per_step can round to just above the integer it was
+        return n_blocks, per_step, min(n_blocks, math.ceil((multiple or self.multiple) * per_step - 1e-9))
 
     def fit_multiple(self, spec: KVSpec) -> float:
         """The cache multiple this run gets: the configured one, or under a device budget that it does not fit
         (KVSpec.gpu_budget_bytes) the largest that fits, down to 1 (one step's blocks; below that a step's misses
-        could not all be admitted). A cache that even 1 does not fit keeps the configured multiple, and the
-        allocation refuses it with the numbers. As CLO demotes persistent heads under a budget, RetroInfer runs
+        could not all be admitted). Where even 1 does not fit, 1: the allocation refuses it with the bytes of the
+        smallest cache RetroInfer could run with. As CLO demotes persistent heads under a budget, RetroInfer runs
         with the cache the budget allows rather than not at all."""
         budget = spec.gpu_budget_bytes
         parts = self.estimate_parts(spec, self.cache_multiple)
@@ -141,7 +142,9 @@ class RetroInfer(OffloadedBaseline):
         _, per_step, cap = self.geometry(spec.prompt_tokens, self.cache_multiple)
         per_slot = parts["cache"] // max(cap, 1)  # bytes of one slot of every sparse layer's heads
         fitting = (budget - (device - parts["cache"])) // max(per_slot, 1)
-        return fitting / per_step if per_step and fitting >= per_step else self.cache_multiple
+        if not per_step:
+            return self.cache_multiple  # no block cache at all (top-k within sink + recent)
+        return fitting / per_step if fitting >= per_step else 1.0
 
     def host_padding(self, n_mid: int) -> int:
         return -n_mid % self.block_size

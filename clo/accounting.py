@@ -8,9 +8,9 @@ import torch
 from clo.store import LayerStore
 
 
-def count_step(stores: list[LayerStore | None], row: int) -> tuple[int, int, int, int]:
-    """(lookups, hits, bytes moved host -> device, scored rows) of the step just run; zeroes the stores' miss
-    counters. One host sync for all layers.
+def count_step(stores: list[LayerStore | None], row: int) -> tuple[int, int, int, int, int]:
+    """(lookups, hits, bytes moved host -> device, scored rows, prefetch refreshes) of the step just run; zeroes
+    the stores' miss counters. One host sync for all layers.
 
     Every store with cached heads is looked up once per step (at prepare, or at decode without prefetch); the
     prefetch heads are refreshed every step by design and count as transfers, not as lookups. The scored rows
@@ -29,7 +29,7 @@ def count_step(stores: list[LayerStore | None], row: int) -> tuple[int, int, int
     with torch.inference_mode():  # the buffers were made in (inference-mode) prefill
         for st in active:
             st.misses.zero_()
-    return lookups, lookups - managed_misses, moved, scored
+    return lookups, lookups - managed_misses, moved, scored, refreshes - managed_misses
 
 
 def step_device_bytes(

@@ -35,6 +35,7 @@ from kvoffload.offload.transfer import TransferEngine
 
 class CLO(KVOffloadSystem):
     name = "clo"
+    hit_unit = "one (sequence, layer, KV head) of the reuse heads: its whole top-k; prefetch heads are refreshes"
 
     def __init__(self, **settings) -> None:
         super().__init__()
@@ -242,7 +243,7 @@ class CLO(KVOffloadSystem):
     def end_step(self):
         stats = super().end_step()
         counts = count_step(self.stores, self.spec.row_bytes)
-        stats.lookups, stats.hits, stats.bytes_h2d, self.scored_rows = counts
+        stats.lookups, stats.hits, stats.bytes_h2d, self.scored_rows, stats.refreshes = counts
         stats.host_syncs, self.transfer.host_syncs = self.transfer.host_syncs, 0
         return stats
 

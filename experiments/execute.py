@@ -106,6 +106,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     what = f"system={system_name} model={model_cfg.name} seqlen={preflight.tokens_text(seqlen)} batch={batch}"
 
     def estimate(s: KVSpec) -> preflight.MemoryPlan:  # a changed run, planned by a fresh system: the ways out
+        s = replace(s, gpu_budget_bytes=preflight.kv_budget(model_cfg, s, numbers.gpu_mem_gb, chunk, fill))
         return preflight.plan_memory(model_cfg, build_system(cfg.system, system_name), s, s.prompt_tokens, chunk, fill)
 
     preflight.check_memory(plan, device, numbers.gpu_mem_gb, what, estimate, spec, model_cfg.name)
@@ -254,7 +255,7 @@ def metrics(
     steps = gen.steps[max(warmup, gen.steady_from) :] or gen.steps
     n = max(len(steps), 1)
     phase_ms = {p: statistics.fmean(s.phase_ms[p] for s in steps) if steps else 0.0 for p in (*PHASES, "total")}
-    lookups = sum(s.lookups for s in steps)
+    lookups, refreshes = sum(s.lookups for s in steps), sum(s.refreshes for s in steps)
     held = system.memory_held()
     # The HBM floor of a dense step: every weight and every held K/V byte read once per step.
     mean_len = seqlen + n / 2
@@ -284,6 +285,12 @@ def metrics(
         "decode_ms_per_step": round(step_ms, 3),
         "phase_ms_per_step": {k: round(v, 4) for k, v in phase_ms.items()},
         "hit_rate": (sum(s.hits for s in steps) / lookups) if lookups else None,
+        # the same hits over every unit the step could have served from its cache, the refreshes (fetched by design,
+        # CLO's prefetch heads) counted as fetched
+        "hit_rate_with_refreshes": (sum(s.hits for s in steps) / (lookups + refreshes)) if lookups else None,
+        "hit_unit": system.hit_unit,
+        "lookups_per_step": lookups / n,
+        "refreshes_per_step": refreshes / n,
         "bytes_h2d_per_step": sum(s.bytes_h2d for s in steps) / n,
         "bytes_d2h_per_step": sum(s.bytes_d2h for s in steps) / n,
         "host_syncs_per_step": sum(s.host_syncs for s in steps) / n,

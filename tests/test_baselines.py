@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -494,3 +495,18 @@ def test_retroinfers_lru_is_timed_as_its_host_work():
     assert all(st.host_work_ms > 0 for st in stats)
     dense = make(RetroInfer, retriever="exact", dense_layers=L)
     assert all(st.host_work_ms == 0 for st in feed(dense)[2])
+
+
+def test_retroinfers_cache_fitted_to_any_budget_fits_it():
+    """Between the smallest cache (one step's blocks) and the configured one, every budget gets the largest cache
+    that fits: its estimate is within the budget, one slot more would not be (prompts of several lengths: the
+    slot counts that a float multiple must reproduce exactly)."""
+    s = RetroInfer(sink=SINK, recent=RECENT, topk_ratio=RATIO, dense_layers=1, retriever="exact", block_size=1)
+    for t in range(T0 - 90, T0 + 1, 3):
+        sp = replace(spec(), max_len=t + STEPS, prompt_len=t)
+        lo, hi = (split_host(s.estimate_parts(sp, m)).device_bytes for m in (1.0, 3.0))
+        per_step = s.geometry(t, 1.0)[1]
+        for budget in range(lo, hi, max((hi - lo) // 23, 1)):
+            fitted = s.fit_multiple(replace(sp, gpu_budget_bytes=budget))
+            assert split_host(s.estimate_parts(sp, fitted)).device_bytes <= budget, (t, budget)
+            assert split_host(s.estimate_parts(sp, fitted + 1 / per_step)).device_bytes > budget

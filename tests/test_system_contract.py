@@ -96,6 +96,11 @@ def test_estimate_equals_what_is_allocated_and_decode_runs(name):
                 assert out.shape == q.shape and torch.isfinite(out).all()
             stats = system.end_step()
             assert 0 <= stats.hits <= stats.lookups
+            if name == "clo":  # every prefetch head of every sequence is refreshed each step, with no lookup
+                plan = system.describe()["plan"]
+                assert stats.refreshes == spec.batch * plan["prefetch_heads"]
+            else:
+                assert stats.refreshes == 0
     held = system.memory_held()
     assert held.device_bytes + held.host_bytes == sum(system.memory_parts().values())
     assert isinstance(system.describe(), dict)

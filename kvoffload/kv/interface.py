@@ -95,8 +95,9 @@ def split_host(parts: dict[str, int]) -> MemoryEstimate:
 class StepStats:
     """Counters of one decode step. Systems add to them; the runner averages them over the run."""
 
-    lookups: int = 0  # (layer, sequence, kv-head) cache decisions taken
+    lookups: int = 0  # cache decisions taken, in the system's unit (KVOffloadSystem.hit_unit)
     hits: int = 0
+    refreshes: int = 0  # units fetched every step by design, with no decision (CLO's prefetch heads)
     bytes_h2d: int = 0
     bytes_d2h: int = 0
     host_syncs: int = 0
@@ -121,6 +122,7 @@ def host_work(step: StepStats):
 
 class KVOffloadSystem(ABC):
     name: str = "abstract"
+    hit_unit: str | None = None  # what one lookup is (a system with a cache says; the record states it)
     wants_speculative_query: bool = False
     # True when decode() can be captured in a CUDA graph once static_shapes is set: it then takes the
     # token position from `self.position` (a device tensor, updated before each replay) instead of `self.length`.
