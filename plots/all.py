@@ -107,7 +107,7 @@ def build(results: Path, out: Path, figures=FIGURES, log=print) -> dict[str, str
             log(f"failed: {f.name} ({folder}): {why}")
         else:
             status[f.name] = "ok"
-            mixed = ", each bar labelled with its own" if f.options.get("allow_mixed") else ""
+            mixed = ", each named in the figure" if f.options.get("allow_mixed") else ""
             log(f"ok: {f.name} <- {folder} (commit {commits_of(folder)}{mixed}) -> {out / f.name}.png, .pdf")
     return status
 

@@ -1,9 +1,11 @@
 """Paper Figure 10: decode throughput against batch size, one panel per sequence length, one line per system; below,
 CLO's throughput over the best offloading baseline at each point, against the paper's range for that model.
 Reads run records (experiments.run over system x batch x seqlen); where one point has several records (decode
-modes), the fastest; a point the preflight refused (it does not fit the budget) is drawn as an OOM cross.
+modes), the fastest; a point the preflight refused is drawn as a cross: "OOM" where the device budget does not hold
+it (the paper's missing bars), "RAM" where the host's memory does not hold its KV. Records of several commits are
+refused unless --allow-mixed-commits (the title then lists them).
 
-    python -m plots.fig10_throughput results/fig10_throughput --out fig10.png
+    python -m plots.fig10_throughput results/fig10_throughput --out fig10 --allow-mixed-commits
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ def data(root: Path, allow_mixed: bool = False) -> dict:
     }
 
 
-def refused_points(root: Path) -> list[tuple[str, int, int]]:
-    """(system, seqlen, batch) of the runs the preflight refused before allocating (Figure 10's "OOM"): their
-    records hold the run's overrides, not its metrics."""
+def refused_points(root: Path) -> list[tuple[str, int, int, str]]:
+    """(system, seqlen, batch, "OOM" | "RAM") of the runs the preflight refused before allocating, for the device
+    budget (Figure 10's "OOM") or the host's RAM: their records hold the run's overrides, not its metrics."""
     out = []
     for path in sorted(Path(root).rglob("record*.json")):
         rec = read_json(path)
@@ -62,7 +64,8 @@ def refused_points(root: Path) -> list[tuple[str, int, int]]:
         if {"system", "seqlen", "batch"} <= set(over):
             n = over["seqlen"].lower()
             seqlen = int(float(n[:-1]) * 1024 ** (1 if n[-1] == "k" else 2)) if n[-1] in "km" else int(n)
-            out.append((over["system"], seqlen, int(over["batch"])))
+            why = "RAM" if "of RAM on this host" in str(rec["error"]) else "OOM"
+            out.append((over["system"], seqlen, int(over["batch"]), why))
     return sorted(out)
 
 
@@ -78,10 +81,11 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
             if xs:
                 ax.plot(xs, [pts[(s, n, b)]["decode_tokens_per_s"] for b in xs], "o-", color=f"C{i}", label=SYSTEMS[s])
         floor = ax.get_ylim()[0]
-        for i, s in enumerate(SYSTEMS):  # refused: the point does not fit the budget
-            xs = [b for x, m, b in d["refused"] if x == s and m == n]
-            if xs:
-                ax.plot(xs, [floor] * len(xs), "x", color=f"C{i}", ms=9, label=f"{SYSTEMS[s]}: OOM")
+        for i, s in enumerate(SYSTEMS):  # refused: the point does not fit the budget (OOM) or the host (RAM)
+            for why, marker in (("OOM", "x"), ("RAM", "+")):
+                xs = [b for x, m, b, w in d["refused"] if x == s and m == n and w == why]
+                if xs:
+                    ax.plot(xs, [floor] * len(xs), marker, color=f"C{i}", ms=9, label=f"{SYSTEMS[s]}: {why}")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{tokens(n)}", fontsize=9)
         ax.set_xlabel("batch")
@@ -106,8 +110,9 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
 
 def main() -> None:
     ap = plot_arguments(__doc__)
+    ap.add_argument("--allow-mixed-commits", action="store_true", help="draw records of several commits")
     args = ap.parse_args()
-    for (n, b), x in sorted(plot(args.root, args.out)["speedup"].items()):
+    for (n, b), x in sorted(plot(args.root, args.out, args.allow_mixed_commits)["speedup"].items()):
         print(f"{tokens(n):>6} batch {b:>3}: CLO {x:.2f}x the best baseline")
 
 

@@ -213,18 +213,23 @@ def fig10_table(root: Path, folder: str) -> str:
     point names its records' commits."""
     d = fig10_throughput.data(root, allow_mixed=True)
     lo, hi = paper.FIG10_SPEEDUP.get(d["model"], (None, None))
-    pts, refused = d["points"], set(d["refused"])
-    commit = {(r["record"]["seqlen"], r["record"]["batch"]): commit_of(r["record"]) for r in d["records"]}
+    pts, refused = d["points"], {(s, n, b): why for s, n, b, why in d["refused"]}
+    commits: dict[tuple, set] = {}
+    for r in d["records"]:
+        commits.setdefault((r["record"]["seqlen"], r["record"]["batch"]), set()).add(commit_of(r["record"]))
     rows = []
     for n, b in sorted({(n, b) for _, n, b in pts} | {(n, b) for _, n, b in refused}):
         cells = [
-            f1(pts[(s, n, b)]["decode_tokens_per_s"]) if (s, n, b) in pts else "OOM" if (s, n, b) in refused else None
-            for s in SYSTEMS
+            f1(pts[(s, n, b)]["decode_tokens_per_s"]) if (s, n, b) in pts else refused.get((s, n, b)) for s in SYSTEMS
         ]
         x = d["speedup"].get((n, b))
-        rows.append([tokens(n), b, *cells, f"{x:.2f}x" if x else None, commit.get((n, b))])
+        rows.append([tokens(n), b, *cells, f"{x:.2f}x" if x else None, ", ".join(sorted(commits.get((n, b), ())))])
     head = ["seqlen", "batch", *(f"{SYSTEMS[s]} tok/s" for s in SYSTEMS), "CLO / best baseline", "commit"]
-    ref = f"{paper.FIG10}: CLO / best baseline {lo}-{hi}x ({d['model']})." if lo else ""
+    ref = (
+        f"{paper.FIG10} ({d['model']}): {lo}-{hi}x. OOM: refused for the device budget; RAM: for the host's."
+        if lo
+        else ""
+    )
     return md(head, rows) + f"\n\n{ref} " + source(folder, d["records"])
 
 

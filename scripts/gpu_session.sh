@@ -56,8 +56,9 @@ stage fig2 200 $run +experiment=fig2_breakdown workload.gen_tokens=16
 # one steady decode step of each offloading baseline at 128K as a Chrome trace (experiments.step_timeline)
 stage trace_baselines 240 $run +experiment=fig2_breakdown system=retroinfer,infinigen workload.gen_tokens=8 \
   'trace_dir='"$out"'/trace_${hydra:runtime.choices.system}'
-# paper Figure 10's points under the 48 GB budget; FIG10 narrows the sweep (e.g. "seqlen=32k batch=16 system=clo")
-stage fig10 540 $run +experiment=fig10_throughput ${FIG10:-}
+# paper Figure 10's points under the 48 GB budget; FIG10 narrows the sweep (e.g. "seqlen=32k batch=16 system=clo"),
+# FIG10_SECS bounds it (a timeout around this script would end the script but not the sweep it started)
+stage fig10 ${FIG10_SECS:-540} $run +experiment=fig10_throughput ${FIG10:-}
 # its prefill throughput: real prefills (fig10_throughput fills the KV by projection); FIG10P narrows it
 stage fig10_prefill 400 $run +experiment=fig10_prefill ${FIG10P:-}
 stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg,tgp seqlen=128k workload.gen_tokens=16

@@ -191,11 +191,17 @@ def test_throughput_from_run_records(tmp_path):
         "error": "system=fullattn model=llama3 seqlen=128k batch=16 needs about 300.0 GB of GPU memory",
         "overrides": ["system=fullattn", "seqlen=128k", "batch=16", "+experiment=fig10_throughput"],
     }
+    recs["clo_64/record.json"] = {  # refused for the host's RAM, not the device budget
+        "status": "failed",
+        "error_kind": "config",
+        "error": "system=clo model=llama3 seqlen=128k batch=64 needs about 1100.0 GB of RAM on this host (weights 15)",
+        "overrides": ["system=clo", "seqlen=128k", "batch=64", "+experiment=fig10_throughput"],
+    }
     for name in recs:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
     d = fig10_throughput.plot(write(tmp_path, recs), tmp_path / "fig10.png")
     assert d["speedup"] == {(131072, 1): pytest.approx(1.2), (131072, 4): pytest.approx(1.2)}
-    assert d["refused"] == [("fullattn", 131072, 16)]  # drawn as FullAttn's OOM
+    assert d["refused"] == [("clo", 131072, 64, "RAM"), ("fullattn", 131072, 16, "OOM")]
 
 
 def test_accuracy_records_against_table_5(tmp_path):

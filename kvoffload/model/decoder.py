@@ -228,8 +228,8 @@ class Decoder(nn.Module):
         workload.kv_fill=projection): each layer's K/V are that layer's own K/V projection (RMSNorm, W_K / W_V,
         RoPE) of the prompt's token embeddings, handed to the system's prefill as Decoder.prefill does, so its
         own prefill work (offload, hash encoding, clustering) runs as usual. tokens [B, T] -> the last position's
-        logits from its embedding alone [B, V]. Alive at once: one layer's K/V of the whole prompt and one chunk's
-        embeddings and projections (experiments.preflight.fill_peak_bytes)."""
+        logits from its embedding alone [B, V]. Alive at once: one layer's K/V of the whole prompt, the system's staged
+        copy of them and one sequence's chunk of embeddings and projections (experiments.preflight.fill_peak_bytes)."""
         b, t = tokens.shape
         positions = torch.arange(t, device=tokens.device)
         for i, layer in enumerate(self.model.layers):

@@ -42,8 +42,8 @@ def build_decoder(
 def synthetic_decoder(cfg: ModelConfig, seed: int, device: torch.device, dtype: torch.dtype) -> Decoder:
     with torch.device("meta"):
         model = Decoder(cfg)
-    # cast on the meta device first: materialising fp32 and then casting would hold both copies at once (an 8B
-    # model's 32 GB + 16 GB), beyond the device budgets the runs emulate
+    # cast on the meta device first: materialised in fp32 first, the model would take twice its bf16 size for a
+    # moment, beyond the device budgets the runs emulate (the draws are then made in the run's dtype)
     model = model.to(dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
