@@ -308,39 +308,49 @@ class MemoryPlan:
 WORKSPACE_BYTES = 256 * 1024**2
 
 
+def projection_peak_bytes(cfg: ModelConfig, rows: int, chunk_tokens: int, dtype_bytes: int) -> int:
+    """A chunk's layer input through the norm and the projections, for `rows` rows (tokens x sequences) of
+    `chunk_tokens` positions: the norm's fp32 temporaries, or h, the fused qkv and RoPE's temporaries."""
+    hid, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, 2 * cfg.num_kv_heads * d
+    norm = rows * hid * (8 + 2 * dtype_bytes)  # fp32 x, its square / the normed fp32, and the rounded result
+    rope = 4 * chunk_tokens * d * (4 + dtype_bytes)  # the chunk's cos/sin, fp32 and rounded
+    return max(norm, rows * (hid + q + kv + 3 * q) * dtype_bytes + rope)  # RoPE's three q-sized temporaries
+
+
+def logits_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int) -> int:
+    return batch * cfg.vocab_size * (dtype_bytes + 4)
+
+
 def prefill_peak_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: int, chunk: int) -> int:
     """The most bytes of tensors Decoder.prefill holds at once, from the shapes alone. Through the layers: the
     residual stream x, the layer's K and V of the whole prompt, and one staged copy of them (the system's:
     CLO's head-permuted K/V held until its host copy is done, during the next layer's chunks on CUDA; the
-    baselines' stacked K/V). Within a layer, one chunk of `chunk` tokens at its widest: the norm's fp32
-    temporaries, the projections with RoPE's temporaries, q and the attention output with the causal mask of
-    the CPU path, or the MLP (gate/up, SiLU(gate) and its product: the CPU reference's; CUDA's fused kernel
-    needs one intermediate less). Then the last position's logits."""
+    baselines' stacked K/V). Within a layer, one chunk of `chunk` tokens at its widest: the norm and the
+    projections (projection_peak_bytes), q and the attention output with the causal mask of the CPU path, or the
+    MLP (gate/up, SiLU(gate) and its product: the CPU reference's; CUDA's fused kernel needs one intermediate
+    less). Then the last position's logits."""
     from kvoffload.model.chunk_attention import MASKED_ROWS
 
     t, c = batch * seqlen, batch * min(seqlen, chunk)
-    hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, 2 * cfg.num_kv_heads * d  # per token
+    hid, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim  # per token
     resident = t * (hid + 2 * kv) * dtype_bytes
-    norm = c * hid * (8 + 2 * dtype_bytes)  # fp32 x, its square / the normed fp32, and the rounded result
-    rope = 4 * min(seqlen, chunk) * d * (4 + dtype_bytes)  # the chunk's cos/sin, fp32 and rounded
-    projections = c * (hid + q + kv + 3 * q) * dtype_bytes + rope  # h, the fused qkv, RoPE's three q-sized
+    projections = projection_peak_bytes(cfg, c, min(seqlen, chunk), dtype_bytes)
     mask = 5 * min(seqlen, chunk, MASKED_ROWS) * seqlen  # bool mask and its float copy (off CUDA's flash path)
     attention = c * (3 * q + hid) * dtype_bytes + mask  # q, o and its flattened copy, o_proj's output
     mlp = min(seqlen, chunk) * (hid + 4 * inter) * dtype_bytes  # one sequence's chunk at a time
-    logits = batch * cfg.vocab_size * (dtype_bytes + 4)
-    return resident + max(norm, projections, attention, mlp) + logits
+    return resident + max(projections, attention, mlp) + logits_bytes(cfg, batch, dtype_bytes)
 
 
 def fill_peak_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: int, chunk: int) -> int:
     """The most bytes of tensors Decoder.fill holds at once: the layer's K and V of the whole prompt and one staged
-    copy of them (as prefill_peak_bytes), then one sequence's chunk of embeddings, the norm's temporaries and the
-    projections with RoPE's."""
-    c, hid, d = min(seqlen, chunk), cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, 2 * cfg.num_kv_heads * d
-    norm = c * hid * (8 + 3 * dtype_bytes)  # + the embeddings
-    projections = c * (2 * hid + q + kv + 3 * q) * dtype_bytes + 4 * c * d * (4 + dtype_bytes)
-    return batch * seqlen * 2 * kv * dtype_bytes + max(norm, projections) + batch * cfg.vocab_size * (dtype_bytes + 4)
+    copy of them (as prefill_peak_bytes), then one sequence's chunk of embeddings through the norm and the
+    projections."""
+    c, kv = min(seqlen, chunk), 2 * cfg.num_kv_heads * cfg.head_dim
+    embeddings = c * cfg.hidden_size * dtype_bytes
+    chunk_peak = embeddings + projection_peak_bytes(cfg, c, c, dtype_bytes)
+    return batch * seqlen * 2 * kv * dtype_bytes + chunk_peak + logits_bytes(cfg, batch, dtype_bytes)
 
 
 def activation_bytes(
