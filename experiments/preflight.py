@@ -335,12 +335,13 @@ def prefill_peak_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: i
 def fill_peak_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: int, chunk: int) -> int:
     """The most bytes of tensors Decoder.fill holds at once: the layer's K and V of the whole prompt and one staged
     copy of them (as prefill_peak_bytes), then one sequence's chunk of embeddings, the norm's temporaries and the
-    projections with RoPE's."""
+    projections with RoPE's, or (kv_fill=key_process, after them) the chunk's fp32 draws and keys."""
     c, hid, d = min(seqlen, chunk), cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * d, 2 * cfg.num_kv_heads * d
     norm = c * hid * (8 + 3 * dtype_bytes)  # + the embeddings
     projections = c * (2 * hid + q + kv + 3 * q) * dtype_bytes + 4 * c * d * (4 + dtype_bytes)
-    return batch * seqlen * 2 * kv * dtype_bytes + max(norm, projections) + batch * cfg.vocab_size * (dtype_bytes + 4)
+    drawn = c * kv // 2 * (8 + dtype_bytes)  # experiments.key_process: z and z @ A + b in fp32, then cast
+    return batch * seqlen * 2 * kv * dtype_bytes + max(norm, projections, drawn) + batch * cfg.vocab_size * (dtype_bytes + 4)
 
 
 def activation_bytes(
@@ -358,7 +359,7 @@ def activation_bytes(
     from kvoffload.model.decoder import PREFILL_CHUNK
 
     chunk = PREFILL_CHUNK if chunk is None else chunk
-    if kv_fill == "projection":
+    if kv_fill in ("projection", "key_process"):
         peak = max(
             fill_peak_bytes(cfg, seqlen, batch, dtype_bytes, chunk),
             prefill_peak_bytes(cfg, seqlen, 1, dtype_bytes, chunk),
