@@ -19,8 +19,11 @@ step's real query), per layer and KV head:
                  10 % budget) of: the real queries; the synthetic query process (experiments/query_process.py,
                  `workload.query_process` profile) started from the real first query and from a random one; on the
                  real keys, on isotropic random keys, and on keys drawn from the fitted key process
-                 (experiments/key_process.py) with the process's first query drawn isotropically or key-aligned.
+                 (experiments/key_process.py, with and without its token correlation), with the process's first
+                 query also drawn by the key process (key-aligned; with or without the group's coherence).
                  `block_overlap`: the same for RetroInfer-style's 8-token blocks scored by their best token.
+  token_corr     the correlation of adjacent tokens' centred scores under the group's summed real query
+  group_cos      the mean pairwise cosine of a KV head's query heads at one step
 
 Writes the generator's profile (data/profiles/<model>-keys.json, or +keys_out=) and a record with the overlaps
 (results/key_profile_<model>/record.json, or +record_out=); refuses existing files unless force=true.
@@ -113,27 +116,32 @@ def measure(cfg: DictConfig) -> tuple[dict, dict]:
     proc = ProfileQueryProcess.from_profile(qpath, L, hkv, g, torch.device("cpu"))
     keyproc = KeyProcess(fields, int(cfg.seed))
     k, steps = probe.k_sel, queries.shape[2]
-    names = ("real", "process_real_q0", "process_random_q0")
-    keysets = ("real_keys", "isotropic_keys", "process_keys")
-    over = {f"{w}/{ks}": torch.zeros(L, hkv) for w in names + ("process_aligned_q0",) for ks in keysets}
+    iid = KeyProcess({**fields, "token_corr": torch.zeros(L, hkv)}, int(cfg.seed))
+    names = ("real", "process_real_q0", "process_random_q0", "process_aligned_q0", "process_group_q0")
+    keysets = ("real_keys", "isotropic_keys", "iid_process_keys", "process_keys")
+    over = {f"{w}/{ks}": torch.zeros(L, hkv) for w in names for ks in keysets}
     block = {name: torch.zeros(L, hkv) for name in over}
     for i in range(L):
         q_real = queries[i]  # [Hkv, S, G, D]
         q0 = q_real[:, 0].flatten(0, 1)  # [H, D]
         q_rand = torch.randn_like(q0) * q0.norm(dim=-1, keepdim=True) / d**0.5
-        q_align = keyproc.first_query(i, q_rand[None])[0]
+        q_align = keyproc.first_query(i, q_rand[None], coherent=False)[0]
+        q_group = keyproc.first_query(i, q_rand[None])[0]
         drawn = {
             "real": q_real,
             "process_real_q0": process_queries(proc, i, q0, steps).unflatten(1, (hkv, g)).transpose(0, 1),
             "process_random_q0": process_queries(proc, i, q_rand, steps).unflatten(1, (hkv, g)).transpose(0, 1),
             "process_aligned_q0": process_queries(proc, i, q_align, steps).unflatten(1, (hkv, g)).transpose(0, 1),
+            "process_group_q0": process_queries(proc, i, q_group, steps).unflatten(1, (hkv, g)).transpose(0, 1),
         }
         n = keys.shape[2]
         sampled = keyproc.sample(i, n, torch.device("cpu"), torch.float32)  # [Hkv, T, D]
+        sampled_iid = iid.sample(i, n, torch.device("cpu"), torch.float32)
         for h in range(hkv):
             kset = {
                 "real_keys": keys[i, h],
                 "isotropic_keys": torch.randn(n, d) * fields["key_rms"][i, h],
+                "iid_process_keys": sampled_iid[h],
                 "process_keys": sampled[h],
             }
             for w, q in drawn.items():
@@ -149,6 +157,8 @@ def measure(cfg: DictConfig) -> tuple[dict, dict]:
         "steady_query_energy_top8": _stats(energy["steady"][..., :8].sum(-1)),
         "fluct_query_energy_top8": _stats(energy["fluct"][..., :8].sum(-1)),
         "isotropic_top8": round(8 / d, 4),
+        "token_corr": _stats(fields["token_corr"]),
+        "group_cos": _stats(fields["group_cos"]),
         "topk_overlap_layers_2+": {name: round(float(v[sparse].mean()), 4) for name, v in over.items()},
         "block_overlap_layers_2+": {name: round(float(v[sparse].mean()), 4) for name, v in block.items()},
     }
@@ -205,7 +215,7 @@ def main(cfg: DictConfig) -> None:
     write_json_atomic(prof_path, profile)
     write_json_atomic(rec_path, record)
     s = record["summary"]
-    for key in ("mean_ratio", "top1_eig_share", "top8_eig_share", "query_energy_top8", "steady_query_energy_top8"):
+    for key in ("mean_ratio", "top1_eig_share", "top8_eig_share", "query_energy_top8", "token_corr", "group_cos"):
         print(f"{key:>26}: {s[key]}")
     for key in ("topk_overlap_layers_2+", "block_overlap_layers_2+"):
         print(key)

@@ -340,8 +340,9 @@ def fill_peak_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: int,
     q, kv = cfg.num_heads * d, 2 * cfg.num_kv_heads * d
     norm = c * hid * (8 + 3 * dtype_bytes)  # + the embeddings
     projections = c * (2 * hid + q + kv + 3 * q) * dtype_bytes + 4 * c * d * (4 + dtype_bytes)
-    drawn = c * kv // 2 * (8 + dtype_bytes)  # experiments.key_process: z and z @ A + b in fp32, then cast
-    return batch * seqlen * 2 * kv * dtype_bytes + max(norm, projections, drawn) + batch * cfg.vocab_size * (dtype_bytes + 4)
+    drawn = c * kv // 2 * (16 + dtype_bytes)  # experiments.key_process: draws, chain and scan temporaries (fp32), cast
+    logits = batch * cfg.vocab_size * (dtype_bytes + 4)
+    return batch * seqlen * 2 * kv * dtype_bytes + max(norm, projections, drawn) + logits
 
 
 def activation_bytes(
