@@ -78,8 +78,9 @@ class KeyProcess:
         self.mean_dir = m / m.norm(dim=-1, keepdim=True)
         r, e = self.f["mean_ratio"], self.f["eig"]
         self.description = (
-            f"synthetic keys: mean + covariance-shaped noise per head (mean ratio {r.mean():.3f}, top eigenvalue "
-            f"share {e[..., 0].mean():.3f}; queries' first direction key-aligned) of {source}, seed {seed}"
+            f"synthetic keys: mean + covariance-shaped noise per head, AR(1) over tokens (mean ratio {r.mean():.3f}, "
+            f"top eigenvalue share {e[..., 0].mean():.3f}, token correlation {self.f['token_corr'].mean():.3f}; "
+            f"first query group-coherent at {self.f['group_cos'].mean():.3f}, key-aligned) of {source}, seed {seed}"
         )
 
     @classmethod
