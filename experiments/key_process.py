@@ -132,7 +132,8 @@ class KeyProcess:
     def first_query(self, layer: int, q: torch.Tensor, coherent: bool = True) -> torch.Tensor:
         """q [B, H, D] -> a query with q's norms: per query head u = sqrt(g) s + sqrt(1 - g) w, s shared by the KV
         head's group (g = group_cos; coherent=False: g = 0), s and w unit draws V (sqrt(e) * z) with, in
-        expectation, the measured share e of their energy along each key principal direction (query_energy)."""
+        expectation, about the measured share e of their energy along each key principal direction
+        (query_energy; a little less along the largest, which normalising a draw shrinks most)."""
         b, h, d = q.shape
         hkv = self.shape[1]
         group = h // hkv

@@ -49,12 +49,14 @@ def test_sampled_keys_have_the_profiles_geometry():
 def test_first_query_puts_its_energy_where_the_profile_says():
     f = fields(1, 2, 16)
     proc = KeyProcess(f, seed=0)
+    torch.manual_seed(0)
     q0 = torch.randn(4000, 4, 16) * 5  # 4 query heads on 2 KV heads
     q = proc.first_query(0, q0)
     torch.testing.assert_close(q.norm(dim=-1), q0.norm(dim=-1))  # the model's norms kept
     basis = proc.basis[0].repeat_interleave(2, 0)  # [H, D, D]
     share = torch.einsum("bhd,hdi->bhi", q / q.norm(dim=-1, keepdim=True), basis).pow(2).mean(0)  # [H, D]
-    assert share[:, :4].sum(-1).min() > 0.9 * f["query_energy"][0, 0, :4].sum()
+    # a little below the profile's share: normalising each draw shrinks its largest components most
+    assert share[:, :4].sum(-1).min() > 0.8 * f["query_energy"][0, 0, :4].sum()
     assert share[:, :4].sum(-1).min() > 2 * 4 / 16  # far above an isotropic query's share
     u = q / q.norm(dim=-1, keepdim=True)
     pair = (u[:, 0] * u[:, 1]).sum(-1).mean()  # heads 0 and 1 share KV head 0
