@@ -130,7 +130,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         query_process = ProfileQueryProcess.from_profile(
             queries, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.group_size, device
         )
-        if key_process is not None:  # the queries' steady part where the keys vary, as real queries'
+        if key_process is not None:  # its first query's heads coherent and key-aligned, as real ones
             query_process.first_query = key_process.first_query
     tokenizer = load_tokenizer(source, cfg.model)  # the prompt too: a needle needs a tokenizer and room
     prompt = build_prompt(

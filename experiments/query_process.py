@@ -83,7 +83,7 @@ class ProfileQueryProcess:
         self.state: list = [None] * s_hat.shape[0]
         self.err: list = [None] * s_hat.shape[0]  # the speculative error's chain, with spec_cos only
         # (layer, q) -> q: the first query's direction where the model's own means nothing (synthetic weights
-        # with a key process: experiments.key_process.KeyProcess.first_query aligns it with the keys)
+        # with a key process: experiments.key_process.KeyProcess.first_query, group-coherent and key-aligned)
         self.first_query = None
 
     @classmethod
