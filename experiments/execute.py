@@ -82,8 +82,19 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)  # the record's peak is this run's, not the sweep's so far
     dtype = preflight.resolve_dtype(cfg.dtype, device)
     source = weights_source(cfg.model)
-    if numbers.kv_fill == "projection" and source != "synthetic":
-        raise ConfigError("workload.kv_fill=projection is for synthetic weights (speed runs); real weights prefill")
+    if numbers.kv_fill != "prefill" and source != "synthetic":
+        raise ConfigError(
+            f"workload.kv_fill={numbers.kv_fill} is for synthetic weights (speed runs); real weights prefill"
+        )
+    key_process = None
+    if numbers.kv_fill == "key_process":  # loads and checks its profile now
+        from experiments.key_process import KeyProcess
+
+        if not cfg.model.get("synthetic_keys"):
+            raise ConfigError(f"workload.kv_fill=key_process: model {cfg.model.name} has no synthetic_keys profile")
+        key_process = KeyProcess.from_profile(
+            cfg.model.synthetic_keys, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, numbers.seed
+        )
     system = build_system(cfg.system, system_name)
     # the link and one layer's dense time are measured first: the system's plan, its memory estimate and its
     # allocation all read them
@@ -120,6 +131,8 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         query_process = ProfileQueryProcess.from_profile(
             queries, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.group_size, device
         )
+        if key_process is not None:  # its first query's heads coherent and key-aligned, as real ones
+            query_process.first_query = key_process.first_query
     tokenizer = load_tokenizer(source, cfg.model)  # the prompt too: a needle needs a tokenizer and room
     prompt = build_prompt(
         cfg.workload.prompt, seqlen, batch, numbers.seed, tokenizer, model_cfg.vocab_size, numbers.needle_depth
@@ -127,9 +140,10 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
 
     # ---- long work ---------------------------------------------------------------------------------------
     query_desc = query_process.description if query_process is not None else "the model's own queries"
-    log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}")
+    keys_desc = key_process.description if key_process is not None else None
+    log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}; keys: {keys_desc}")
     model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), numbers.seed, device, dtype)
-    model.query_process = query_process
+    model.query_process, model.key_process = query_process, key_process
     model.prefill_chunk = chunk
     # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and decode_mode != "graph")
@@ -153,6 +167,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         "phases_timed": timer.enabled,
         "query_process": query_desc,
         "kv_fill": KV_FILL_TEXT[fill],
+        "key_process": keys_desc,
         "prompt": {"kind": prompt.kind, "tokens": int(prompt.tokens.shape[1]), **prompt.meta},
         "answer": {
             "expected": prompt.answer,
@@ -173,6 +188,8 @@ KV_FILL_TEXT = {
     "prefill": "prefill: the model's own prefill of the prompt",
     "projection": "projection: each layer's K/V projection of the prompt's embeddings (no attention, no MLP), then "
     "the system's own prefill work; prefill tokens/s not measured",
+    "key_process": "key_process: as projection, with each layer's keys drawn from the model's synthetic key process "
+    "(experiments/key_process.py); prefill tokens/s not measured",
 }
 
 

@@ -346,10 +346,11 @@ def prefill_peak_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: i
 def fill_peak_bytes(cfg: ModelConfig, seqlen: int, batch: int, dtype_bytes: int, chunk: int) -> int:
     """The most bytes of tensors Decoder.fill holds at once: the layer's K and V of the whole prompt and one staged
     copy of them (as prefill_peak_bytes), then one sequence's chunk of embeddings through the norm and the
-    projections."""
+    projections, or (kv_fill=key_process, after them) the chunk's fp32 draws and keys."""
     c, kv = min(seqlen, chunk), 2 * cfg.num_kv_heads * cfg.head_dim
     embeddings = c * cfg.hidden_size * dtype_bytes
-    chunk_peak = embeddings + projection_peak_bytes(cfg, c, c, dtype_bytes)
+    drawn = c * kv // 2 * (16 + dtype_bytes)  # experiments.key_process: draws, chain and scan temporaries (fp32), cast
+    chunk_peak = max(embeddings + projection_peak_bytes(cfg, c, c, dtype_bytes), drawn)
     return batch * seqlen * 2 * kv * dtype_bytes + chunk_peak + logits_bytes(cfg, batch, dtype_bytes)
 
 
@@ -368,7 +369,7 @@ def activation_bytes(
     from kvoffload.model.decoder import PREFILL_CHUNK
 
     chunk = PREFILL_CHUNK if chunk is None else chunk
-    if kv_fill == "projection":
+    if kv_fill in ("projection", "key_process"):
         peak = max(
             fill_peak_bytes(cfg, seqlen, batch, dtype_bytes, chunk),
             prefill_peak_bytes(cfg, seqlen, 1, dtype_bytes, chunk),

@@ -82,6 +82,9 @@ class ProfileQueryProcess:
             self.description += f"; speculative query at cos spec_cos per head (mean {spec_cos[1:].mean():.3f})"
         self.state: list = [None] * s_hat.shape[0]
         self.err: list = [None] * s_hat.shape[0]  # the speculative error's chain, with spec_cos only
+        # (layer, q) -> q: the first query's direction where the model's own means nothing (synthetic weights
+        # with a key process: experiments.key_process.KeyProcess.first_query, group-coherent and key-aligned)
+        self.first_query = None
 
     @classmethod
     def from_profile(cls, path: str, num_layers: int, num_kv_heads: int, group: int, device: torch.device):
@@ -102,6 +105,8 @@ class ProfileQueryProcess:
     def query(self, layer: int, q: torch.Tensor, advance: bool, speculative: bool = False) -> torch.Tensor:
         """q [B, H, D] from the model -> the process's query for this layer and step, with q's norms.
         `speculative`: the one-layer-ahead query for this layer (perturbed by spec_cos when the profile has it)."""
+        if self.state[layer] is None and self.first_query is not None:
+            q = self.first_query(layer, q)
         norm = q.norm(dim=-1, keepdim=True)
         u = self._persistent(layer, q, norm, advance) if self.persistent_form else self._ar1(layer, q, norm, advance)
         if self.spec is not None:

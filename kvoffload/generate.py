@@ -30,7 +30,7 @@ class Generation:
 
 
 DECODE_MODES = ("eager", "graph", "piecewise")
-KV_FILLS = ("prefill", "projection")
+KV_FILLS = ("prefill", "projection", "key_process")
 
 
 class DecodeStep:
@@ -115,7 +115,8 @@ def generate(
     kv_fill: str = "prefill",
 ) -> Generation:
     """prompt [B, T]. Stops early only when every sequence has emitted a stop id. kv_fill: "prefill" (the model's
-    prefill) or "projection" (Decoder.fill: each layer's K/V projection of the embeddings, for speed runs)."""
+    prefill), "projection" (Decoder.fill: each layer's K/V projection of the embeddings, for speed runs) or
+    "key_process" (Decoder.fill with the model's key_process drawing the keys)."""
     if kv_fill not in KV_FILLS:
         raise ValueError(f"kv_fill {kv_fill!r}; valid: {', '.join(KV_FILLS)}")
     dev = prompt.device

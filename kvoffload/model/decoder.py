@@ -186,6 +186,8 @@ class Decoder(nn.Module):
         self.prefill_chunk = PREFILL_CHUNK  # the runner sets the run's `prefill_chunk`
         # Optional synthetic query process (experiments.query_process) replacing the queries the KV system sees.
         self.query_process = None
+        # Optional synthetic key process (experiments.key_process): Decoder.fill's keys, for synthetic weights.
+        self.key_process = None
         # a HF checkpoint's state dict loads as it is: its q/k/v and gate/up projections are fused on the way in
         self.register_load_state_dict_pre_hook(lambda module, state, *_: fuse_hf_state(state))
 
@@ -228,8 +230,10 @@ class Decoder(nn.Module):
         workload.kv_fill=projection): each layer's K/V are that layer's own K/V projection (RMSNorm, W_K / W_V,
         RoPE) of the prompt's token embeddings, handed to the system's prefill as Decoder.prefill does, so its
         own prefill work (offload, hash encoding, clustering) runs as usual. tokens [B, T] -> the last position's
-        logits from its embedding alone [B, V]. Alive at once: one layer's K/V of the whole prompt, the system's staged
-        copy of them and one sequence's chunk of embeddings and projections (experiments.preflight.fill_peak_bytes)."""
+        logits from its embedding alone [B, V]. With a key_process (workload.kv_fill=key_process) the keys are
+        drawn from it instead, a chunk at a time, after the projections' temporaries are gone. Alive at once: one
+        layer's K/V of the whole prompt, the system's staged copy of them, and one sequence's chunk of embeddings
+        and projections or drawn keys (experiments.preflight.fill_peak_bytes)."""
         b, t = tokens.shape
         positions = torch.arange(t, device=tokens.device)
         for i, layer in enumerate(self.model.layers):
@@ -243,6 +247,8 @@ class Decoder(nn.Module):
                     x = layer.input_layernorm(self.model.embed_tokens(tokens[r : r + 1, s:e]))
                     _, k[r : r + 1, :, s:e], v[r : r + 1, :, s:e] = attn.qkv(x, cos, sin)
                     del x
+            if self.key_process is not None:
+                self.key_process.fill(i, k, self.prefill_chunk)
             kv.prefill(i, k, v)
             del k, v
             if on_layer is not None:
