@@ -340,7 +340,7 @@ def test_fig10_experiment_sweeps_batch_and_plots(tmp_path):
     )
     recs = records(tmp_path)
     assert sorted((r["system"], r["batch"]) for r in recs.values()) == [("clo", 1), ("clo", 2)]
-    assert all(r["kv_fill"].startswith("projection") for r in recs.values())
+    assert all(r["kv_fill"].startswith("key_process") for r in recs.values())
     points = data(tmp_path / "results")["points"]
     assert all(p["decode_tokens_per_s"] > 0 for p in points.values()) and len(points) == 2
 
