@@ -16,7 +16,6 @@ Writes results/hata_<model>/record.json (or +recall_out=PATH).
 from __future__ import annotations
 
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments import preflight
 from experiments.profile import decode_real
-from experiments.records import environment, git_commit
+from experiments.records import environment, git_commit, refuse
 from experiments.train_hata import capture, command_line, layer_data, settings
 from kvoffload.errors import ConfigError
 from kvoffload.offload.budget import select_budget
@@ -193,8 +192,7 @@ def main(cfg: DictConfig) -> None:
             raise ConfigError(f"{path} exists: force=true overwrites it (or +recall_out=another path)")
         data = measure(cfg)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(e)
     write_json_atomic(path, data)
     path.with_name("README.md").write_text(readme(data))
     for group, rows in data["summary"].items():

@@ -18,7 +18,6 @@ provenance beside it (.json); refuses an existing file unless force=true.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments import preflight
 from experiments.profile import decode_real
-from experiments.records import environment, git_commit
+from experiments.records import environment, git_commit, refuse
 from experiments.train_hata import capture, command_line, settings
 from kvoffload.errors import ConfigError
 from kvoffload.paths import ROOT, repo_path, write_json_atomic
@@ -102,8 +101,7 @@ def main(cfg: DictConfig) -> None:
     try:
         record, path = run(cfg)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(e)
     s = torch.tensor(record["scores"])
     above = (s > 0.5).float().mean() * 100
     print(f"importance {tuple(s.shape)}: median {s.median():.3f}, {above:.0f}% above 0.5 -> {path}")

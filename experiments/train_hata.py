@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from baselines.fullattn import FullAttn
 from experiments import preflight
 from experiments.profile import decode_real
-from experiments.records import environment, git_commit
+from experiments.records import environment, git_commit, refuse
 from kvoffload.errors import ConfigError
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import save_hash_weights, simhash_weights
@@ -217,8 +217,7 @@ def main(cfg: DictConfig) -> None:
     try:
         record, path = run(cfg)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(e)
     print(f"hash weights {tuple(record['shape'])} in {sum(record['wall_s'].values()):.0f} s -> {path}")
 
 
