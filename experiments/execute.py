@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -142,17 +143,37 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     query_desc = query_process.description if query_process is not None else "the model's own queries"
     keys_desc = key_process.description if key_process is not None else None
     log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}; keys: {keys_desc}")
+    peaks = PeakMarks(device)
+    snapshot = Path(cfg.memory_snapshot) if cfg.get("memory_snapshot") and device.type == "cuda" else None
+    if snapshot is not None:
+        torch.cuda.memory._record_memory_history(max_entries=500_000)
     model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), numbers.seed, device, dtype)
+    peaks.mark("weights")
     model.query_process, model.key_process = query_process, key_process
     model.prefill_chunk = chunk
     # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and decode_mode != "graph")
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
+    peaks.mark("allocate")
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
     trace = Path(cfg.trace_dir) / "decode_step.trace.json" if cfg.get("trace_dir") else None
     gen = run_generation(
-        model, system, prompt.tokens.to(device), gen_tokens, stop, decode_mode, trace, numbers.warmup_steps, fill
+        model,
+        system,
+        prompt.tokens.to(device),
+        gen_tokens,
+        stop,
+        decode_mode,
+        trace,
+        numbers.warmup_steps,
+        fill,
+        on_first_token=lambda: peaks.mark("fill"),
     )
+    peaks.mark("decode")
+    if snapshot is not None:
+        snapshot.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(snapshot))
+        torch.cuda.memory._record_memory_history(enabled=None)
 
     text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
     hbm = numbers.hbm_gb_s or copy_bandwidth_gb_s(device)
@@ -180,6 +201,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         ),
         "system_state": state,
         "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
+        "peak_device_gb_through": peaks.gb,
         "steps": [s.as_dict() for s in gen.steps],
     }
 
@@ -191,6 +213,18 @@ KV_FILL_TEXT = {
     "key_process": "key_process: as projection, with each layer's keys drawn from the model's synthetic key process "
     "(experiments/key_process.py); prefill tokens/s not measured",
 }
+
+
+class PeakMarks:
+    """The device's peak allocation so far at each stage's end (weights, allocate, fill, decode): which stage set
+    the record's peak_device_gb, where a peak exceeds its memory plan."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.gb = device, {}
+
+    def mark(self, stage: str) -> None:
+        if self.device.type == "cuda":
+            self.gb[stage] = round(torch.cuda.max_memory_allocated(self.device) / GB, 3)
 
 
 def log(msg: str) -> None:
@@ -207,6 +241,7 @@ def run_generation(
     trace: Path | None = None,
     warmup: int = 0,
     kv_fill: str = "prefill",
+    on_first_token: Callable[[], None] | None = None,
 ) -> Generation:
     """generate() with progress bars; with `trace`, the GPU kernels of one steady decode step (the first after
     the warm-up and a graph's capture) are written there as a Chrome trace (torch profiler; open in Perfetto)."""
@@ -220,6 +255,8 @@ def run_generation(
     ):
 
         def on_token(_):
+            if on_first_token is not None and bar_d.n == 0:
+                on_first_token()
             bar_d.update(1)
             if prof is not None:
                 prof.step()

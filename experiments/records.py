@@ -22,7 +22,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.paths import ROOT, write_json_atomic
 
 # Overrides that change where or how a run is reported, not what it measures.
-NOT_IDENTITY = ("results_dir", "force", "wandb", "hydra")
+NOT_IDENTITY = ("results_dir", "force", "job_process", "wandb", "hydra")
 
 
 def config_error(e: BaseException | None) -> ConfigError | None:
@@ -148,6 +148,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "device": str(device),
         # which physical GPU a job of a multi-GPU sweep ran on (experiments.gpu_assign pins it here)
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "pid": os.getpid(),  # jobs of a job_process=fresh sweep each have their own
         "git": git_commit(ROOT),
     }
     if device.type == "cuda":

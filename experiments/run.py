@@ -8,6 +8,8 @@ unknown key) ends a single run with one `error:` line and exit status 2, before 
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -71,6 +73,9 @@ def task(cfg: DictConfig) -> dict:
     if finished(path) and not preflight.switch(cfg.force, "force"):
         print(f"[run] skip: {path} exists (force=true repeats it)", file=sys.stderr)
         return {"status": "skipped", "error": None, "record": str(path)}
+    in_sweep = hc.mode == RunMode.MULTIRUN
+    if in_sweep and preflight.choice(cfg.job_process, "job_process", ("inline", "fresh")) == "fresh":
+        return run_in_fresh_process(overrides, path, hc.runtime.output_dir)
     system_name = choices.get("system", "?")
     base = {
         "run": path.parent.name,
@@ -89,7 +94,7 @@ def task(cfg: DictConfig) -> dict:
             path,
             {"status": "failed", "error_kind": kind, "error": message, "traceback": traceback.format_exc(), **base},
         )
-        if hc.mode == RunMode.MULTIRUN:
+        if in_sweep:
             print(f"[run] FAILED ({kind}): {message}\n      recorded in {path}; the sweep continues", file=sys.stderr)
             return {"status": "failed", "error": message, "record": str(path)}
         if err is not None:
@@ -101,6 +106,27 @@ def task(cfg: DictConfig) -> dict:
     if cfg.wandb.enabled:
         log_wandb(cfg, rec, path.parent.name, choices)
     return {"status": "ok", "error": None, "record": str(path)}
+
+
+def run_in_fresh_process(overrides: list[str], path: Path, output_dir: str) -> dict:
+    """job_process=fresh: the job as a single run of this command in a new Python process, so that it inherits no
+    thread pool (numba's, OpenMP's, a fetch worker's), allocator reserve or compiled state from the jobs before it.
+    The child writes the record (a failed one too); a child that dies without one (a signal, the OOM killer) gets
+    a failed record here."""
+    argv = [sys.executable, "-m", "experiments.run", *overrides, f"hydra.run.dir={output_dir}"]
+    code = subprocess.run(argv, check=False).returncode
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        rec = None
+    if code == 0 and rec is not None and rec.get("status") == "ok":
+        return {"status": "ok", "error": None, "record": str(path)}
+    if rec is None or rec.get("status") == "ok":  # no record, or a stale one from before: this run left none
+        message = f"the job's process exited with status {code} and wrote no record"
+        write_json_atomic(path, {"status": "failed", "error_kind": "crash", "error": message, "overrides": overrides})
+        rec = {"error": message}
+    print(f"[run] FAILED (fresh process, exit {code}): {rec.get('error')}; the sweep continues", file=sys.stderr)
+    return {"status": "failed", "error": rec.get("error"), "record": str(path)}
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -87,6 +87,20 @@ def test_sweep_survives_a_failing_run_and_resumes(tmp_path):
     assert "[sweep] 3 jobs: 0 ok, 2 skipped, 1 failed" in again.stderr
 
 
+def test_fresh_job_processes_keep_records_failures_skips_and_the_table(tmp_path):
+    args = ("--multirun", "seqlen=64,96,9000", "job_process=fresh", *FAST)
+    p = run(*args, tmp=tmp_path, check=False)
+    assert p.returncode == 1, p.stderr[-3000:]
+    recs = {next(i for i in r["identity"] if i.startswith("seqlen=")): r for r in records(tmp_path).values()}
+    assert {k: r["status"] for k, r in recs.items()} == {"seqlen=64": "ok", "seqlen=96": "ok", "seqlen=9000": "failed"}
+    pids = {recs[k]["environment"]["pid"] for k in ("seqlen=64", "seqlen=96")}
+    assert len(pids) == 2  # each job ran in a process of its own
+    assert "max_position_embeddings" in recs["seqlen=9000"]["error"]
+    assert "[sweep] 3 jobs: 2 ok, 0 skipped, 1 failed" in p.stderr
+    again = run(*args, tmp=tmp_path, check=False)
+    assert "[sweep] 3 jobs: 0 ok, 2 skipped, 1 failed" in again.stderr
+
+
 def test_a_sweep_whose_every_job_fails_exits_1_with_the_table(tmp_path):
     p = run("--multirun", "seqlen=9000,10000", "system=clo", "system.eta=1.5", *FAST, tmp=tmp_path, check=False)
     assert p.returncode == 1, p.stderr[-3000:]
