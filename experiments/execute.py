@@ -146,7 +146,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     peaks = PeakMarks(device)
     snapshot = Path(cfg.memory_snapshot) if cfg.get("memory_snapshot") and device.type == "cuda" else None
     if snapshot is not None:
-        torch.cuda.memory._record_memory_history(max_entries=500_000)
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
     model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), numbers.seed, device, dtype)
     peaks.mark("weights")
     model.query_process, model.key_process = query_process, key_process
@@ -167,7 +167,8 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         trace,
         numbers.warmup_steps,
         fill,
-        on_first_token=lambda: peaks.mark("fill"),
+        on_filled=lambda: peaks.mark("fill"),
+        on_first_token=lambda: peaks.mark("first_step"),
     )
     peaks.mark("decode")
     if snapshot is not None:
@@ -216,8 +217,8 @@ KV_FILL_TEXT = {
 
 
 class PeakMarks:
-    """The device's peak allocation so far at each stage's end (weights, allocate, fill, decode): which stage set
-    the record's peak_device_gb, where a peak exceeds its memory plan."""
+    """The device's peak allocation so far at the end of each stage (weights, allocate, fill, first_step: the first
+    decode step, eager, decode): which stage set the record's peak_device_gb, where a peak exceeds its plan."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.gb = device, {}
@@ -241,6 +242,7 @@ def run_generation(
     trace: Path | None = None,
     warmup: int = 0,
     kv_fill: str = "prefill",
+    on_filled: Callable[[], None] | None = None,
     on_first_token: Callable[[], None] | None = None,
 ) -> Generation:
     """generate() with progress bars; with `trace`, the GPU kernels of one steady decode step (the first after
@@ -271,6 +273,7 @@ def run_generation(
             on_prefill_layer=lambda _: bar_p.update(1),
             on_token=on_token,
             kv_fill=kv_fill,
+            on_filled=on_filled,
         )
 
 

@@ -113,6 +113,7 @@ def generate(
     on_prefill_layer: Callable[[int], None] | None = None,
     on_token: Callable[[int], None] | None = None,
     kv_fill: str = "prefill",
+    on_filled: Callable[[], None] | None = None,
 ) -> Generation:
     """prompt [B, T]. Stops early only when every sequence has emitted a stop id. kv_fill: "prefill" (the model's
     prefill), "projection" (Decoder.fill: each layer's K/V projection of the embeddings, for speed runs) or
@@ -127,6 +128,8 @@ def generate(
     token = logits.argmax(-1)
     sync_device(dev)
     prefill_s = time.perf_counter() - t0
+    if on_filled is not None:
+        on_filled()
     step = DecodeStep(model, kv, prompt.shape[0], dev, decode_mode)
     out = [token]
     stop = torch.tensor(sorted(stop_ids), device=dev, dtype=token.dtype)

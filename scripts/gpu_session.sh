@@ -3,7 +3,7 @@
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
 # Stages: pytest_gpu (~2.5 min) bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
 # bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
-# fig2 (~3.5 min) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
+# memory_peak (PEAK_SEQLEN) fig2 (~3.5 min) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
 # It installs the carried wheels (hardware.md), runs the GPU tests, the kernel benchmarks and the system runs,
 # and packs every record and log into $OUT/gpu_session.tgz (one file: the device returns at most 8).
@@ -61,6 +61,10 @@ stage trace_baselines 240 $run +experiment=fig2_breakdown system=retroinfer,infi
 stage fig10 ${FIG10_SECS:-540} $run +experiment=fig10_throughput ${FIG10:-}
 # its prefill throughput: real prefills (fig10_throughput fills the KV by projection); FIG10P narrows it
 stage fig10_prefill 400 $run +experiment=fig10_prefill ${FIG10P:-}
+# what is alive at CLO's device peak, which exceeds its plan at long prompts (fig10_throughput/README.md)
+stage memory_peak 300 bash -c "python3 -m experiments.run +experiment=fig10_throughput system=clo batch=1 \
+  seqlen=${PEAK_SEQLEN:-128k} memory_snapshot=$out/snapshot.pickle results_dir=$out/runs_peak && \
+  python3 -m experiments.memory_peak $out/snapshot.pickle --out $out/memory_peak.json && rm $out/snapshot.pickle"
 stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg,tgp seqlen=128k workload.gen_tokens=16
 # the baselines' top-k, radix select vs torch.topk; the sweep's first run is slower in every phase (cold process)
 stage topk_ab 300 $run +experiment=fig2_breakdown system=retroinfer,infinigen system.topk=torch,radix workload.gen_tokens=16
