@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -77,6 +79,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     seqlen, batch, gen_tokens = numbers.seqlen, numbers.batch, numbers.gen_tokens
     preflight.check_length(model_cfg, seqlen, gen_tokens)
     device = preflight.resolve_device(cfg.device)
+    stages = StageMarks(device)
     free_at_start = None
     if device.type == "cuda":
         free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3)
@@ -143,18 +146,18 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     query_desc = query_process.description if query_process is not None else "the model's own queries"
     keys_desc = key_process.description if key_process is not None else None
     log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}; keys: {keys_desc}")
-    peaks = PeakMarks(device)
+    stages.mark("measure")  # the link, one layer's time, the plan and the prompt: what the run does before loading
     snapshot = Path(cfg.memory_snapshot) if cfg.get("memory_snapshot") and device.type == "cuda" else None
     if snapshot is not None:
         torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
     model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), numbers.seed, device, dtype)
-    peaks.mark("weights")
+    stages.mark("weights")
     model.query_process, model.key_process = query_process, key_process
     model.prefill_chunk = chunk
     # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and decode_mode != "graph")
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
-    peaks.mark("allocate")
+    stages.mark("allocate")
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
     trace = Path(cfg.trace_dir) / "decode_step.trace.json" if cfg.get("trace_dir") else None
     gen = run_generation(
@@ -167,10 +170,10 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         trace,
         numbers.warmup_steps,
         fill,
-        on_filled=lambda: peaks.mark("fill"),
-        on_first_token=lambda: peaks.mark("first_step"),
+        on_filled=lambda: stages.mark("fill"),
+        on_first_token=lambda: stages.mark("first_step"),
     )
-    peaks.mark("decode")
+    stages.mark("decode")
     if snapshot is not None:
         snapshot.parent.mkdir(parents=True, exist_ok=True)
         torch.cuda.memory._dump_snapshot(str(snapshot))
@@ -202,7 +205,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         ),
         "system_state": state,
         "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
-        "peak_device_gb_through": peaks.gb,
+        "stages": stages.marks,
         "steps": [s.as_dict() for s in gen.steps],
     }
 
@@ -216,16 +219,30 @@ KV_FILL_TEXT = {
 }
 
 
-class PeakMarks:
-    """The device's peak allocation so far at the end of each stage (weights, allocate, fill, first_step: the first
-    decode step, eager, decode): which stage set the record's peak_device_gb, where a peak exceeds its plan."""
+class StageMarks:
+    """Each stage's wall time and the device's peak allocation so far at its end: startup (the process's age when
+    the run begins: imports, Hydra), measure, weights, allocate, fill, first_step (the first decode step, eager),
+    decode. Where a sweep's time goes, and which stage set the record's peak_device_gb."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.gb = device, {}
+        self.device, self.last = device, time.perf_counter()
+        self.marks: dict[str, dict[str, float | None]] = {"startup": {"s": process_age_s(), "peak_gb": None}}
 
     def mark(self, stage: str) -> None:
-        if self.device.type == "cuda":
-            self.gb[stage] = round(torch.cuda.max_memory_allocated(self.device) / GB, 3)
+        now = time.perf_counter()
+        peak = torch.cuda.max_memory_allocated(self.device) / GB if self.device.type == "cuda" else None
+        self.marks[stage] = {"s": round(now - self.last, 3), "peak_gb": None if peak is None else round(peak, 3)}
+        self.last = now
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux's /proc), else None."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return round(uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"), 3)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def log(msg: str) -> None:

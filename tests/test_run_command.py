@@ -95,6 +95,9 @@ def test_fresh_job_processes_keep_records_failures_skips_and_the_table(tmp_path)
     assert {k: r["status"] for k, r in recs.items()} == {"seqlen=64": "ok", "seqlen=96": "ok", "seqlen=9000": "failed"}
     pids = {recs[k]["environment"]["pid"] for k in ("seqlen=64", "seqlen=96")}
     assert len(pids) == 2  # each job ran in a process of its own
+    stages = recs["seqlen=64"]["stages"]
+    assert list(stages) == ["startup", "measure", "weights", "allocate", "fill", "first_step", "decode"]
+    assert stages["startup"]["s"] > 0.5 and all(v["s"] >= 0 for v in stages.values())  # imports take a while
     assert "max_position_embeddings" in recs["seqlen=9000"]["error"]
     assert "[sweep] 3 jobs: 2 ok, 0 skipped, 1 failed" in p.stderr
     again = run(*args, tmp=tmp_path, check=False)
