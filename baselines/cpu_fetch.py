@@ -32,7 +32,8 @@ class PipelinedFetcher:
         self.copied: list[torch.cuda.Event | None] = [None, None]  # each parity's last copy
         self.stream = torch.cuda.Stream(device)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch")
-        self.gather_ms = 0.0  # the worker's time in the CPU gathers since take_gather_ms (the host work of a step)
+        self.gather_ms = 0.0  # the worker's time in the CPU gathers since take_gathers
+        self.gather_bytes = 0  # and the bytes they gathered
 
     @property
     def nbytes(self) -> int:
@@ -60,17 +61,47 @@ class PipelinedFetcher:
                 t0 = time.perf_counter()
                 torch.index_select(host_rows, 0, idx[a:b], out=staging[a:b])
                 self.gather_ms += (time.perf_counter() - t0) * 1e3
+                self.gather_bytes += (b - a) * staging.stride(0) * staging.element_size()
                 out_rows[a:b].copy_(staging[a:b], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         self.copied[parity] = done
         return done
 
-    def take_gather_ms(self) -> float:
-        """The gathers' time since the last call (call it when no fetch is in flight: at the end of a step)."""
-        ms, self.gather_ms = self.gather_ms, 0.0
-        return ms
+    def take_gathers(self) -> tuple[float, int]:
+        """The gathers' time (ms) and bytes since the last call (call it when no fetch is in flight: at the end of a
+        step)."""
+        out = (self.gather_ms, self.gather_bytes)
+        self.gather_ms, self.gather_bytes = 0.0, 0
+        return out
+
+    def calibrate(self, host_rows: torch.Tensor) -> float:
+        """This machine's CPU gather bandwidth (GB/s) for the fetch's own gather, measured alone: see gather_gb_s."""
+        return gather_gb_s(host_rows, self.staging[0], self.threads)
 
     @staticmethod
     def wait(fetch: Future) -> None:
         torch.cuda.current_stream().wait_event(fetch.result())
+
+
+def gather_gb_s(host_rows: torch.Tensor, staging: torch.Tensor, threads: int, repeats: int = 3) -> float:
+    """The best of `repeats` gathers of staging's row count of random rows of host_rows [N, row_elems] into staging,
+    CHUNK_ROWS at a time on `threads` threads, as PipelinedFetcher's worker gathers but with nothing beside it (no
+    copy, no decode step): the bandwidth that bounds the technique on this machine, the host part of InfiniGen's
+    own floor. Reads host_rows, writes staging only."""
+    rows = min(staging.shape[0], host_rows.shape[0])
+    idx = torch.randint(host_rows.shape[0], (rows,), generator=torch.Generator().manual_seed(0))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    best = float("inf")
+    try:
+        with torch.inference_mode():
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for a in range(0, rows, CHUNK_ROWS):
+                    b = min(a + CHUNK_ROWS, rows)
+                    torch.index_select(host_rows, 0, idx[a:b], out=staging[a:b])
+                best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return rows * host_rows.stride(0) * host_rows.element_size() / best / 1e9

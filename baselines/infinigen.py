@@ -107,6 +107,8 @@ class InfiniGen(OffloadedBaseline):
         self.fill_miss = torch.ones(spec.batch, spec.num_kv_heads, dtype=torch.bool, device=self.fill_heads.device)
         self.offline = self._load_skew(spec)
         self.fetcher: PipelinedFetcher | None = None  # made with the buffers, at prefill
+        self.gather_gb_s = 0.0  # the fetcher's CPU gather measured alone (end_prefill)
+        self.gathered_ms, self.gathered_bytes = 0.0, 0  # the decode steps' gathers
 
     def _load_skew(self, spec: KVSpec) -> torch.Tensor | None:
         """The offline skew bases ([L, Hkv, D, D], by `python -m experiments.infinigen_skew`), or None (prefill)."""
@@ -213,9 +215,20 @@ class InfiniGen(OffloadedBaseline):
         self.step.host_syncs += 1
         return buf, None  # every row a token
 
+    def end_prefill(self, prompt_len: int) -> None:
+        super().end_prefill(prompt_len)
+        host = next((h for h in self.host if h is not None), None)
+        if self.fetcher is not None and host is not None:  # the CPU gather's bandwidth, on this run's host store
+            self.gather_gb_s = self.fetcher.calibrate(host.view(-1, 2 * self.spec.head_dim))
+
     def end_step(self) -> StepStats:
         if self.fetcher is not None:  # every fetch of the step has been waited for: its gathers are done
-            self.step.host_work_ms += self.fetcher.take_gather_ms()
+            ms, nbytes = self.fetcher.take_gathers()
+            self.gathered_ms += ms
+            self.gathered_bytes += nbytes
+            # its floor's host part: the gathered bytes at the gather's own bandwidth, not the time this step's
+            # gathers took (beside the copies and the decode step they can be slower: the gap is the baseline's)
+            self.step.host_work_ms += nbytes / (self.gather_gb_s * 1e6) if self.gather_gb_s else ms
         return super().end_step()
 
     def memory_parts(self) -> dict[str, int]:
@@ -250,6 +263,12 @@ class InfiniGen(OffloadedBaseline):
             if self.fetcher is not None
             else "in the launch thread",
             "cpu_threads": self.cpu_threads,
+            "cpu_gather_gb_s": {
+                "alone": round(self.gather_gb_s, 2),  # what the floor's host part divides the gathered bytes by
+                "in_steps": round(self.gathered_bytes / self.gathered_ms / 1e6, 2) if self.gathered_ms else None,
+            }
+            if self.fetcher is not None
+            else None,
             "topk": self.topk,
             "link_gb_s": self.link_gb_s,
             "memory_parts": self.memory_parts(),

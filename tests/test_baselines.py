@@ -510,3 +510,17 @@ def test_retroinfers_cache_fitted_to_any_budget_fits_it():
             fitted = s.fit_multiple(replace(sp, gpu_budget_bytes=budget))
             assert split_host(s.estimate_parts(sp, fitted)).device_bytes <= budget, (t, budget)
             assert split_host(s.estimate_parts(sp, fitted + 1 / per_step)).device_bytes > budget
+
+
+def test_the_cpu_gather_calibration_gathers_whole_rows_and_reports_a_bandwidth():
+    """InfiniGen-style's floor divides its gathered bytes by this (baselines/cpu_fetch.gather_gb_s)."""
+    from baselines.cpu_fetch import gather_gb_s
+
+    host = torch.arange(5000 * 8, dtype=torch.float32).view(5000, 8)
+    before = host.clone()
+    staging = torch.zeros(3000, 8)
+    gb_s = gather_gb_s(host, staging, threads=1)
+    assert gb_s > 0 and torch.equal(host, before)
+    rows = (staging[:, 0] / 8).long()
+    assert torch.equal(staging, host[rows])  # every staged row is a whole host row
+    assert rows.unique().numel() > 2000  # random rows, not one repeated

@@ -101,8 +101,9 @@ class StepStats:
     bytes_h2d: int = 0
     bytes_d2h: int = 0
     host_syncs: int = 0
-    # the system's own CPU work on the step's path, timed on the host (RetroInfer's LRU, InfiniGen's gather): the
-    # third part of the system's own floor, beside its device bytes and its link bytes
+    # the system's own CPU work on the step's path (RetroInfer's LRU, timed on the host; InfiniGen's gather, its
+    # bytes at the gather's bandwidth measured alone): the third part of the system's own floor, beside its device
+    # bytes and its link bytes
     host_work_ms: float = 0.0
     phase_ms: dict[str, float] = field(default_factory=dict)
 
