@@ -8,13 +8,17 @@ idle gaps and the kernel of another stream that ended just before each gap close
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
 
 
-def kernels(path: Path) -> list[dict]:
-    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+def load_events(path: Path, cats: tuple[str, ...] = ("kernel", "gpu_memcpy")) -> list[dict]:
+    """The trace's GPU events of those categories as {name, stream, start, end} (us), by start; a .gz is read as
+    gzip."""
+    text = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    events = [e for e in json.loads(text)["traceEvents"] if e.get("cat") in cats]
     return sorted(
         (
             {"name": e["name"], "stream": e["args"].get("stream"), "start": e["ts"], "end": e["ts"] + e["dur"]}
@@ -22,6 +26,10 @@ def kernels(path: Path) -> list[dict]:
         ),
         key=lambda k: k["start"],
     )
+
+
+def kernels(path: Path) -> list[dict]:
+    return load_events(path, ("kernel",))
 
 
 def summary(ks: list[dict], n_gaps: int) -> dict:

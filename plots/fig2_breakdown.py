@@ -1,7 +1,8 @@
 """Paper Figure 2: per-layer decode latency by phase for each system, as a fraction of FullAttn's per-layer
 latency in the same setting (the paper's "ideal"), with the paper's totals (hatched) beside ours. Reads the
 records of `+experiment=fig2_breakdown` (one commit, one model and length); where a system has several (decode
-modes), its fastest. A graph-replayed step has no phases: its bar is all 'other'.
+modes), its fastest. A graph-replayed step has no phases of its own: its bar is split as the kernels of its traced
+step split (`trace_phase_ms`, a run with trace_dir=), else it is all 'other'.
 
     python -m plots.fig2_breakdown results/fig2_breakdown_128k --out fig2.png
 """
@@ -54,11 +55,17 @@ def data(root: Path) -> dict:
         rec = fastest[name]["record"]
         layers = rec["config"]["model"]["num_layers"]
         per_layer = {p: rec["metrics"]["phase_ms_per_step"][p] / layers for p in phases}
+        traced = rec.get("trace_phase_ms")
+        from_trace = not rec.get("phases_timed", True) and bool(traced) and sum(traced.values()) > 0
+        if from_trace:  # a graph step: its time split as its traced step's kernels split (experiments.step_phases)
+            step = sum(per_layer.values())
+            per_layer = {p: step * traced.get(p, 0.0) / sum(traced.values()) for p in phases}
         systems[name] = {
             **per_layer,
             "ms_per_step": rec["metrics"]["decode_ms_per_step"],
             "decode_mode": rec.get("decode_mode", "eager"),
-            "phases_timed": rec.get("phases_timed", True),
+            "phases_timed": rec.get("phases_timed", True) or from_trace,
+            "phases_from_trace": from_trace,
             "file": fastest[name]["file"],
         }
     ideal = sum(systems["fullattn"][p] for p in phases)
@@ -93,7 +100,10 @@ def plot(root: Path, out: Path) -> dict[str, dict]:
             mg = paper.FIG2_RETROINFER_MGMT_PERCENT
             note = f"{v:.0f}%" + (f"\nmgmt {mg[0]:.0f}-{mg[1]:.0f}%" if n == "retroinfer" else "")
             ax.text(i + 0.42, v, note, ha="center", va="bottom", fontsize=7)
-    labels = [f"{SYSTEMS[n]}\n({systems[n]['decode_mode']})" for n in names]
+    labels = [
+        f"{SYSTEMS[n]}\n({systems[n]['decode_mode']}{', trace' if systems[n]['phases_from_trace'] else ''})"
+        for n in names
+    ]
     ax.set_xticks(x, labels, fontsize=8)
     ax.set_ylabel("per-layer decode latency, % of FullAttn")
     ax.set_title(f"Fig. 2: {d['model']}, {tokens(d['seqlen'])}, commit {d['records'].commit}", fontsize=9)

@@ -53,7 +53,9 @@ stage trace_128k 240 $run +experiment=clo_synthetic system=clo system.persist_qu
   system.link_gb_s=${LINK_GB_S:-null} seqlen=128k workload.gen_tokens=12 \
   'trace_dir='"$out"'/trace_${system.persist_query}'
 # FIG2 adds overrides, e.g. FIG2=workload.kv_fill=key_process: the workload whose top-k reuse is real SmolLM2's
-stage fig2 ${FIG2_SECS:-300} $run +experiment=fig2_breakdown workload.gen_tokens=16 ${FIG2:-}
+# each run traces one steady step: a graph step's phases come from its kernels (record's trace_phase_ms)
+stage fig2 ${FIG2_SECS:-300} $run +experiment=fig2_breakdown workload.gen_tokens=16 ${FIG2:-} \
+  'trace_dir='"$out"'/trace_fig2/${hydra:runtime.choices.system}'
 # one steady decode step of each offloading baseline at 128K as a Chrome trace (experiments.step_timeline)
 stage trace_baselines 240 $run +experiment=fig2_breakdown system=retroinfer,infinigen workload.gen_tokens=8 \
   'trace_dir='"$out"'/trace_${hydra:runtime.choices.system}'

@@ -265,3 +265,17 @@ def test_all_draws_what_it_can_and_says_the_rest(tmp_path, capsys):
     assert f"no records yet: {results / 'fig10_throughput'}" in out
     assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["fig2_breakdown.pdf", "fig2_breakdown.png"]
     assert "no results folder" in refused(lambda: plots_all.main(["--results", str(tmp_path / "none")]), capsys)
+
+
+def test_a_graph_steps_bar_is_split_as_its_traced_kernels(tmp_path):
+    """CLO's graph step has no events of its own: experiments.step_phases' split of its traced step divides it."""
+    folder = fig2_folder(tmp_path)
+    clo = json.loads((folder / "record_clo.json").read_text())
+    clo["phases_timed"] = False
+    clo["metrics"]["phase_ms_per_step"] = {p: 0.0 for p in clo["metrics"]["phase_ms_per_step"]} | {"other": 9.0}
+    clo["trace_phase_ms"] = {"retrieval": 1.0, "attention": 2.0, "other": 7.0}
+    (folder / "record_clo.json").write_text(json.dumps(clo))
+    row = fig2_breakdown.data(folder)["systems"]["clo"]
+    layers = clo["config"]["model"]["num_layers"]
+    assert row["phases_from_trace"] and row["retrieval"] * layers == pytest.approx(0.9)
+    assert row["attention"] * layers == pytest.approx(1.8) and row["other"] * layers == pytest.approx(6.3)

@@ -1,0 +1,47 @@
+"""experiments.step_phases: a traced step's compute-stream time by phase, its idle gaps charged to what it waited
+for (synthetic events here; the committed baseline traces are real ones)."""
+
+from pathlib import Path
+
+import pytest
+
+from experiments.step_phases import phase_of, step_phases
+from experiments.step_timeline import load_events
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def k(name, stream, start, end):
+    return {"name": name, "stream": stream, "start": start, "end": end}
+
+
+def test_kernels_and_gaps_take_their_phases():
+    events = [
+        k("_gemv_kernel", 7, 0, 100),
+        k("_hash_score_kernel", 9, 90, 150),  # side stream: the compute stream waits 100 -> 160 for it
+        k("_split_kernel", 7, 160, 200),
+        k("Memcpy HtoD (Pinned -> Device)", 25, 150, 400),  # the link: 200 -> 410 waited for
+        k("_merge_kernel", 7, 410, 420),
+        k("_rms_norm_kernel", 7, 500, 520),  # 420 -> 500: nothing on another stream, the host's gap
+        k("_gemv_kernel", 7, 520.5, 600),  # back to back: launch, counted with the work
+    ]
+    ph = step_phases(events)
+    assert ph["other"] == pytest.approx((100 + 20 + 0.5 + 79.5) / 1e3)
+    assert ph["retrieval"] == pytest.approx(60 / 1e3) and ph["attention"] == pytest.approx(50 / 1e3)
+    assert ph["transfer_exposed"] == pytest.approx(210 / 1e3) and ph["launch_sync"] == pytest.approx(80 / 1e3)
+    assert sum(ph.values()) == pytest.approx(0.6)  # the compute stream's span
+
+
+def test_names_map_to_phases():
+    assert phase_of("_uva_gather_kernel") == "transfer_exposed"
+    assert phase_of("void at::native::sbtopk::gatherTopK<float>") == "retrieval"
+    assert phase_of("void pytorch_flash::flash_fwd_splitkv_kernel<x>") == "attention"
+    assert phase_of("_gemv_kernel") == "other"
+
+
+def test_a_committed_retroinfer_trace_splits_into_its_span():
+    events = load_events(RESULTS / "fair_baselines_128k" / "trace_retroinfer.json.gz")
+    ph = step_phases(events)
+    assert ph["transfer_exposed"] > 5 and ph["retrieval"] > 1 and ph["launch_sync"] > 5  # its LRU waits on the host
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        step_phases([])
