@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements, in stages, for a session with little device time:
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
-# Stages: pytest_gpu (~2.5 min) bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
+# Stages: pytest_gpu (~4 min) fig3_13 bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
 # bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
 # memory_peak (PEAK_SEQLEN) fig2 (~3.5 min) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
@@ -33,6 +33,8 @@ stage pytest_gpu 290 python3 -m pytest -m gpu -q tests/
 stage pytest_focus 200 python3 -m pytest -m gpu -q tests/test_gpu.py -k "${FOCUS:-retroinfer or fullattn or uva}"
 stage bench_attn 240 python3 -m experiments.bench_decode_attention --batches 1,2,4,8,16 --lengths 32k,64k,128k \
   --out "$out/decode_attention.json"
+# paper Figures 3/13: each transfer path's bandwidth by volume and CPU threads, beside a bulk pinned copy
+stage fig3_13 240 python3 -m experiments.bench_link --out "$out/fig3_13_link/record.json"
 stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
 stage pytest_clo_gpu 120 python3 -m pytest -m gpu -q tests/test_gpu.py -k clo
 stage pytest_gemv 120 python3 -m pytest -m gpu -q tests/test_gemv.py
