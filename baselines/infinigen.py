@@ -39,6 +39,8 @@ from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import ExactRetriever, select_topk
 from kvoffload.paths import repo_path
 
+PREFILL_CHUNK_BYTES = 64 << 20  # the fp32 keys of one chunk of the prefill's partial-key work
+
 
 class InfiniGen(OffloadedBaseline):
     name = "infinigen"
@@ -140,14 +142,22 @@ class InfiniGen(OffloadedBaseline):
         if self.oracle_query:
             self.exact.index(layer, keys_mid)
             return
-        kf = keys_mid.float()
+        # fp32 temporaries a chunk of tokens at a time: the whole batch's keys in fp32 at once would be 2x the
+        # layer's bf16 keys beside the prefill, more than the memory plan holds for it
+        b, hkv, n, d = keys_mid.shape
+        step = max(1, PREFILL_CHUNK_BYTES // (b * hkv * d * 4))
+        chunks = [(s, min(s + step, n)) for s in range(0, n, step)]
         if self.offline is not None:
             basis = self.offline[layer].expand(spec.batch, -1, -1, -1).contiguous()  # [B, Hkv, D, r]
         else:
-            _, vecs = torch.linalg.eigh(kf.transpose(-1, -2) @ kf)  # ascending eigenvalues = squared singular values
-            basis = vecs[..., -self.channels(spec.head_dim) :].flip(-1).contiguous()  # [B, Hkv, D, r]
+            gram = sum(keys_mid[:, :, a:e].float().transpose(-1, -2) @ keys_mid[:, :, a:e].float() for a, e in chunks)
+            _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues = squared singular values of the keys
+            basis = vecs[..., -self.channels(d) :].flip(-1).contiguous()  # [B, Hkv, D, r]
         self.basis[layer] = basis
-        self.partial[layer] = (kf @ basis).to(spec.dtype)
+        partial = keys_mid.new_empty(b, hkv, n, basis.shape[-1], dtype=spec.dtype)
+        for a, e in chunks:
+            partial[:, :, a:e] = (keys_mid[:, :, a:e].float() @ basis).to(spec.dtype)
+        self.partial[layer] = partial
 
     def prepare(self, layer: int, q_spec: torch.Tensor) -> None:
         if layer >= self.dense_layers and self.window[layer] is not None and self.k_select(self.t0):

@@ -83,7 +83,6 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     free_at_start = None
     if device.type == "cuda":
         free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3)
-        torch.cuda.reset_peak_memory_stats(device)  # the record's peak is this run's, not the sweep's so far
     dtype = preflight.resolve_dtype(cfg.dtype, device)
     source = weights_source(cfg.model)
     if numbers.kv_fill != "prefill" and source != "synthetic":
@@ -146,7 +145,10 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     query_desc = query_process.description if query_process is not None else "the model's own queries"
     keys_desc = key_process.description if key_process is not None else None
     log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}; keys: {keys_desc}")
-    stages.mark("measure")  # the link, one layer's time, the plan and the prompt: what the run does before loading
+    hbm = numbers.hbm_gb_s or copy_bandwidth_gb_s(device)
+    stages.mark("measure")  # the link, HBM, one layer's time, the plan, the prompt: all before the weights load
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the record's peak is the run's, not its measurements' buffers
     snapshot = Path(cfg.memory_snapshot) if cfg.get("memory_snapshot") and device.type == "cuda" else None
     if snapshot is not None:
         torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
@@ -180,7 +182,6 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         torch.cuda.memory._record_memory_history(enabled=None)
 
     text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
-    hbm = numbers.hbm_gb_s or copy_bandwidth_gb_s(device)
     state = system.describe()
     return {
         "system": system_name,
