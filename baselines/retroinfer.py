@@ -222,12 +222,11 @@ class RetroInfer(OffloadedBaseline):
         spec = self.spec
         if not n_mid:
             return
-        if self.retriever_kind == "wave":
+        if self.retriever_kind != "wave":
+            self.retriever.index(layer, keys_mid)
+        else:  # the host store cluster by cluster: a cluster is a run of blocks
             sink = split_prompt(self.t0, self.sink, self.recent)[0]
             self.retriever.index(layer, keys_mid, self.prompt_values[:, :, sink : sink + n_mid])
-        else:
-            self.retriever.index(layer, keys_mid)
-        if self.retriever_kind == "wave":  # the host store cluster by cluster: a cluster is a run of blocks
             host, d = self.host[layer], spec.head_dim
             perm = self.retriever.perm[layer].cpu()[..., None, None].expand(-1, -1, -1, 2, d)
             host[:, :, :n_mid] = host[:, :, :n_mid].gather(2, perm)
@@ -339,8 +338,8 @@ class RetroInfer(OffloadedBaseline):
         )
 
     def wave_zones(self) -> dict | None:
-        """What a wave-index step attends: the retrieval zone (top-k rows per KV head, whole clusters best first) and
-        the estimation zone (clusters per KV head estimated from their centroids); None without the wave index."""
+        """What a wave-index step attends: the retrieval zone (top-k rows per KV head, of the best clusters, by block
+        or token) and the estimation zone (clusters per KV head estimated from their centroids); None without it."""
         if self.retriever_kind != "wave":
             return None
         cent = next((c for c in self.retriever.centroids if c is not None), None)

@@ -158,9 +158,11 @@ class WaveRetriever:
         """Device bytes of the index a step reads: all of it but the value sums, of which only the estimation
         zone's."""
         unread = sum(
-            x.nbytes * (1 - self.estimation_clusters(x.shape[2]) / x.shape[2]) for x in self.value_sums if x is not None
+            x.nbytes // x.shape[2] * (x.shape[2] - self.estimation_clusters(x.shape[2]))
+            for x in self.value_sums
+            if x is not None
         )
-        return self.metadata_bytes() - round(unread)
+        return self.metadata_bytes() - unread
 
     def estimate_bytes(self, heads: int, n: int, d: int, dtype_bytes: int = 2) -> int:
         clusters = sum(math.ceil(min(self.segment, n - s) / self.cluster_size) for s in range(0, n, self.segment))
