@@ -17,9 +17,9 @@ microsoft/RetrievalAttention, e.g. River861/RetrievalAttention): a page (our blo
 (`self.page_size = 8`, "1 cluster = 2 pages = 2 * 8 vectors"), and without a cache_ratio the GPU cache holds 3x
 the retrieved clusters' pages (`cache_cluster_num = ... else (nprobe + nprobe_new) * 3`). Its CPU side is
 BufferManager in library/retroinfer/retroinfer_kernels/src/wave_buffer_cpu.cpp (C++, a thread pool).
-RetroInfer retrieves clusters of its wave index (`retriever=wave`, baselines/wave_index.py); by default we
-retrieve tokens with the same retriever as CLO, so "retrieved blocks per step" is
-ceil(top-k / block_size), the blocks the step's tokens would fill if packed, and a step that touches more
+RetroInfer retrieves clusters of its wave index and estimates the next-best ones (`retriever=wave`,
+baselines/wave_index.py); by default we retrieve tokens with the same retriever as CLO, so "retrieved blocks per
+step" is ceil(top-k / block_size), the blocks the step's tokens would fill if packed, and a step that touches more
 distinct blocks than fit admits misses in retrieval order and lets the rest bypass the cache, as RetroInfer's
 BufferManager does.
 """
@@ -33,7 +33,7 @@ import torch
 from baselines.lru import BlockLRU, distinct_sorted
 from baselines.offloaded import OffloadedBaseline
 from baselines.retroinfer_graphs import LayerGraphs, block_scores
-from baselines.wave_index import WaveRetriever
+from baselines.wave_index import WaveRetriever, attend_with_estimate
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, host_work, split_host
 from kvoffload.offload.budget import split_prompt
@@ -79,6 +79,7 @@ class RetroInfer(OffloadedBaseline):
         wave_cluster_size: int = 16,
         wave_segment: int = 8192,
         wave_iters: int = 4,
+        wave_estimate: float = 0.232,
         graphs: str = "auto",
     ) -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, uva_programs, topk)
@@ -87,7 +88,7 @@ class RetroInfer(OffloadedBaseline):
         self.selection = selection
         if retriever not in (*RETRIEVERS, "wave"):
             raise ConfigError(f"retriever={retriever!r}; valid: {', '.join(RETRIEVERS)}, wave")
-        self.wave = WaveRetriever(0, wave_cluster_size, wave_segment, wave_iters)  # validates; sized at allocate
+        self.wave = WaveRetriever(0, wave_cluster_size, wave_segment, wave_iters, wave_estimate)  # validates it
         if block_size < 1:
             raise ConfigError(f"block_size={block_size} must be at least 1 token")
         if cache_multiple < 1.0:
@@ -102,6 +103,7 @@ class RetroInfer(OffloadedBaseline):
         if graphs not in GRAPH_MODES:
             raise ConfigError(f"graphs={graphs!r}; valid: {', '.join(GRAPH_MODES)}")
         self.graphs = graphs
+        self.estimating = retriever == "wave" and self.wave.estimate > 0
         self.evictions = 0
 
     def k_select(self, prompt_len: int) -> int:
@@ -159,7 +161,7 @@ class RetroInfer(OffloadedBaseline):
         if self.hash_weights is not None and self.retriever_kind == "hash":
             load_hash_weights(self.hash_weights, spec.num_layers, spec.num_kv_heads, spec.head_dim, self.rbit)
         if self.retriever_kind == "wave":
-            meta = self.wave.estimate_bytes(heads, n_mid, spec.head_dim)
+            meta = self.wave.estimate_bytes(heads, n_mid, spec.head_dim, spec.dtype_bytes)
         else:
             meta = (
                 heads
@@ -178,7 +180,7 @@ class RetroInfer(OffloadedBaseline):
         super()._allocate(spec)
         if self.retriever_kind == "wave":
             w = self.wave
-            self.retriever = WaveRetriever(spec.num_layers, w.cluster_size, w.segment, w.iters)
+            self.retriever = WaveRetriever(spec.num_layers, w.cluster_size, w.segment, w.iters, w.estimate)
         else:
             self.retriever = make_retriever(
                 self.retriever_kind,
@@ -211,12 +213,20 @@ class RetroInfer(OffloadedBaseline):
         self.fill_heads = torch.zeros(1, dtype=torch.long, device=on_device)
         self.fill_miss = torch.ones(1, 1, dtype=torch.bool, device=on_device)
 
+    def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.prompt_values = v  # the wave index's estimation zone sums them per cluster (prefill_sparse)
+        super().prefill(layer, k, v)
+        self.prompt_values = None
+
     def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int) -> None:
         spec = self.spec
         if not n_mid:
             return
-        self.retriever.index(layer, keys_mid)
-        if self.retriever_kind == "wave":  # the host store cluster by cluster: a cluster is a run of blocks
+        if self.retriever_kind != "wave":
+            self.retriever.index(layer, keys_mid)
+        else:  # the host store cluster by cluster: a cluster is a run of blocks
+            sink = split_prompt(self.t0, self.sink, self.recent)[0]
+            self.retriever.index(layer, keys_mid, self.prompt_values[:, :, sink : sink + n_mid])
             host, d = self.host[layer], spec.head_dim
             perm = self.retriever.perm[layer].cpu()[..., None, None].expand(-1, -1, -1, 2, d)
             host[:, :, :n_mid] = host[:, :, :n_mid].gather(2, perm)
@@ -229,12 +239,31 @@ class RetroInfer(OffloadedBaseline):
         self.lru[layer] = BlockLRU(rows, n_blocks, cap, self.cpu_threads)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.estimating and layer not in self.dense and self.retriever.centroids[layer] is not None:
+            return self.decode_with_estimate(layer, q, k, v)
         if not self.use_graphs or layer in self.dense or not self.k_select(self.t0):
             return super().decode(layer, q, k, v)
         n_win = self.append_window(layer, k, v)
         if layer not in self.layer_graphs:
             self.layer_graphs[layer] = LayerGraphs(self, layer, self.graph_pool)
         return self.layer_graphs[layer].step(q, n_win)
+
+    def decode_with_estimate(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """retriever=wave with its estimation zone (baselines/wave_index.py): OffloadedBaseline.decode's retrieval
+        zone, and the next-best clusters estimated from their centroids, merged by log-sum-exp."""
+        n_win = self.append_window(layer, k, v)
+        k_sel = self.k_select(self.t0)
+        sel, real = self.selected_rows(layer, q, k_sel) if k_sel else (None, None)
+        with self.phase("retrieval"):
+            if not k_sel:
+                self.retriever.scores(layer, q, self.heads)  # the clusters' scores, which rank the zone
+            zone = self.retriever.estimation_zone(layer, self.retrieved if k_sel else None)
+        with self.phase("attention"):
+            win = self.window[layer][:, :, :n_win]
+            if sel is None:
+                return attend_with_estimate(q, win, None, zone)
+            keep = None if real is None else torch.cat([real.new_ones(real.shape[:2] + (n_win,)), real], dim=2)
+            return attend_with_estimate(q, torch.cat([win, sel], dim=2), keep, zone)
 
     def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         spec, bs = self.spec, self.block_size
@@ -257,6 +286,7 @@ class RetroInfer(OffloadedBaseline):
                     real = (idx < n_mid).view(spec.batch, spec.num_kv_heads, k_sel)
             else:
                 idx = select_topk(scores, k_sel, 0, method=self.topk, work=work).view(rows, k_sel)
+            self.retrieved = idx  # the positions the step attends (the estimation zone is the clusters outside them)
             ublock, uid = distinct_sorted(idx // bs, lru.n_blocks)
         with self.phase("launch_sync"):
             ublock_host = ublock.to(torch.int32).cpu()  # a blocking copy: the launch thread waits for the device
@@ -300,10 +330,32 @@ class RetroInfer(OffloadedBaseline):
             "host_metadata": sum(x.nbytes for x in self.lru if x is not None),
         }
 
+    def step_device_bytes(self) -> int:
+        """OffloadedBaseline's, with the wave index's bytes a step reads (only the estimation zone's value sums)."""
+        wave = self.retriever_kind == "wave"
+        return super().step_device_bytes() - (
+            self.retriever.metadata_bytes() - self.retriever.step_bytes() if wave else 0
+        )
+
+    def wave_zones(self) -> dict | None:
+        """What a wave-index step attends: the retrieval zone (top-k rows per KV head, of the best clusters, by block
+        or token) and the estimation zone (clusters per KV head estimated from their centroids); None without it."""
+        if self.retriever_kind != "wave":
+            return None
+        cent = next((c for c in self.retriever.centroids if c is not None), None)
+        clusters = 0 if cent is None else cent.shape[2]
+        return {
+            "retrieval_rows_per_head": self.k_select(self.t0),
+            "clusters_per_head": clusters,
+            "estimation_fraction": self.wave.estimate,
+            "estimation_clusters_per_head": self.retriever.estimation_clusters(clusters) if self.estimating else 0,
+        }
+
     def describe(self) -> dict:
         n_blocks, per_step, cap = self.geometry(self.t0)
         return {
             "retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
+            "wave_zones": self.wave_zones(),
             "block_size": self.block_size,
             "blocks_per_head": n_blocks,
             "retrieved_blocks_per_step": per_step,

@@ -295,7 +295,7 @@ def test_retroinfer_statistics_match_an_independent_trace():
         (RetroInfer, {}),
         (RetroInfer, {"selection": "token"}),
         (RetroInfer, {"retriever": "exact", "block_size": 5, "selection": "token"}),
-        (RetroInfer, {"retriever": "wave", "wave_segment": 40}),
+        (RetroInfer, {"retriever": "wave", "wave_segment": 40, "wave_estimate": 0}),  # tests/test_wave_estimate.py
         (InfiniGen, {}),
         (InfiniGen, {"oracle_query": True}),
     ],
@@ -461,11 +461,12 @@ def test_wave_index_recovers_planted_clusters_and_retrieves_the_best_first():
 
 def test_wave_index_with_one_key_per_cluster_is_the_exact_retriever():
     """cluster_size 1: every key its own centroid, the layout the token order, the scores q . k: RetroInfer with
-    the wave index equals exact top-k attention, as with the exact retriever."""
+    the wave index and no estimation zone equals exact top-k attention, as with the exact retriever."""
     s = make(
         RetroInfer,
         retriever="wave",
         wave_cluster_size=1,
+        wave_estimate=0,
         block_size=5,
         cache_multiple=100.0,
         dense_layers=1,

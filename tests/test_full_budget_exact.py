@@ -29,7 +29,8 @@ PROMPTS = [7, 12, 15, 20, 25, 28, 33, 123]
 SYSTEMS = {
     "retro-block-hash": (RetroInfer, {}),
     "retro-block-exact": (RetroInfer, {"retriever": "exact"}),
-    "retro-block-wave": (RetroInfer, {"retriever": "wave", "wave_segment": 40}),
+    "retro-block-wave": (RetroInfer, {"retriever": "wave", "wave_segment": 40}),  # with its estimation zone
+    "retro-block-wave-noest": (RetroInfer, {"retriever": "wave", "wave_segment": 40, "wave_estimate": 0}),
     "retro-block5-exact-cache1": (RetroInfer, {"retriever": "exact", "block_size": 5, "cache_multiple": 1.0}),
     "retro-token-hash": (RetroInfer, {"selection": "token"}),
     "retro-token-exact": (RetroInfer, {"selection": "token", "retriever": "exact"}),
