@@ -242,6 +242,8 @@ def test_infinigen_worker_fetch_equals_the_gpu_gather():
             outs.append(out)
         for a, c in zip(*outs):
             assert torch.equal(a, c)
+    gather = systems[0].describe()["cpu_gather_gb_s"]  # the floor's host part: the gather measured alone
+    assert gather["alone"] > 0 and gather["in_steps"] > 0
 
 
 def test_uva_copy_blocks_and_negative_indices_match_their_references():

@@ -18,22 +18,25 @@ SINK, RECENT = 4, 8
 CPU = torch.device("cpu")
 
 
-def spec(t0: int) -> KVSpec:
-    return KVSpec(L, B, t0 + STEPS, H, HKV, D, torch.float32, CPU, prompt_len=t0)
+def spec(t0: int, device: torch.device = CPU) -> KVSpec:
+    return KVSpec(L, B, t0 + STEPS, H, HKV, D, torch.float32, device, prompt_len=t0)
 
 
-def run(t0: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, **kw):
+def run(t0: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, device=CPU, **kw):
     """RetroInfer-style with the wave index over a given prompt (keys, values [L, B, Hkv, t0, D]) and decode queries
     [STEPS, L, B, H, D] (each step's new key/value: small random); -> (outputs [step][layer], data, system)."""
     s = RetroInfer(**{**dict(sink=SINK, recent=RECENT, dense_layers=0, cpu_threads=1, retriever="wave"), **kw})
-    s.allocate(spec(t0))
+    s.allocate(spec(t0, device))
     for layer in range(L):
-        s.prefill(layer, keys[layer], values[layer])
+        s.prefill(layer, keys[layer].to(device), values[layer].to(device))
     s.end_prefill(t0)
     g = torch.Generator().manual_seed(1)
     outs, data = [], []
     for step in range(STEPS):
-        row = [(queries[step, layer], *torch.randn(2, B, HKV, D, generator=g)) for layer in range(L)]
+        row = [
+            tuple(x.to(device) for x in (queries[step, layer], *torch.randn(2, B, HKV, D, generator=g)))
+            for layer in range(L)
+        ]
         data.append(row)
         s.begin_step()
         outs.append([s.decode(layer, *row[layer]) for layer in range(L)])
@@ -162,3 +165,23 @@ def test_a_bad_estimate_is_refused_before_prefill_with_the_valid_range(bad):
     with pytest.raises(ConfigError, match=r"\[0, 1\]") as err:
         RetroInfer(retriever="wave", wave_estimate=bad)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.gpu
+def test_on_cuda_one_key_clusters_all_estimated_equal_full_attention():
+    """The option runs on the GPU: there too, clusters of one key all estimated (the zone covering every cluster
+    not retrieved) give attention over every token."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA; run on the GPU machine")
+    t0 = 123
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, L, B, HKV, t0, D, generator=g)
+    queries = torch.randn(STEPS, L, B, H, D, generator=g)
+    kw = dict(wave_cluster_size=1, wave_estimate=1.0, topk_ratio=0.25)
+    got, data, s = run(t0, keys, values, queries, device=torch.device("cuda"), **kw)
+    data = [[tuple(x.cpu() for x in row) for row in step] for step in data]
+    want = full_attention(keys, values, data, t0)
+    for step in range(STEPS):
+        for layer in range(L):
+            torch.testing.assert_close(got[step][layer].cpu(), want[step][layer], atol=1e-4, rtol=1e-3)
+    assert s.describe()["wave_zones"]["estimation_clusters_per_head"] == t0 - SINK - RECENT
