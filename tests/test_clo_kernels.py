@@ -94,6 +94,38 @@ def test_hash_scores_ref_matches_retriever():
     assert torch.equal(hash_scores_ref(hr.codes[0][:, heads], hr.norms[0][:, heads], qc, 128), want)
 
 
+@pytest.mark.parametrize("rbit", [64, 128, 256, 512])
+@pytest.mark.parametrize("use_heads", [False, True])
+@pytest.mark.parametrize("b,t,g_", [(1, 1, 1), (2, 300, 3), (3, 1027, 4)])
+def test_hash_scores_cpu_equals_ref(rbit, use_heads, b, t, g_):
+    """The compiled CPU distances give the reference's scores bit for bit, through the dispatcher too."""
+    from kvoffload.kernels.hash_score import hash_scores
+    from kvoffload.kernels.hash_score_cpu import hash_scores_cpu, runs
+
+    codes, norms, qcodes, heads = hash_case(b, 5, 3 if use_heads else 5, t, g_, rbit, "cpu", seed=rbit + t)
+    heads = heads if use_heads else None
+    want = hash_scores_ref(codes, norms, qcodes, rbit, heads)
+    assert runs(codes, rbit)
+    assert torch.equal(hash_scores_cpu(codes, norms, qcodes, rbit, heads), want)
+    assert torch.equal(hash_scores(codes, norms, qcodes, rbit, heads), want)
+    # codes and query codes as the retriever hands them: strided views
+    wide = torch.cat([codes, codes], dim=-1)[..., : rbit // 8]
+    q_strided = qcodes.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(hash_scores_cpu(wide, norms, q_strided, rbit, heads), want)
+
+
+def test_hash_scores_cpu_extremes():
+    """All bits equal and all bits different: distances 0 and rbit per query head (every word's popcount exact)."""
+    from kvoffload.kernels.hash_score_cpu import hash_scores_cpu
+
+    codes = torch.full((1, 2, 4, 32), 0xFF, dtype=torch.uint8)
+    codes[:, 1] = 0
+    norms = torch.ones(1, 2, 4)
+    q = torch.full((1, 2, 3, 32), 0xFF, dtype=torch.uint8)
+    got = hash_scores_cpu(codes, norms, q, 256)
+    assert torch.equal(got[0, 0], torch.full((4,), 3.0)) and torch.equal(got[0, 1], torch.full((4,), -3.0))
+
+
 # ---- the Triton kernels against the references (shared by the interpreter and the GPU tests) ----------------
 def check_uva_gather(device, b, hkv, t, d, h, k, dtype, block=16, programs=1 << 20):
     from kvoffload.kernels.uva_gather import uva_gather
