@@ -72,6 +72,31 @@ def test_uva_gather_ref_copies_missed_rows_only():
             assert torch.equal(slots[b, j], want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("which", ["random", "all", "none"])
+def test_cpu_gather_equals_ref(dtype, which):
+    """The CPU transfer (only the missed heads' rows, one index_select) leaves the slots and the bookkeeping as the
+    reference does, bit for bit."""
+    from kvoffload.kernels.uva_gather import gather_into_cpu
+    from kvoffload.offload.transfer import TransferEngine
+
+    host, heads, idx, miss, slots = gather_case(3, 4, 50, 8, 3, 5, dtype, "cpu", seed=2)
+    if which != "random":
+        miss.fill_(which == "all")
+    idx[0, 0, 0] = -1  # the reference reads a negative index from the end
+    want = slots.clone()
+    record = (torch.randint(0, 50, idx.shape), torch.randint(0, 3, miss.shape, dtype=torch.int32))
+    want_record = (record[0].clone(), record[1].clone())
+    uva_gather_ref(host, heads, idx, miss, want, want_record)
+    got = slots.clone()
+    gather_into_cpu(host, heads, idx, miss, got)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    got = slots.clone()
+    TransferEngine("uva", 1, torch.device("cpu")).fill(host, heads, idx, miss, got, record=record)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(record[0], want_record[0]) and torch.equal(record[1], want_record[1])
+
+
 def test_hash_scores_ref_is_signed_dot_product():
     """(G - 2 hamming / rbit) |k| summed over the group = sum_g sign(q_g) . sign(k) / rbit * |k|."""
     gen = torch.Generator().manual_seed(0)

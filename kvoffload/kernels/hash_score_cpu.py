@@ -27,7 +27,7 @@ def _popcount(typingctx, x):
     return types.uint64(types.uint64), codegen
 
 
-@numba.njit(nogil=True, parallel=True, cache=True)
+@numba.njit(nogil=True, cache=True)
 def _hamming_sums(codes, qcodes, heads, out):
     """codes [B, Hk, T, W] uint64; qcodes [B, h, G, W] uint64; heads [h] int64 -> out [B, h, T] int64 :=
     sum over g of popcount(qcodes[b, j, g] ^ codes[b, heads[j], t])."""
