@@ -48,8 +48,8 @@ def _hamming_sums(codes, norms, qcodes, heads, out, out_norms):
 
 
 def _words(x: torch.Tensor) -> np.ndarray:
-    """uint8 codes [..., rbit / 8] -> a uint64 numpy view [..., rbit / 64] over the same bytes (a copy only when the
-    last dim is not contiguous)."""
+    """uint8 codes [..., rbit / 8] -> a uint64 numpy view [..., rbit / 64] over the same bytes (over a contiguous copy
+    when x is not contiguous)."""
     return x.contiguous().view(torch.int64).numpy().view(np.uint64)
 
 
