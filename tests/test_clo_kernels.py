@@ -72,6 +72,31 @@ def test_uva_gather_ref_copies_missed_rows_only():
             assert torch.equal(slots[b, j], want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("which", ["random", "all", "none"])
+def test_cpu_gather_equals_ref(dtype, which):
+    """The CPU transfer (only the missed heads' rows, one index_select) leaves the slots and the bookkeeping as the
+    reference does, bit for bit."""
+    from kvoffload.kernels.uva_gather import gather_into_cpu
+    from kvoffload.offload.transfer import TransferEngine
+
+    host, heads, idx, miss, slots = gather_case(3, 4, 50, 8, 3, 5, dtype, "cpu", seed=2)
+    if which != "random":
+        miss.fill_(which == "all")
+    idx[0, 0, 0] = -1  # the reference reads a negative index from the end
+    want = slots.clone()
+    record = (torch.randint(0, 50, idx.shape), torch.randint(0, 3, miss.shape, dtype=torch.int32))
+    want_record = (record[0].clone(), record[1].clone())
+    uva_gather_ref(host, heads, idx, miss, want, want_record)
+    got = slots.clone()
+    gather_into_cpu(host, heads, idx, miss, got)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    got = slots.clone()
+    TransferEngine("uva", 1, torch.device("cpu")).fill(host, heads, idx, miss, got, record=record)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(record[0], want_record[0]) and torch.equal(record[1], want_record[1])
+
+
 def test_hash_scores_ref_is_signed_dot_product():
     """(G - 2 hamming / rbit) |k| summed over the group = sum_g sign(q_g) . sign(k) / rbit * |k|."""
     gen = torch.Generator().manual_seed(0)
@@ -92,6 +117,38 @@ def test_hash_scores_ref_matches_retriever():
     want = hr.scores(0, q, heads)
     assert torch.equal(hash_scores_ref(hr.codes[0], hr.norms[0], qc, 128, heads), want)
     assert torch.equal(hash_scores_ref(hr.codes[0][:, heads], hr.norms[0][:, heads], qc, 128), want)
+
+
+@pytest.mark.parametrize("rbit", [64, 128, 256, 512])
+@pytest.mark.parametrize("use_heads", [False, True])
+@pytest.mark.parametrize("b,t,g_", [(1, 1, 1), (2, 300, 3), (3, 1027, 4)])
+def test_hash_scores_cpu_equals_ref(rbit, use_heads, b, t, g_):
+    """The compiled CPU distances give the reference's scores bit for bit, through the dispatcher too."""
+    from kvoffload.kernels.hash_score import hash_scores
+    from kvoffload.kernels.hash_score_cpu import hash_scores_cpu, runs
+
+    codes, norms, qcodes, heads = hash_case(b, 5, 3 if use_heads else 5, t, g_, rbit, "cpu", seed=rbit + t)
+    heads = heads if use_heads else None
+    want = hash_scores_ref(codes, norms, qcodes, rbit, heads)
+    assert runs(codes, rbit)
+    assert torch.equal(hash_scores_cpu(codes, norms, qcodes, rbit, heads), want)
+    assert torch.equal(hash_scores(codes, norms, qcodes, rbit, heads), want)
+    # codes and query codes as the retriever hands them: strided views
+    wide = torch.cat([codes, codes], dim=-1)[..., : rbit // 8]
+    q_strided = qcodes.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(hash_scores_cpu(wide, norms, q_strided, rbit, heads), want)
+
+
+def test_hash_scores_cpu_extremes():
+    """All bits equal and all bits different: distances 0 and rbit per query head (every word's popcount exact)."""
+    from kvoffload.kernels.hash_score_cpu import hash_scores_cpu
+
+    codes = torch.full((1, 2, 4, 32), 0xFF, dtype=torch.uint8)
+    codes[:, 1] = 0
+    norms = torch.ones(1, 2, 4)
+    q = torch.full((1, 2, 3, 32), 0xFF, dtype=torch.uint8)
+    got = hash_scores_cpu(codes, norms, q, 256)
+    assert torch.equal(got[0, 0], torch.full((4,), 3.0)) and torch.equal(got[0, 1], torch.full((4,), -3.0))
 
 
 # ---- the Triton kernels against the references (shared by the interpreter and the GPU tests) ----------------

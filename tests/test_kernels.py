@@ -185,6 +185,51 @@ def test_hybrid_attention_triton_matches_ref(caps, dtype, n_indexed):
     check_hybrid_attention("cuda", 2, 8, 4, 128, caps, dtype, n_indexed, persist_len=20000, permuted=n_indexed > 0)
 
 
+@pytest.mark.parametrize("n_indexed", [0, 1, 3])
+@pytest.mark.parametrize("permuted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hybrid_attention_cpu_equals_ref(n_indexed, permuted, dtype):
+    """The CPU path (the valid rows of both buffers in one SDPA call) against the reference (masks and a merge), on
+    CLO's layout: a window with room to spare, slots, persistent heads at indices of which some are none (-1)."""
+    from kvoffload.kernels.decode_attention import hybrid_attention, hybrid_attention_cpu, hybrid_attention_ref
+
+    gen = torch.Generator().manual_seed(n_indexed + 10 * permuted)
+    b, hkv, g_, d, cap1, k, plen = 1, 3, 3, 16, 90, 40, 200
+    q = torch.randn(b, hkv * g_, d, generator=gen).to(dtype)
+    win = torch.randn(b, hkv, cap1, 2, d, generator=gen).to(dtype)
+    win[:, :, 70:] = float("nan")  # rows past the length are never read
+    slots = torch.randn(b, hkv - n_indexed, k, 2, d, generator=gen).to(dtype)
+    persist = torch.randn(b, n_indexed, plen, 2, d, generator=gen).to(dtype)
+    idx = torch.rand(b, n_indexed, plen, generator=gen).argsort(-1)[..., :k]
+    idx[..., :3] = -1
+    view = lambda x, n: (x[:, :, :, 0].transpose(1, 2), x[:, :, :, 1].transpose(1, 2), torch.full((b,), n))
+    first, second = view(win, 70), view(slots, k)
+    indexed = (persist[:, :, :, 0].transpose(1, 2), persist[:, :, :, 1].transpose(1, 2), idx) if n_indexed else None
+    order = torch.randperm(hkv, generator=gen) if permuted else None
+    want = hybrid_attention_ref(q, first, second, indexed, order)
+    # bf16: the reference rounds each part's output to bf16 before the merge, the CPU path only the result
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 4e-3}
+    torch.testing.assert_close(hybrid_attention_cpu(q, first, second, indexed, order), want, **tol)
+    torch.testing.assert_close(hybrid_attention(q, first, second, indexed, order), want, **tol)
+
+
+def test_decode_attention_cpu_equals_ref():
+    """The CPU path of decode_attention (the first `length` rows, one SDPA call) against the reference; lengths that
+    differ between sequences take the reference."""
+    from kvoffload.kernels.decode_attention import decode_attention
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (
+        torch.randn(2, 6, 32, generator=gen),
+        torch.randn(2, 100, 2, 32, generator=gen),
+        torch.randn(2, 100, 2, 32, generator=gen),
+    )
+    k[:, 80:] = float("nan")
+    for lengths in (torch.tensor([80, 80]), torch.tensor([80, 17])):
+        want = decode_attention_ref(q, k, v, lengths)
+        torch.testing.assert_close(decode_attention(q, k, v, lengths), want, rtol=1e-5, atol=1e-6)
+
+
 def test_hybrid_attention_with_an_empty_buffer():
     """A buffer with no valid rows for a sequence, or no rows at all, adds nothing (no NaN from softmax over
     nothing)."""

@@ -434,7 +434,31 @@ def decode_attention(
 ):
     if q.is_cuda and triton is not None:
         return decode_attention_triton(q, k, v, lengths, return_lse=return_lse)
+    n = uniform_length(lengths)
+    if not q.is_cuda and not return_lse and n:
+        return sdpa_cpu(q, k[:, :n].transpose(1, 2), v[:, :n].transpose(1, 2))
     return decode_attention_ref(q, k, v, lengths, return_lse)
+
+
+def uniform_length(lengths: torch.Tensor) -> int:
+    """The one length of every sequence of a CPU lengths tensor, 0 when they differ (or on another device: the CPU
+    paths below need it on the host, where reading it costs nothing)."""
+    if lengths.is_cuda or not lengths.numel():
+        return 0
+    n = int(lengths[0])
+    return n if bool((lengths == n).all()) else 0
+
+
+def sdpa_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [B, H, D] over every row of k, v [B, Hkv, N, D] (keep [B, Hkv, 1, N] bool: only those rows)
+    in one torch SDPA call, fp32 as the reference computes: the CPU path of decode_attention and hybrid_attention,
+    their references' results up to float rounding (the reference masks the whole buffer and merges the parts'
+    softmaxes in a dozen torch calls per buffer)."""
+    b, h, d = q.shape
+    hkv = k.shape[1]
+    qg = q.view(b, hkv, h // hkv, d).float()
+    out = torch.nn.functional.scaled_dot_product_attention(qg, k.float(), v.float(), attn_mask=keep)
+    return out.reshape(b, h, d).to(q.dtype)
 
 
 def gather_indexed(
@@ -467,10 +491,51 @@ def hybrid_attention(
     empty = first[0].shape[1] == 0 or second[0].shape[1] == 0  # no rows at all: the kernel needs both buffers
     if q.is_cuda and triton is not None and not empty:
         return decode_attention_triton(q, *first, second=second, indexed=indexed, q_heads=q_heads)
+    if not q.is_cuda and uniform_length(first[2]) and uniform_length(second[2]):
+        return hybrid_attention_cpu(q, first, second, indexed, q_heads)
+    return hybrid_attention_ref(q, first, second, indexed, q_heads)
+
+
+def hybrid_attention_cpu(
+    q: torch.Tensor,
+    first: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    second: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    q_heads: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """hybrid_attention_ref's result up to float rounding, for CPU tensors whose buffers each have one length > 0
+    for every sequence: the valid rows of both buffers (the indexed ones gathered, as the reference does) in one
+    buffer, attended by one SDPA call."""
+    b, h, d = q.shape
+    if q_heads is not None:  # the reference's permutation: exact
+        groups = q.view(b, q_heads.shape[0], -1, d)
+        out = hybrid_attention_cpu(groups[:, q_heads].reshape(b, h, d), first, second, indexed)
+        return out.view(groups.shape)[:, q_heads.argsort()].reshape(b, h, d)
+    rows = None
+    if indexed is not None:
+        second, rows = gather_indexed(second, indexed)
+    n1, n2 = uniform_length(first[2]), uniform_length(second[2])
+    k = torch.cat([first[0][:, :n1], second[0][:, :n2]], 1).transpose(1, 2)  # [B, Hkv, n1 + n2, D]
+    v = torch.cat([first[1][:, :n1], second[1][:, :n2]], 1).transpose(1, 2)
+    keep = None
+    if rows is not None and not bool(rows[:, :n2].all()):
+        keep = torch.cat([rows.new_ones(b, n1, rows.shape[2]), rows[:, :n2]], 1).transpose(1, 2)[:, :, None]
+    return sdpa_cpu(q, k, v, keep)
+
+
+def hybrid_attention_ref(
+    q: torch.Tensor,
+    first: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    second: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    q_heads: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """hybrid_attention's specification (see there)."""
+    empty = first[0].shape[1] == 0 or second[0].shape[1] == 0
     if q_heads is not None:
         b, h, d = q.shape
         groups = q.view(b, q_heads.shape[0], -1, d)
-        out = hybrid_attention(groups[:, q_heads].reshape(b, h, d), first, second, indexed)
+        out = hybrid_attention_ref(groups[:, q_heads].reshape(b, h, d), first, second, indexed)
         return out.view(groups.shape)[:, q_heads.argsort()].reshape(b, h, d)
     rows = None
     if indexed is not None:

@@ -14,8 +14,9 @@
   -> scores [B, h, T] fp32 = (G - 2 * sum_g popcount(qcode_g XOR code) / rbit) * norm
 
 `hash_scores_ref` is the specification (the arithmetic of `HashRetriever.scores`); `hash_scores` picks the
-Triton kernel on CUDA and the reference elsewhere. The kernel reads codes as int32 words (rbit % 32 == 0), so
-each key costs rbit/8 + 4 bytes read and 4 written: it is memory bound when popcount is one instruction.
+Triton kernel on CUDA, the compiled distances of hash_score_cpu on the CPU (rbit % 64 == 0) and the reference
+elsewhere. The Triton kernel reads codes as int32 words (rbit % 32 == 0), so each key costs rbit/8 + 4 bytes read
+and 4 written: it is memory bound when popcount is one instruction.
 `encode_query_triton` makes the query codes in one kernel (projection, signs, packing): in torch that is eight
 small kernels on a layer's critical path, for a few KB of work; `HashRetriever.encode` is its specification.
 """
@@ -26,6 +27,7 @@ import os
 
 import torch
 
+from kvoffload.kernels import hash_score_cpu
 from kvoffload.kernels.radix_keys import count_first_pass_ref, miss_rows
 
 try:
@@ -292,7 +294,10 @@ def hash_scores(
     hist: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """miss: the kernel's (rows of hit heads left unset); the reference scores every row. hist: the kernel's (the
-    reference counts it in torch)."""
+    reference counts it in torch). On the CPU the distances are compiled (hash_score_cpu: the reference's scores,
+    bit for bit)."""
     if codes.is_cuda and triton is not None and rbit % 32 == 0:
         return hash_scores_triton(codes, norms, qcodes, rbit, heads, miss=miss, hist=hist)
+    if hash_score_cpu.runs(codes, rbit):
+        return count_first_pass_ref(hash_score_cpu.hash_scores_cpu(codes, norms, qcodes, rbit, heads), hist)
     return count_first_pass_ref(hash_scores_ref(codes, norms, qcodes, rbit, heads), hist)

@@ -13,7 +13,8 @@
 The kernel reads the host rows through their pointer (UVA: a pinned allocation is mapped into the device's
 address space), so there is no CPU gather, no staging buffer and no host sync; the grid depends only on
 shapes, so it can be captured in a CUDA graph. Hit heads are skipped before touching the link.
-`uva_gather_ref` (= `TransferEngine.fill` on the CPU) is the specification.
+`uva_gather_ref` is the specification; `TransferEngine.fill` on the CPU runs `gather_into_cpu`, its rows for
+contiguous host stores (only the missed heads' rows are read).
 """
 
 from __future__ import annotations
@@ -44,6 +45,24 @@ def uva_gather_ref(
     rows = gather_rows_ref(host, heads.to(host.device), idx.to(host.device)).to(slots.device)
     slots.copy_(torch.where(miss[..., None, None, None], rows, slots))
     record_moves_ref(idx, miss, record)
+
+
+def gather_into_cpu(
+    host: torch.Tensor, heads: torch.Tensor, idx: torch.Tensor, miss: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """uva_gather_ref's rows (no record) for CPU tensors, host contiguous: only the missed heads' rows are read, by one
+    index_select over the host's flat rows, where the reference gathers every head's and keeps the missed ones."""
+    assert host.is_contiguous() and not (host.is_cuda or slots.is_cuda or idx.is_cuda or miss.is_cuda)
+    pairs = miss.nonzero()
+    if not len(pairs):
+        return
+    b, j = pairs[:, 0], pairs[:, 1]
+    hkv, t = host.shape[1], host.shape[2]
+    tok = idx[b, j]
+    tok = torch.where(tok < 0, tok + t, tok)  # as the reference's indexing reads a negative index
+    flat = ((b * hkv + heads.to(b.device)[j]) * t)[:, None] + tok
+    rows = torch.index_select(host.view(-1, *host.shape[3:]), 0, flat.view(-1))
+    slots[b, j] = rows.view(len(pairs), *slots.shape[2:])
 
 
 def record_moves_ref(idx: torch.Tensor, miss: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None) -> None:

@@ -9,7 +9,8 @@ The host store is head-major, one row = K and V of one token of one KV head ([B,
               into a pinned staging buffer, then one async copy and a scatter into the slots; the indices
               must first come to the host (a sync) - the baselines' path
 
-On a CPU device both are the same host-to-host gather (the reference)."""
+On a CPU device both are the same host-to-host gather of the missed heads' rows (uva_gather.gather_into_cpu: the
+reference's result)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from kvoffload.errors import ConfigError
 from kvoffload.kernels import uva_gather as uva_kernel
-from kvoffload.kernels.uva_gather import gather_rows_ref, record_moves_ref, uva_gather
+from kvoffload.kernels.uva_gather import gather_into_cpu, gather_rows_ref, record_moves_ref, uva_gather
 
 TRANSFERS = ("uva", "cpu_gather")
 
@@ -63,7 +64,9 @@ class TransferEngine:
                 host, heads, idx, miss, slots, programs=self.uva_programs, num_warps=self.uva_warps, record=record
             )
             return
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and host.is_contiguous():
+            gather_into_cpu(host, heads, idx, miss, slots)
+        elif self.device.type != "cuda":
             slots.copy_(torch.where(miss[..., None, None, None], gather_rows_ref(host, heads, idx), slots))
         else:
             self._cpu_gather(host, heads, idx, miss, slots)
