@@ -1,12 +1,14 @@
 """Paper Table 5: accuracy on LongBench and RULER 16K-128K per system, one panel per model, with the paper's scores
-(black ticks) over our bars. No producer has written these records yet; this reads the format it is to write,
-one JSON file per system and model (record*.json):
+(black ticks) over our bars. Reads the records of `python -m experiments.accuracy` (record.json: per task and length
+a score; a sweep over tasks and lengths writes one per cell, merged here per model and system, a cell scored twice
+refused) or summaries of the form
 
     {"experiment": "accuracy", "system": "clo", "model": "llama3",
      "scores": {"ruler_16k": 85.7, "niah_single_1@4k": 0.8, ...},  # task -> score, any task name
      "environment": {"git": {"commit": ...}, ...}, ...}
 
-The paper's score is drawn only for its own tasks (paper.TAB5_TASKS: longbench, ruler_16k ... ruler_128k, 0-100).
+A task of the accuracy records is named <task>@<length in tokens>. The paper's score is drawn only for its own
+tasks (paper.TAB5_TASKS: longbench, ruler_16k ... ruler_128k, 0-100).
 
     python -m plots.tab5_accuracy results/tab5_accuracy --out tab5.png
 """
@@ -26,23 +28,46 @@ from plots.records import SYSTEMS, RecordError, check_systems, cli, load_files, 
 
 def data(root: Path) -> dict:
     """{"scores": {(model, system): {task: score}}, "files": {(model, system): file}, "tasks", "records"}."""
-    recs = load_files(root, "record*.json", lambda r: r.get("experiment") == "accuracy", "accuracy records")
+    recs = load_files(root, "record*.json", is_accuracy, "accuracy records")
     check_systems([(r["record"].get("system"), r["file"]) for r in recs], recs.root)
-    scores, files = {}, {}
+    scores, files, cell_file = {}, {}, {}
     for r in recs:
         rec = r["record"]
         key = (rec["model"], rec["system"])
-        if key in files:
-            raise RecordError(f"two accuracy records of {key[1]} on {key[0]} under {root}: {files[key]}, {r['file']}")
-        bad = sorted(t for t, v in rec["scores"].items() if not isinstance(v, (int, float)) or isinstance(v, bool))
+        mine = scores_of(rec)
+        bad = sorted(t for t, v in mine.items() if not isinstance(v, (int, float)) or isinstance(v, bool))
         if bad:
             raise RecordError(f"scores of {', '.join(bad)} in {r['file']} are not numbers")
-        scores[key], files[key] = rec["scores"], r["file"]
+        for task in mine:
+            if (key, task) in cell_file:
+                raise RecordError(
+                    f"two accuracy records of {key[1]} on {key[0]} score {task} under {root}: "
+                    f"{cell_file[key, task]}, {r['file']}"
+                )
+            cell_file[key, task] = r["file"]
+        scores.setdefault(key, {}).update(mine)
+        files.setdefault(key, r["file"])
     seen = {t for s in scores.values() for t in s}
     tasks = [t for t in paper.TAB5_TASKS if t in seen] + sorted(seen - set(paper.TAB5_TASKS))
     if not tasks:
         raise RecordError(f"no scores in {names(recs.files)} under {root}")
     return {"scores": scores, "files": files, "tasks": tasks, "records": recs}
+
+
+def is_accuracy(rec: dict) -> bool:
+    """A summary record, or a finished record of experiments.accuracy (its per-task, per-length results)."""
+    return rec.get("experiment") == "accuracy" or (rec.get("status") == "ok" and isinstance(rec.get("tasks"), dict))
+
+
+def scores_of(rec: dict) -> dict:
+    """{task: score}; an experiments.accuracy record's task at a length is <task>@<tokens>."""
+    if "scores" in rec:
+        return rec["scores"]
+    return {
+        task if length == "all" else f"{task}@{length}": cell["score"]
+        for task, by_length in rec["tasks"].items()
+        for length, cell in by_length.items()
+    }
 
 
 def plot(root: Path, out: Path) -> dict:

@@ -236,3 +236,18 @@ def test_command_line_overrides_leave_hydras_flags_out():
         "system=clo,fullattn",
     ]
     assert command_line_overrides(argv) == ["seqlen=1k", "+experiment=ablation", "~trace_dir", "system=clo,fullattn"]
+
+
+def test_the_table5_bundle_sweeps_cells_with_the_systems_fastest():
+    """+experiment=tab5_accuracy: one job per (length, task, system), each job one cell that
+    experiments.accuracy's settings accept."""
+    from experiments.accuracy.__main__ import settings
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        sweep = compose("config", overrides=["+experiment=tab5_accuracy"], return_hydra_config=True)
+        one = ["+experiment=tab5_accuracy", "workload.lengths=4k", "workload.tasks=ruler_vt"]
+        cell = compose("config", overrides=one)
+    params = dict(sweep.hydra.sweeper.params)
+    assert list(params) == ["workload.lengths", "workload.tasks", "system"]
+    assert params["system"] == "fullattn,clo,retroinfer,infinigen" and len(params["workload.tasks"].split(",")) == 6
+    assert settings(cell) == (["ruler_vt"], [4096], 20)

@@ -279,3 +279,31 @@ def test_a_graph_steps_bar_is_split_as_its_traced_kernels(tmp_path):
     layers = clo["config"]["model"]["num_layers"]
     assert row["phases_from_trace"] and row["retrieval"] * layers == pytest.approx(0.9)
     assert row["attention"] * layers == pytest.approx(1.8) and row["other"] * layers == pytest.approx(6.3)
+
+
+def test_table5_merges_the_accuracy_commands_cells(tmp_path):
+    """experiments.accuracy's records (a sweep writes one per task and length) become one row per system, a task at
+    a length named <task>@<tokens>; a cell scored by two records is refused."""
+
+    def cell(system, task, length, score):
+        return {
+            "status": "ok",
+            "system": system,
+            "model": "smollm2",
+            "tasks": {task: {str(length): {"score": score, "n": 20}}},
+            "environment": {"git": {"commit": "abc1234"}},
+        }
+
+    recs = {
+        f"{s}-{t}/record.json": cell(s, t, 4096, sc)
+        for s, t, sc in (("fullattn", "ruler_vt", 0.4), ("fullattn", "niah_single_1", 1.0), ("clo", "ruler_vt", 0.3))
+    }
+    for name in recs:
+        (tmp_path / "acc" / name).parent.mkdir(parents=True, exist_ok=True)
+    d = tab5_accuracy.data(write(tmp_path / "acc", recs))
+    assert d["scores"][("smollm2", "fullattn")] == {"ruler_vt@4096": 0.4, "niah_single_1@4096": 1.0}
+    assert d["scores"][("smollm2", "clo")] == {"ruler_vt@4096": 0.3}
+    (tmp_path / "acc" / "again").mkdir()
+    write(tmp_path / "acc", {"again/record.json": cell("clo", "ruler_vt", 4096, 0.35)})
+    with pytest.raises(RecordError, match="two accuracy records of clo on smollm2 score ruler_vt@4096"):
+        tab5_accuracy.data(tmp_path / "acc")
