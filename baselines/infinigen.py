@@ -150,7 +150,7 @@ class InfiniGen(OffloadedBaseline):
         if self.offline is not None:
             basis = self.offline[layer].expand(spec.batch, -1, -1, -1).contiguous()  # [B, Hkv, D, r]
         else:
-            gram = sum(keys_mid[:, :, a:e].float().transpose(-1, -2) @ keys_mid[:, :, a:e].float() for a, e in chunks)
+            gram = sum(c.transpose(-1, -2) @ c for c in (keys_mid[:, :, a:e].float() for a, e in chunks))
             _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues = squared singular values of the keys
             basis = vecs[..., -self.channels(d) :].flip(-1).contiguous()  # [B, Hkv, D, r]
         self.basis[layer] = basis

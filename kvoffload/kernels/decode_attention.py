@@ -18,6 +18,7 @@ split per range of KV heads, so that parts can run on different streams before t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -496,6 +497,15 @@ def hybrid_attention(
     return hybrid_attention_ref(q, first, second, indexed, q_heads)
 
 
+def in_head_order(q: torch.Tensor, q_heads: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]):
+    """attend() of q with its head groups permuted by q_heads (the buffers' KV-head order), its output put back in
+    q's order."""
+    b, h, d = q.shape
+    groups = q.view(b, q_heads.shape[0], -1, d)
+    out = attend(groups[:, q_heads].reshape(b, h, d))
+    return out.view(groups.shape)[:, q_heads.argsort()].reshape(b, h, d)
+
+
 def hybrid_attention_cpu(
     q: torch.Tensor,
     first: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -506,11 +516,9 @@ def hybrid_attention_cpu(
     """hybrid_attention_ref's result up to float rounding, for CPU tensors whose buffers each have one length > 0
     for every sequence: the valid rows of both buffers (the indexed ones gathered, as the reference does) in one
     buffer, attended by one SDPA call."""
-    b, h, d = q.shape
     if q_heads is not None:  # the reference's permutation: exact
-        groups = q.view(b, q_heads.shape[0], -1, d)
-        out = hybrid_attention_cpu(groups[:, q_heads].reshape(b, h, d), first, second, indexed)
-        return out.view(groups.shape)[:, q_heads.argsort()].reshape(b, h, d)
+        return in_head_order(q, q_heads, lambda qp: hybrid_attention_cpu(qp, first, second, indexed))
+    b = q.shape[0]
     rows = None
     if indexed is not None:
         second, rows = gather_indexed(second, indexed)
@@ -533,10 +541,7 @@ def hybrid_attention_ref(
     """hybrid_attention's specification (see there)."""
     empty = first[0].shape[1] == 0 or second[0].shape[1] == 0
     if q_heads is not None:
-        b, h, d = q.shape
-        groups = q.view(b, q_heads.shape[0], -1, d)
-        out = hybrid_attention_ref(groups[:, q_heads].reshape(b, h, d), first, second, indexed)
-        return out.view(groups.shape)[:, q_heads.argsort()].reshape(b, h, d)
+        return in_head_order(q, q_heads, lambda qp: hybrid_attention_ref(qp, first, second, indexed))
     rows = None
     if indexed is not None:
         second, rows = gather_indexed(second, indexed)

@@ -64,12 +64,12 @@ class TransferEngine:
                 host, heads, idx, miss, slots, programs=self.uva_programs, num_warps=self.uva_warps, record=record
             )
             return
-        if self.device.type != "cuda" and host.is_contiguous():
-            gather_into_cpu(host, heads, idx, miss, slots)
-        elif self.device.type != "cuda":
-            slots.copy_(torch.where(miss[..., None, None, None], gather_rows_ref(host, heads, idx), slots))
-        else:
+        if self.device.type == "cuda":
             self._cpu_gather(host, heads, idx, miss, slots)
+        elif host.is_contiguous():
+            gather_into_cpu(host, heads, idx, miss, slots)
+        else:
+            slots.copy_(torch.where(miss[..., None, None, None], gather_rows_ref(host, heads, idx), slots))
         record_moves_ref(idx, miss, record)
 
     def _cpu_gather(self, host, heads, idx, miss, slots) -> None:
