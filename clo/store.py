@@ -97,7 +97,8 @@ class LayerStore:
         self.valid = torch.zeros(b, self.nc, dtype=torch.bool, device=dev)
         # per cached head, its misses this step (CLO.end_step reads and zeroes them)
         self.misses = torch.zeros(b, self.nc, dtype=torch.int32, device=dev)
-        self.persist = kv[:, self.nc :].contiguous() if persistent else None
+        # a copy, never a view: at batch 1 the slice is contiguous, and .contiguous() would keep all of kv alive
+        self.persist = kv[:, self.nc :].clone(memory_format=torch.contiguous_format) if persistent else None
         self.tau = self.weights = None  # set by the system, in cached order
 
     def permute_q(self, q: torch.Tensor) -> torch.Tensor:

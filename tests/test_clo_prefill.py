@@ -53,6 +53,20 @@ def test_the_store_holds_the_prompt_in_store_order_and_the_codes_of_its_keys(tmp
         assert st.tau.tolist() == s.plan.tau[layer, order[:3]].tolist()
 
 
+def test_at_batch_1_the_persistent_heads_are_a_copy_not_a_view_that_holds_the_staged_kv(tmp_path):
+    """At batch 1 the persistent heads' slice of the staged K/V is contiguous: a view of it would keep every
+    layer's whole staged K/V alive through decode."""
+    profile = write_profile(tmp_path / "first_head_hard.json", first_head_hard(L, HKV))
+    s = CLO(dense_layers=1, persistent=True, profile=profile, layer_time_ms=0.1, link_gb_s=1e-3)
+    s.allocate(KVSpec(L, 1, T0 + 8, H, HKV, D, torch.float32, CPU, prompt_len=T0))
+    k0, v0 = prompt_kv()
+    for layer in range(L):
+        s.prefill(layer, k0[layer][:1], v0[layer][:1])
+    s.end_prefill(T0)
+    for st in s.stores[1:]:
+        assert st.persist.untyped_storage().nbytes() == st.persist.numel() * st.persist.element_size()
+
+
 def test_hash_index_in_chunks_equals_one_encoding():
     from kvoffload.offload.retrieval import HashRetriever
 
