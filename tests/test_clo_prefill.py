@@ -17,12 +17,12 @@ B, H, HKV, D, L, T0 = 2, 8, 4, 16, 3, 150
 CPU = torch.device("cpu")
 
 
-def clo(tmp_path, prompt_len: int | None = T0, **kw) -> CLO:
+def clo(tmp_path, prompt_len: int | None = T0, batch: int = B, **kw) -> CLO:
     """Hash retriever, layer 0 dense, KV head 0 of every layer persistent: a store order that permutes the heads."""
     profile = write_profile(tmp_path / "first_head_hard.json", first_head_hard(L, HKV))
     settings = dict(dense_layers=1, persistent=True, profile=profile, layer_time_ms=0.1, link_gb_s=1e-3)
     s = CLO(**{**settings, **kw})
-    s.allocate(KVSpec(L, B, T0 + 8, H, HKV, D, torch.float32, CPU, prompt_len=prompt_len))
+    s.allocate(KVSpec(L, batch, T0 + 8, H, HKV, D, torch.float32, CPU, prompt_len=prompt_len))
     return s
 
 
@@ -56,9 +56,7 @@ def test_the_store_holds_the_prompt_in_store_order_and_the_codes_of_its_keys(tmp
 def test_at_batch_1_the_persistent_heads_are_a_copy_not_a_view_that_holds_the_staged_kv(tmp_path):
     """At batch 1 the persistent heads' slice of the staged K/V is contiguous: a view of it would keep every
     layer's whole staged K/V alive through decode."""
-    profile = write_profile(tmp_path / "first_head_hard.json", first_head_hard(L, HKV))
-    s = CLO(dense_layers=1, persistent=True, profile=profile, layer_time_ms=0.1, link_gb_s=1e-3)
-    s.allocate(KVSpec(L, 1, T0 + 8, H, HKV, D, torch.float32, CPU, prompt_len=T0))
+    s = clo(tmp_path, batch=1)
     k0, v0 = prompt_kv()
     for layer in range(L):
         s.prefill(layer, k0[layer][:1], v0[layer][:1])
