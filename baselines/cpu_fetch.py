@@ -34,6 +34,7 @@ class PipelinedFetcher:
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch")
         self.gather_ms = 0.0  # the worker's time in the CPU gathers since take_gathers
         self.gather_bytes = 0  # and the bytes they gathered
+        self.last: tuple[int, torch.Tensor] | None = None  # the last fetch's parity and host rows
 
     @property
     def nbytes(self) -> int:
@@ -46,6 +47,7 @@ class PipelinedFetcher:
         ready = torch.cuda.Event()
         ready.record()
         self.stream.wait_stream(torch.cuda.current_stream())  # out_rows may still be read by an earlier layer
+        self.last = (parity, host_rows)
         return self.worker.submit(self._gather, parity, ready, host_rows, out_rows)
 
     def _gather(self, parity: int, ready: torch.cuda.Event, host_rows: torch.Tensor, out_rows: torch.Tensor):
@@ -75,22 +77,31 @@ class PipelinedFetcher:
         self.gather_ms, self.gather_bytes = 0.0, 0
         return out
 
-    def calibrate(self, host_rows: torch.Tensor) -> float:
-        """This machine's CPU gather bandwidth (GB/s) for the fetch's own gather, measured alone: see gather_gb_s."""
-        return gather_gb_s(host_rows, self.staging[0], self.threads)
+    def calibrate(self) -> float:
+        """This machine's CPU gather bandwidth (GB/s) for the last fetch's own gather (its host rows and indices),
+        measured alone: see gather_gb_s. Call it when no fetch is in flight, after at least one."""
+        parity, host_rows = self.last
+        if self.copied[parity] is not None:
+            self.copied[parity].synchronize()  # the staging it overwrites is no longer being copied
+        return gather_gb_s(host_rows, self.staging[parity], self.threads, self.idx[parity])
 
     @staticmethod
     def wait(fetch: Future) -> None:
         torch.cuda.current_stream().wait_event(fetch.result())
 
 
-def gather_gb_s(host_rows: torch.Tensor, staging: torch.Tensor, threads: int, repeats: int = 3) -> float:
-    """The best of `repeats` gathers of staging's row count of random rows of host_rows [N, row_elems] into staging,
-    CHUNK_ROWS at a time on `threads` threads, as PipelinedFetcher's worker gathers but with nothing beside it (no
-    copy, no decode step): the bandwidth that bounds the technique on this machine, the host part of InfiniGen's
-    own floor. Reads host_rows, writes staging only."""
-    rows = min(staging.shape[0], host_rows.shape[0])
-    idx = torch.randint(host_rows.shape[0], (rows,), generator=torch.Generator().manual_seed(0))
+def gather_gb_s(
+    host_rows: torch.Tensor, staging: torch.Tensor, threads: int, idx: torch.Tensor | None = None, repeats: int = 3
+) -> float:
+    """The best of `repeats` gathers of the rows idx (default: staging's row count of random rows) of host_rows
+    [N, row_elems] into staging, CHUNK_ROWS at a time on `threads` threads, as PipelinedFetcher's worker gathers but
+    with nothing beside it (no copy, no decode step): the bandwidth that bounds the technique on this machine, the
+    host part of InfiniGen's own floor. A step's own indices are its access pattern (each head's top-k lies in that
+    head's rows, which random rows over the whole store are not). Reads host_rows, writes staging only."""
+    if idx is None:
+        rows = min(staging.shape[0], host_rows.shape[0])
+        idx = torch.randint(host_rows.shape[0], (rows,), generator=torch.Generator().manual_seed(0))
+    rows = idx.shape[0]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     best = float("inf")

@@ -109,7 +109,7 @@ class InfiniGen(OffloadedBaseline):
         self.fill_miss = torch.ones(spec.batch, spec.num_kv_heads, dtype=torch.bool, device=self.fill_heads.device)
         self.offline = self._load_skew(spec)
         self.fetcher: PipelinedFetcher | None = None  # made with the buffers, at prefill
-        self.gather_gb_s = 0.0  # the fetcher's CPU gather measured alone (end_prefill)
+        self.gather_gb_s = 0.0  # the fetcher's CPU gather measured alone (after the first step, on its indices)
         self.gathered_ms, self.gathered_bytes = 0.0, 0  # the decode steps' gathers
 
     def _load_skew(self, spec: KVSpec) -> torch.Tensor | None:
@@ -225,14 +225,10 @@ class InfiniGen(OffloadedBaseline):
         self.step.host_syncs += 1
         return buf, None  # every row a token
 
-    def end_prefill(self, prompt_len: int) -> None:
-        super().end_prefill(prompt_len)
-        host = next((h for h in self.host if h is not None), None)
-        if self.fetcher is not None and host is not None:  # the CPU gather's bandwidth, on this run's host store
-            self.gather_gb_s = self.fetcher.calibrate(host.view(-1, 2 * self.spec.head_dim))
-
     def end_step(self) -> StepStats:
         if self.fetcher is not None:  # every fetch of the step has been waited for: its gathers are done
+            if not self.gather_gb_s and self.fetcher.last is not None:  # once, on the first step's own rows
+                self.gather_gb_s = self.fetcher.calibrate()
             ms, nbytes = self.fetcher.take_gathers()
             self.gathered_ms += ms
             self.gathered_bytes += nbytes

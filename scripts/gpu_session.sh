@@ -35,6 +35,9 @@ stage bench_attn 240 python3 -m experiments.bench_decode_attention --batches 1,2
   --out "$out/decode_attention.json"
 # paper Figures 3/13: each transfer path's bandwidth by volume and CPU threads, beside a bulk pinned copy
 stage fig3_13 240 python3 -m experiments.bench_link --out "$out/fig3_13_link/record.json"
+# InfiniGen-style's CPU gather alone by pool size, memory kind, index pattern, threads and chunk (issue 15)
+stage host_gather 240 python3 -m experiments.bench_host_gather --tokens ${GATHER_TOKENS:-131072,524288} \
+  --out "$out/host_gather.json"
 stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
 stage pytest_clo_gpu 120 python3 -m pytest -m gpu -q tests/test_gpu.py -k clo
 stage pytest_gemv 120 python3 -m pytest -m gpu -q tests/test_gemv.py

@@ -525,6 +525,9 @@ def test_the_cpu_gather_calibration_gathers_whole_rows_and_reports_a_bandwidth()
     rows = (staging[:, 0] / 8).long()
     assert torch.equal(staging, host[rows])  # every staged row is a whole host row
     assert rows.unique().numel() > 2000  # random rows, not one repeated
+    idx = torch.tensor([4999, 7, 7, 0])  # a step's own indices: exactly those rows, in order
+    assert gather_gb_s(host, staging, threads=1, idx=idx) > 0
+    assert torch.equal(staging[:4], host[idx])
 
 
 def test_infinigen_prefill_in_chunks_keeps_the_partial_keys(monkeypatch):
