@@ -5,7 +5,7 @@ copied to the device while the device computes layer l-1.
             copy and an event; a worker thread takes it from there, so the launch thread goes on launching layer
             l-1's attention and dense work
   worker    waits for the indices (the CPU-centric sync), then gathers the rows with every core
-            (torch.index_select on `threads` OpenMP threads) into pinned staging, CHUNK_ROWS rows at a time,
+            (torch.index_select on `threads` OpenMP threads) into pinned staging, chunk_rows rows at a time,
             each chunk's async copy to the device buffer issued as soon as it is gathered: the copy of one chunk
             overlaps the gather of the next
   wait(l)   the launch thread waits for the worker and makes the compute stream wait for the last copy (no
@@ -25,8 +25,10 @@ CHUNK_ROWS = 8192  # rows per gather + copy chunk (4 MiB of 512-byte rows): long
 
 
 class PipelinedFetcher:
-    def __init__(self, rows: int, row_elems: int, dtype: torch.dtype, device: torch.device, threads: int) -> None:
-        self.threads = threads
+    def __init__(
+        self, rows: int, row_elems: int, dtype: torch.dtype, device: torch.device, threads: int, chunk_rows: int
+    ) -> None:
+        self.threads, self.chunk_rows = threads, chunk_rows
         self.staging = [torch.empty(rows, row_elems, dtype=dtype, pin_memory=True) for _ in range(2)]
         self.idx = [torch.empty(rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self.copied: list[torch.cuda.Event | None] = [None, None]  # each parity's last copy
@@ -58,8 +60,8 @@ class PipelinedFetcher:
         torch.set_num_threads(self.threads)  # this worker's gathers use every core
         # inference mode is per thread: the decode step's buffers are inference tensors
         with torch.inference_mode(), torch.cuda.stream(self.stream):
-            for a in range(0, idx.shape[0], CHUNK_ROWS):
-                b = min(a + CHUNK_ROWS, idx.shape[0])
+            for a in range(0, idx.shape[0], self.chunk_rows):
+                b = min(a + self.chunk_rows, idx.shape[0])
                 t0 = time.perf_counter()
                 torch.index_select(host_rows, 0, idx[a:b], out=staging[a:b])
                 self.gather_ms += (time.perf_counter() - t0) * 1e3
@@ -83,7 +85,7 @@ class PipelinedFetcher:
         parity, host_rows = self.last
         if self.copied[parity] is not None:
             self.copied[parity].synchronize()  # the staging it overwrites is no longer being copied
-        return gather_gb_s(host_rows, self.staging[parity], self.threads, self.idx[parity])
+        return gather_gb_s(host_rows, self.staging[parity], self.threads, self.idx[parity], self.chunk_rows)
 
     @staticmethod
     def wait(fetch: Future) -> None:
@@ -91,10 +93,15 @@ class PipelinedFetcher:
 
 
 def gather_gb_s(
-    host_rows: torch.Tensor, staging: torch.Tensor, threads: int, idx: torch.Tensor | None = None, repeats: int = 3
+    host_rows: torch.Tensor,
+    staging: torch.Tensor,
+    threads: int,
+    idx: torch.Tensor | None = None,
+    chunk_rows: int = CHUNK_ROWS,
+    repeats: int = 3,
 ) -> float:
     """The best of `repeats` gathers of the rows idx (default: staging's row count of random rows) of host_rows
-    [N, row_elems] into staging, CHUNK_ROWS at a time on `threads` threads, as PipelinedFetcher's worker gathers but
+    [N, row_elems] into staging, chunk_rows at a time on `threads` threads, as PipelinedFetcher's worker gathers but
     with nothing beside it (no copy, no decode step): the bandwidth that bounds the technique on this machine, the
     host part of InfiniGen's own floor. A step's own indices are its access pattern (each head's top-k lies in that
     head's rows, which random rows over the whole store are not). Reads host_rows, writes staging only."""
@@ -109,8 +116,8 @@ def gather_gb_s(
         with torch.inference_mode():
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                for a in range(0, rows, CHUNK_ROWS):
-                    b = min(a + CHUNK_ROWS, rows)
+                for a in range(0, rows, chunk_rows):
+                    b = min(a + chunk_rows, rows)
                     torch.index_select(host_rows, 0, idx[a:b], out=staging[a:b])
                 best = min(best, time.perf_counter() - t0)
     finally:

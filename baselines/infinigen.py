@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from baselines.cpu_fetch import PipelinedFetcher
+from baselines.cpu_fetch import CHUNK_ROWS, PipelinedFetcher
 from baselines.offloaded import OffloadedBaseline
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, StepStats
@@ -57,10 +57,14 @@ class InfiniGen(OffloadedBaseline):
         cpu_threads: int | str = "auto",
         skew: str = "prefill",
         topk: str = "torch",
+        fetch_chunk_rows: int = CHUNK_ROWS,
     ) -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, topk=topk)
         if not 0.0 < channel_fraction <= 1.0:
             raise ConfigError(f"channel_fraction={channel_fraction} must lie in (0, 1]")
+        if fetch_chunk_rows < 1:
+            raise ConfigError(f"fetch_chunk_rows={fetch_chunk_rows} must be at least 1")
+        self.fetch_chunk_rows = fetch_chunk_rows
         self.channel_fraction, self.oracle_query, self.skew = channel_fraction, oracle_query, skew
         self.wants_speculative_query = not oracle_query
 
@@ -136,7 +140,9 @@ class InfiniGen(OffloadedBaseline):
             self.buffers = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(2)]
             if self.pipelined(spec):
                 rows = spec.batch * spec.num_kv_heads * k_sel
-                self.fetcher = PipelinedFetcher(rows, 2 * spec.head_dim, spec.dtype, spec.device, self.cpu_threads)
+                self.fetcher = PipelinedFetcher(
+                    rows, 2 * spec.head_dim, spec.dtype, spec.device, self.cpu_threads, self.fetch_chunk_rows
+                )
         if not n_mid:
             return
         if self.oracle_query:
@@ -269,6 +275,7 @@ class InfiniGen(OffloadedBaseline):
             if self.fetcher is not None
             else "in the launch thread",
             "cpu_threads": self.cpu_threads,
+            "fetch_chunk_rows": self.fetch_chunk_rows,
             "cpu_gather_gb_s": {
                 "alone": round(self.gather_gb_s, 2),  # what the floor's host part divides the gathered bytes by
                 "in_steps": round(self.gathered_bytes / self.gathered_ms / 1e6, 2) if self.gathered_ms else None,

@@ -345,6 +345,7 @@ def test_budget_rule_is_clos():
         (lambda: RetroInfer(uva_programs=0), "uva_programs"),
         (lambda: InfiniGen(topk="heap"), "topk"),
         (lambda: InfiniGen(channel_fraction=0.0), "channel_fraction"),
+        (lambda: InfiniGen(fetch_chunk_rows=0), "fetch_chunk_rows"),
         (lambda: InfiniGen(dense_layers=L + 1).allocate(spec()), "dense_layers"),
     ],
 )

@@ -213,16 +213,14 @@ def test_retroinfer_graph_step_equals_its_eager_step(t0, topk_ratio):
 def test_infinigen_worker_fetch_equals_the_gpu_gather():
     """InfiniGen-style's overlapped CPU fetch (worker thread, chunked gather + copy) fetches exactly the rows the
     GPU's own gather does: the same attention output, step after step, with a speculative query each layer."""
-    from baselines import cpu_fetch
     from baselines.infinigen import InfiniGen
 
     layers, b, h, hkv, d, t0, n = 3, 2, 8, 2, 64, 3000, 6
-    cpu_fetch.CHUNK_ROWS = 100  # several chunks per layer
     g = torch.Generator(device=CUDA).manual_seed(4)
     k = torch.randn(layers, b, hkv, t0 + n, d, device=CUDA, dtype=torch.bfloat16, generator=g)
     v = torch.randn_like(k)
     q = torch.randn(n, layers, b, h, d, device=CUDA, dtype=torch.bfloat16, generator=g)
-    systems = [InfiniGen(dense_layers=1, transfer=t) for t in ("cpu_gather", "uva")]
+    systems = [InfiniGen(dense_layers=1, transfer=t, fetch_chunk_rows=100) for t in ("cpu_gather", "uva")]
     for kv in systems:
         kv.allocate(cuda_spec(layers, b, t0 + n, h, hkv, d, torch.bfloat16), PhaseTimer(CUDA))
         for layer in range(layers):
