@@ -21,7 +21,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-CHUNK_ROWS = 8192  # rows per gather + copy chunk (4 MiB of 512-byte rows): long enough to keep the link busy
+# rows per gather + copy chunk (16 MiB of 512-byte rows). Every chunk costs the worker a Python iteration, which
+# needs the GIL that the launch thread holds between launches, and an OpenMP fork/join: in a step, smaller chunks
+# gather slower (which of the two costs more is not isolated); results/infinigen_cpu_fetch/ compares sizes
+CHUNK_ROWS = 32768
 
 
 class PipelinedFetcher:
@@ -85,7 +88,7 @@ class PipelinedFetcher:
         parity, host_rows = self.last
         if self.copied[parity] is not None:
             self.copied[parity].synchronize()  # the staging it overwrites is no longer being copied
-        return gather_gb_s(host_rows, self.staging[parity], self.threads, self.idx[parity], self.chunk_rows)
+        return gather_gb_s(host_rows, self.staging[parity], self.threads, self.idx[parity], self.chunk_rows, repeats=10)
 
     @staticmethod
     def wait(fetch: Future) -> None:
