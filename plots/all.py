@@ -22,6 +22,7 @@ from plots import (
     fig10_throughput,
     phase_breakdown,
     tab4_hit_rate,
+    tab5_ablation,
     tab5_accuracy,
     tab6_memory,
 )
@@ -65,6 +66,7 @@ FIGURES = (
         {"allow_mixed": True},
     ),
     Figure("tab5_accuracy", "tab5_accuracy", tab5_accuracy.plot, "paper Tab. 5: accuracy"),
+    Figure("tab5_ablation", "tab5_ablation", tab5_ablation.plot, "Tab. 5 ablations: CLO's retriever and eta"),
     Figure("phases_gpu_smoke_eager", "gpu_smoke_llama3/eager", phase_breakdown.plot, "FullAttn smoke runs, eager"),
     Figure(
         "phases_gpu_smoke_graph",

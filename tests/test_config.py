@@ -251,3 +251,19 @@ def test_the_table5_bundle_sweeps_cells_with_the_systems_fastest():
     assert list(params) == ["workload.lengths", "workload.tasks", "system"]
     assert params["system"] == "fullattn,clo,retroinfer,infinigen" and len(params["workload.tasks"].split(",")) == 6
     assert settings(cell) == (["ruler_vt"], [4096], 20)
+
+
+def test_the_table5_ablation_bundle_sweeps_clo_variants_on_the_table_samples():
+    """+experiment=tab5_ablation: CLO only, each +clo_ablation variant one switch, the table's 20 samples."""
+    from experiments.accuracy.__main__ import settings
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        sweep = compose("config", overrides=["+experiment=tab5_ablation"], return_hydra_config=True)
+        cells = {
+            v: compose("config", overrides=["+experiment=tab5_ablation", "workload.lengths=2k", f"+clo_ablation={v}"])
+            for v in sweep.hydra.sweeper.params["+clo_ablation"].split(",")
+        }
+    assert len(cells) == 6 and all(c.system._target_ == "clo.system.CLO" for c in cells.values())
+    assert cells["learned"].system.hash_weights and cells["simhash"].system.hash_weights is None
+    assert cells["exact"].system.retriever == "exact" and cells["eta0.6"].system.eta == 0.6
+    assert settings(cells["eta0.9"])[1:] == ([2048], 20)

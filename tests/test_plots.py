@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 from kvoffload.kv.timer import PHASES
-from plots import ablation, fig2_breakdown, fig3_13_link, fig10_throughput, tab4_hit_rate, tab5_accuracy, tab6_memory
+from plots import (
+    ablation,
+    fig2_breakdown,
+    fig3_13_link,
+    fig10_throughput,
+    tab4_hit_rate,
+    tab5_ablation,
+    tab5_accuracy,
+    tab6_memory,
+)
 from plots import all as plots_all
 from plots.phase_breakdown import plot as phase_plot
 from plots.records import SYSTEMS, NoRecords, RecordError, cli, load_records
@@ -234,6 +243,36 @@ def test_accuracy_records_against_table_5(tmp_path):
     write(tmp_path / "acc", {"record_bad.json": bad})
     with pytest.raises(RecordError, match="scores of niah@4k in record_bad.json are not numbers"):
         tab5_accuracy.data(tmp_path / "acc")
+
+
+def ablation_record(variant: str, task: str, score: float, hit: float, system: str = "clo") -> dict:
+    return {
+        "status": "ok",
+        "system": system,
+        "model": "smollm2",
+        "overrides": ["workload.lengths=2k", f"workload.tasks={task}", f"+clo_ablation={variant}"],
+        "tasks": {task: {"2048": {"score": score}}},
+        "cost_per_sample": {"hit_rate": hit},
+        "environment": {"git": {"commit": "abc1234"}},
+    }
+
+
+def test_table_5_ablation_averages_only_the_cells_every_variant_scored(tmp_path):
+    recs = {
+        "record_simhash_vt.json": ablation_record("simhash", "ruler_vt", 0.2, 0.7),
+        "record_simhash_niah.json": ablation_record("simhash", "niah", 1.0, 0.8),
+        "record_exact_vt.json": ablation_record("exact", "ruler_vt", 0.4, 0.9),  # exact has not run niah yet
+    }
+    d = tab5_ablation.plot(write(tmp_path / "abl", recs), tmp_path / "abl.png")
+    assert d["cells"] == ["ruler_vt@2048"] and d["means"] == {"simhash": 0.2, "exact": 0.4}
+    assert d["hit_rate"] == {"simhash": 0.7, "exact": 0.9} and d["missing"]["exact"] == ["niah@2048"]
+    write(tmp_path / "abl", {"record_x.json": ablation_record("eta0.5", "ruler_vt", 0.1, 0.5)})
+    with pytest.raises(RecordError, match="not a CLO record of a known"):
+        tab5_ablation.data(tmp_path / "abl")
+    (tmp_path / "abl" / "record_x.json").unlink()
+    write(tmp_path / "abl", {"record_y.json": ablation_record("exact", "ruler_vt", 0.5, 0.9)})
+    with pytest.raises(RecordError, match="exact scores ruler_vt@2048 twice"):
+        tab5_ablation.data(tmp_path / "abl")
 
 
 def test_link_record_drawn_and_checked(tmp_path):
