@@ -23,26 +23,29 @@ from pathlib import Path
 
 import torch
 
-from experiments.records import environment
+from experiments.bench_link import counts
+from experiments.records import environment, refuse
+from kvoffload.errors import ConfigError
 from kvoffload.paths import write_json_atomic
 
 HUGE = 2 << 20
 MADV_HUGEPAGE = 14
+KINDS = ("pinned", "pageable", "hugepage")
 
 
 def pool(kind: str, rows: int, row_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(pool [rows, row_elems] bf16 filled, its owner). hugepage: madvised before the first touch."""
     n = rows * row_elems
     if kind == "pinned":
-        t = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
-        return t.view(rows, row_elems).fill_(1.0), t
+        t = torch.empty(n, dtype=torch.bfloat16, pin_memory=torch.cuda.is_available())
+        return t.view(rows, row_elems).normal_(), t
     raw = torch.empty(n * 2 + 2 * HUGE, dtype=torch.uint8)
     start = (raw.data_ptr() + HUGE - 1) // HUGE * HUGE - raw.data_ptr()
     body = raw[start : start + n * 2]
     if kind == "hugepage":
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.madvise(ctypes.c_void_p(body.data_ptr()), ctypes.c_size_t(body.numel()), MADV_HUGEPAGE)
-    t = body.view(torch.bfloat16).view(rows, row_elems).fill_(1.0)
+    t = body.view(torch.bfloat16).view(rows, row_elems).normal_()  # the first touch: after the madvise
     if kind == "hugepage" and torch.cuda.is_available():
         torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * 2, 0)
     return t, raw
@@ -58,14 +61,20 @@ def indices(pattern: str, heads: int, tokens: int, fraction: float, gen: torch.G
 
 
 def gather_gb_s(host: torch.Tensor, idx: torch.Tensor, staging: torch.Tensor, threads: int, chunk: int) -> float:
+    """The best of 4 gathers of host's rows idx into staging, chunk rows at a time on `threads` threads, as
+    baselines/cpu_fetch.py's worker gathers (without its copies)."""
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
     best = float("inf")
-    for _ in range(4):
-        t0 = time.perf_counter()
-        for a in range(0, idx.shape[0], chunk):
-            b = min(a + chunk, idx.shape[0])
-            torch.index_select(host, 0, idx[a:b], out=staging[a:b])
-        best = min(best, time.perf_counter() - t0)
+    try:
+        for _ in range(4):
+            t0 = time.perf_counter()
+            for a in range(0, idx.shape[0], chunk):
+                b = min(a + chunk, idx.shape[0])
+                torch.index_select(host, 0, idx[a:b], out=staging[a:b])
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
     return idx.shape[0] * host.stride(0) * host.element_size() / best / 1e9
 
 
@@ -79,21 +88,34 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunks", default="8192,65536")
     ap.add_argument("--kinds", default="pinned,pageable,hugepage")
     args = ap.parse_args(argv)
+    try:
+        pools, threads, chunks = (counts(getattr(args, k), k) for k in ("tokens", "threads", "chunks"))
+        kinds = args.kinds.split(",")
+        if set(kinds) - set(KINDS):
+            raise ConfigError(f"--kinds {args.kinds!r}: each one of {', '.join(KINDS)}")
+        if "hugepage" in kinds and not sys.platform.startswith("linux"):
+            raise ConfigError("--kinds hugepage needs Linux (madvise)")
+        if not 0 < args.fraction <= 1 or args.heads < 1:
+            raise ConfigError(f"--fraction {args.fraction} must be in (0, 1] and --heads {args.heads} at least 1")
+    except ConfigError as e:
+        refuse(e)
     row_elems = 256  # K and V of head_dim 128, bf16: 512 B
     gen = torch.Generator().manual_seed(0)
     pin = torch.cuda.is_available()
     rows = []
-    for tokens in [int(x) for x in args.tokens.split(",")]:
-        for kind in args.kinds.split(","):
+    for tokens in pools:
+        for kind in kinds:
             host, owner = pool(kind, args.heads * tokens, row_elems)
             for pattern in ("random", "head_sorted", "head_unsorted"):
                 idx = indices(pattern, args.heads, tokens, args.fraction, gen)
                 staging = torch.empty(idx.shape[0], row_elems, dtype=torch.bfloat16, pin_memory=pin)
-                for threads in [int(x) for x in args.threads.split(",")]:
-                    for chunk in [int(x) for x in args.chunks.split(",")]:
-                        gb_s = gather_gb_s(host, idx, staging, threads, chunk)
+                for n in threads:
+                    for chunk in chunks:
+                        staging.zero_()
+                        gb_s = gather_gb_s(host, idx, staging, n, chunk)
                         row = dict(pool_gb=round(host.numel() * 2 / 2**30, 2), kind=kind, pattern=pattern)
-                        row |= dict(threads=threads, chunk=chunk, rows=idx.shape[0], gb_s=round(gb_s, 2))
+                        row |= dict(threads=n, chunk=chunk, rows=idx.shape[0], gb_s=round(gb_s, 2))
+                        row["exact_rows"] = torch.equal(staging, host[idx])
                         rows.append(row)
                         print(row, flush=True)
             if kind == "hugepage" and torch.cuda.is_available():

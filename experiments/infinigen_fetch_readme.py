@@ -81,10 +81,13 @@ def bench_table(folder: Path) -> list[str]:
     return out
 
 
+def readme(folder: Path) -> str:
+    return "\n".join([HEAD, "## The runs", "", *runs_table(folder), "", *bench_table(folder), ""])
+
+
 def main(argv: list[str] | None = None) -> None:
     folder = Path((argv if argv is not None else sys.argv[1:])[0])
-    text = "\n".join([HEAD, "## The runs", "", *runs_table(folder), "", *bench_table(folder), ""])
-    (folder / "README.md").write_text(text)
+    (folder / "README.md").write_text(readme(folder))
 
 
 if __name__ == "__main__":

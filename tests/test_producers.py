@@ -65,3 +65,31 @@ def test_link_bench_on_the_cpu(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             bench_link.main(["--out", str(tmp_path / "x.json"), *bad])
         assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_host_gather_bench_on_the_cpu(tmp_path, capsys):
+    """experiments.bench_host_gather: a row per (pool, memory kind, index pattern, threads, chunk), every gather
+    exact; bad input refused with one line and exit status 2."""
+    from experiments import bench_host_gather
+
+    out = tmp_path / "gather.json"
+    args = ["--out", str(out), "--tokens", "512", "--heads", "2", "--threads", "1", "--chunks", "64,4096"]
+    bench_host_gather.main([*args, "--kinds", "pageable"])
+    rec = json.loads(out.read_text())
+    assert [(r["pattern"], r["chunk"]) for r in rec["rows"]] == [
+        (p, c) for p in ("random", "head_sorted", "head_unsorted") for c in (64, 4096)
+    ]
+    assert all(r["exact_rows"] and r["rows"] == 2 * 51 and r["gb_s"] > 0 for r in rec["rows"])
+    for bad, why in ((["--threads", "0"], "at least 1"), (["--kinds", "numa"], "each one of")):
+        with pytest.raises(SystemExit) as e:
+            bench_host_gather.main([*args, *bad])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_the_infinigen_fetch_readme_is_current():
+    """results/infinigen_cpu_fetch/README.md is what its generator makes of the records beside it."""
+    from experiments.infinigen_fetch_readme import readme
+    from kvoffload.paths import ROOT
+
+    folder = ROOT / "results" / "infinigen_cpu_fetch"
+    assert (folder / "README.md").read_text() == readme(folder)
