@@ -75,7 +75,9 @@ class OffloadedBaseline(KVOffloadSystem):
         host = torch.zeros(b, hkv, n_mid + pad, 2, d, dtype=spec.dtype, pin_memory=spec.device.type == "cuda")
         host[:, :, :n_mid] = kv[:, :, sink : sink + n_mid]
         self.host[layer] = host
-        self.prefill_sparse(layer, k[:, :, sink : sink + n_mid].contiguous(), n_mid)
+        # a copy, never a view: a retriever may keep the keys, and a view would keep the whole prompt's k alive
+        # (.contiguous() returns one when batch x KV heads is 1)
+        self.prefill_sparse(layer, k[:, :, sink : sink + n_mid].clone(memory_format=torch.contiguous_format), n_mid)
 
     def host_padding(self, n_mid: int) -> int:
         return 0
