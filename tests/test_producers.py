@@ -93,3 +93,12 @@ def test_the_infinigen_fetch_readme_is_current():
 
     folder = ROOT / "results" / "infinigen_cpu_fetch"
     assert (folder / "README.md").read_text() == readme(folder)
+
+
+def test_the_table5_readme_is_current():
+    """results/tab5_accuracy/README.md is what experiments.tab5_readme makes of the records beside it."""
+    from experiments.tab5_readme import table_readme
+    from kvoffload.paths import ROOT
+
+    folder = ROOT / "results" / "tab5_accuracy"
+    assert (folder / "README.md").read_text() == table_readme(folder)
