@@ -41,7 +41,8 @@ ABLATION_HEAD = """# Table 5's ablations: CLO's retriever and eta on the table's
 
 CLO only, one job per cell and variant (`conf/clo_ablation/`): `simhash` (CLO's SmolLM2 default: random
 projections, eta 0.8), `learned` (HATA's learned hash, `data/hata/smollm2-rbit256.safetensors`), `exact` (exact
-top-k by q.k), `eta0.6`/`eta0.7`/`eta0.9` (SimHash). The same 20 samples per cell as `../tab5_accuracy/`, greedy,
+top-k by q.k), `nocache` (every head misses every step: SimHash top-k each step, no reuse), `eta0.6`/`eta0.7`/
+`eta0.9` (SimHash). The same 20 samples per cell as `../tab5_accuracy/`, greedy,
 real SmolLM2-135M-Instruct. The means are over the cells every variant scored. Plot: `python -m plots.tab5_ablation`.
 """
 

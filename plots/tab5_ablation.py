@@ -1,5 +1,5 @@
 """Table 5's ablations: CLO's accuracy and real hit rate per variant (+clo_ablation: the retriever, SimHash vs learned
-HATA hash vs exact top-k, and eta 0.6-0.9), on the same samples. Reads the records of `python -m experiments.accuracy
+HATA hash vs exact top-k, eta 0.6-0.9, and no cache reuse), on the same samples. Reads the records of `python -m experiments.accuracy
 --multirun +experiment=tab5_ablation`; a record names its variant in its overrides. Only cells that every variant
 scored enter the means, so that each variant is averaged over the same samples.
 
@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from plots.records import RecordError, cli, load_files, names, plot_arguments, save  # noqa: E402
 from plots.tab5_accuracy import is_accuracy, scores_of  # noqa: E402
 
-VARIANTS = ("simhash", "learned", "exact", "eta0.6", "eta0.7", "eta0.9")  # conf/clo_ablation, in drawing order
+VARIANTS = ("simhash", "nocache", "learned", "exact", "eta0.6", "eta0.7", "eta0.9")  # conf/clo_ablation, drawn so
 KEY = "+clo_ablation="
 
 

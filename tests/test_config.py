@@ -263,7 +263,8 @@ def test_the_table5_ablation_bundle_sweeps_clo_variants_on_the_table_samples():
             v: compose("config", overrides=["+experiment=tab5_ablation", "workload.lengths=2k", f"+clo_ablation={v}"])
             for v in sweep.hydra.sweeper.params["+clo_ablation"].split(",")
         }
-    assert len(cells) == 6 and all(c.system._target_ == "clo.system.CLO" for c in cells.values())
+    assert len(cells) == 7 and all(c.system._target_ == "clo.system.CLO" for c in cells.values())
     assert cells["learned"].system.hash_weights and cells["simhash"].system.hash_weights is None
     assert cells["exact"].system.retriever == "exact" and cells["eta0.6"].system.eta == 0.6
+    assert cells["nocache"].system.threshold_override == 2.0
     assert settings(cells["eta0.9"])[1:] == ([2048], 20)
