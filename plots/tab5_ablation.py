@@ -1,7 +1,7 @@
 """Table 5's ablations: CLO's accuracy and real hit rate per variant (+clo_ablation: the retriever, SimHash vs learned
-HATA hash vs exact top-k, eta 0.6-0.9, and no cache reuse), on the same samples. Reads the records of `python -m experiments.accuracy
---multirun +experiment=tab5_ablation`; a record names its variant in its overrides. Only cells that every variant
-scored enter the means, so that each variant is averaged over the same samples.
+HATA hash vs exact top-k, eta 0.6-0.9, and no cache reuse), on the same samples. Reads the records of
+`python -m experiments.accuracy --multirun +experiment=tab5_ablation`; a record names its variant in its overrides.
+Only cells that every variant scored enter the means, so that each variant is averaged over the same samples.
 
     python -m plots.tab5_ablation results/tab5_ablation --out tab5_ablation
 """
