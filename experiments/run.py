@@ -75,7 +75,7 @@ def task(cfg: DictConfig) -> dict:
         return {"status": "skipped", "error": None, "record": str(path)}
     in_sweep = hc.mode == RunMode.MULTIRUN
     if in_sweep and preflight.choice(cfg.job_process, "job_process", ("inline", "fresh")) == "fresh":
-        return run_in_fresh_process(overrides, path, hc.runtime.output_dir)
+        return run_in_fresh_process(hydra_flags(hc), overrides, path, hc.runtime.output_dir)
     system_name = choices.get("system", "?")
     base = {
         "run": path.parent.name,
@@ -108,12 +108,22 @@ def task(cfg: DictConfig) -> dict:
     return {"status": "ok", "error": None, "record": str(path)}
 
 
-def run_in_fresh_process(overrides: list[str], path: Path, output_dir: str) -> dict:
+def hydra_flags(hc) -> list[str]:
+    """The sweep's own config flags, which a job's fresh process must be given again: its --config-name and each
+    --config-dir (a search path the command line added)."""
+    flags = ["--config-name", hc.job.config_name]
+    for source in hc.runtime.config_sources:
+        if source.provider == "command-line" and source.schema == "file":
+            flags += ["--config-dir", source.path]
+    return flags
+
+
+def run_in_fresh_process(flags: list[str], overrides: list[str], path: Path, output_dir: str) -> dict:
     """job_process=fresh: the job as a single run of this command in a new Python process, so that it inherits no
     thread pool (numba's, OpenMP's, a fetch worker's), allocator reserve or compiled state from the jobs before it.
     The child writes the record (a failed one too); a child that dies without one (a signal, the OOM killer) gets
     a failed record here."""
-    argv = [sys.executable, "-m", "experiments.run", *overrides, f"hydra.run.dir={output_dir}"]
+    argv = [sys.executable, "-m", "experiments.run", *flags, *overrides, f"hydra.run.dir={output_dir}"]
     code = subprocess.run(argv, check=False).returncode
     try:
         rec = json.loads(path.read_text())

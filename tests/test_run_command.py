@@ -460,3 +460,13 @@ def test_sweep_summary_table_counts_every_outcome():
         ),
     )
     cb.on_multirun_end(config=None)  # nothing failed: no exit
+
+
+def test_fresh_job_processes_see_the_sweeps_config_dir(tmp_path):
+    """A --config-dir (a user's own bundles) reaches each job's fresh process: its experiment composes there too."""
+    conf = tmp_path / "myconf" / "experiment"
+    conf.mkdir(parents=True)
+    (conf / "mine.yaml").write_text("# @package _global_\nseqlen: 80\n")
+    p = run("--multirun", f"--config-dir={conf.parent}", "+experiment=mine", "job_process=fresh", *FAST, tmp=tmp_path)
+    (rec,) = records(tmp_path).values()
+    assert rec["status"] == "ok" and rec["config"]["seqlen"] == 80, p.stderr[-3000:]
