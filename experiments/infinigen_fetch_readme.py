@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
-from plots.records import commit_of, read_json, tokens
+from plots.records import cli, commit_of, read_json, tokens
 
 HEAD = """# InfiniGen-style's CPU fetch: threads, chunk size, and its gather alone (H200 machine, 16 cores)
 
@@ -85,10 +85,12 @@ def readme(folder: Path) -> str:
     return "\n".join([HEAD, "## The runs", "", *runs_table(folder), "", *bench_table(folder), ""])
 
 
-def main(argv: list[str] | None = None) -> None:
-    folder = Path((argv if argv is not None else sys.argv[1:])[0])
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path)
+    folder = ap.parse_args().folder
     (folder / "README.md").write_text(readme(folder))
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

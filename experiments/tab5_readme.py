@@ -7,12 +7,12 @@ length, and the cost per sample. The prose around the tables is fixed here; ever
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 from pathlib import Path
 
 from plots import tab5_ablation, tab5_accuracy
-from plots.records import SYSTEMS, NoRecords, tokens
+from plots.records import SYSTEMS, NoRecords, cli, tokens
 
 ORDER = ("fullattn", "clo", "retroinfer", "infinigen")
 
@@ -138,12 +138,15 @@ def ablation_readme(folder: Path, table: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = [Path(a) for a in (argv if argv is not None else sys.argv[1:])]
-    (args[0] / "README.md").write_text(table_readme(args[0]))
-    if len(args) > 1:
-        (args[1] / "README.md").write_text(ablation_readme(args[1], args[0]))
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("table", type=Path, help="the Table 5 records' folder")
+    ap.add_argument("ablation", type=Path, nargs="?", help="the ablation records' folder")
+    args = ap.parse_args()
+    (args.table / "README.md").write_text(table_readme(args.table))
+    if args.ablation is not None:
+        (args.ablation / "README.md").write_text(ablation_readme(args.ablation, args.table))
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)
