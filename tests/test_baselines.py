@@ -549,3 +549,48 @@ def test_infinigen_prefill_in_chunks_keeps_the_partial_keys(monkeypatch):
         built.append(s.partial[0] @ s.basis[0].transpose(-1, -2))  # [B, HKV, n, D]: sign-free
     assert built[0].shape[2] == T0 - SINK - RECENT
     torch.testing.assert_close(built[1], built[0], rtol=1e-3, atol=1e-3)  # fp32 sums in another order
+
+
+def tensors_of(obj, depth: int = 3):
+    """Every tensor an object holds in its attributes, lists, tuples and dicts, `depth` objects down."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from tensors_of(x, depth)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors_of(x, depth)
+    elif depth and hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("baselines", "kvoffload"):
+        for x in vars(obj).values():
+            yield from tensors_of(x, depth - 1)
+
+
+@pytest.mark.parametrize(
+    "cls, kw",
+    [
+        (InfiniGen, {}),
+        (InfiniGen, {"oracle_query": True}),
+        (RetroInfer, {}),
+        (RetroInfer, {"retriever": "exact"}),
+        (RetroInfer, {"retriever": "wave", "wave_cluster_size": 8}),
+    ],
+)
+def test_prefill_hands_a_view_of_the_keys_and_keeps_no_view_of_them(cls, kw, monkeypatch):
+    """The middle keys reach prefill_sparse as a view of the prompt's K (a copy would add one more layer's K to the
+    prefill's peak), and nothing the system keeps shares the prompt's K (a view would hold all of it), at batch 1
+    with one KV head too, where the slice is contiguous."""
+    for b, hkv in ((B, HKV), (1, 1)):
+        s = cls(**{**dict(sink=SINK, recent=RECENT, topk_ratio=RATIO, dense_layers=0, cpu_threads=2), **kw})
+        s.allocate(KVSpec(L, b, T0 + STEPS, hkv * G, hkv, D, torch.float32, CPU))
+        seen, real = [], s.prefill_sparse
+        monkeypatch.setattr(s, "prefill_sparse", lambda layer, keys, n: (seen.append(keys), real(layer, keys, n)))
+        ks = [torch.randn(b, hkv, T0, D) for _ in range(L)]
+        for layer, k in enumerate(ks):
+            s.prefill(layer, k, torch.randn_like(k))
+        s.end_prefill(T0)
+        prompt = {k.untyped_storage().data_ptr() for k in ks}
+        assert all(x.untyped_storage().data_ptr() in prompt for x in seen)
+        del seen[:]
+        kept = [t for t in tensors_of(s) if t.untyped_storage().data_ptr() in prompt]
+        assert not kept, [tuple(t.shape) for t in kept]
