@@ -9,7 +9,7 @@ A pool is one layer's host store, [heads, tokens, 512 B rows]; a gather takes `-
 Memory kinds: pinned (torch pin_memory, as the host store is made), pageable (malloc'd, transparent huge pages as
 the system sets them) and hugepage (pageable with madvise(MADV_HUGEPAGE), then cudaHostRegister'd: pinned too).
 
-    python -m experiments.bench_host_gather --out results/bench/host_gather.json
+    python -m experiments.bench_host_gather --out results/infinigen_cpu_fetch/host_gather.json   # on the GPU machine
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import argparse
 import ctypes
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from baselines.cpu_fetch import gather_gb_s
 from experiments.bench_link import counts
 from experiments.records import environment, refuse
 from kvoffload.errors import ConfigError
@@ -60,24 +60,6 @@ def indices(pattern: str, heads: int, tokens: int, fraction: float, gen: torch.G
     return torch.cat([p + h * tokens for h, p in enumerate(per)])
 
 
-def gather_gb_s(host: torch.Tensor, idx: torch.Tensor, staging: torch.Tensor, threads: int, chunk: int) -> float:
-    """The best of 4 gathers of host's rows idx into staging, chunk rows at a time on `threads` threads, as
-    baselines/cpu_fetch.py's worker gathers (without its copies)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    best = float("inf")
-    try:
-        for _ in range(4):
-            t0 = time.perf_counter()
-            for a in range(0, idx.shape[0], chunk):
-                b = min(a + chunk, idx.shape[0])
-                torch.index_select(host, 0, idx[a:b], out=staging[a:b])
-            best = min(best, time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(before)
-    return idx.shape[0] * host.stride(0) * host.element_size() / best / 1e9
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -112,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                 for n in threads:
                     for chunk in chunks:
                         staging.zero_()
-                        gb_s = gather_gb_s(host, idx, staging, n, chunk)
+                        gb_s = gather_gb_s(host, staging, n, idx, chunk, repeats=4)  # the fetch's own gather
                         row = dict(pool_gb=round(host.numel() * 2 / 2**30, 2), kind=kind, pattern=pattern)
                         row |= dict(threads=n, chunk=chunk, rows=idx.shape[0], gb_s=round(gb_s, 2))
                         row["exact_rows"] = torch.equal(staging, host[idx])
