@@ -52,16 +52,15 @@ def cell_name(cell: str) -> str:
     return f"`{task}` @ {tokens(int(length))}"
 
 
-def hit_rates(records, key) -> dict[str, dict[int, list[float]]]:
-    """{group: {length: [CLO's hit rate of each record]}} over accuracy records; key(record) names the group."""
-    out: dict[str, dict[int, list[float]]] = {}
+def hit_rates(records) -> dict[int, list[float]]:
+    """{length: [the hit rate of each record scoring that length]} over accuracy records that report one."""
+    out: dict[int, list[float]] = {}
     for r in records:
-        rec = r["record"]
-        hit = rec["cost_per_sample"].get("hit_rate")
-        for by_length in rec["tasks"].values():
+        hit = r["record"]["cost_per_sample"].get("hit_rate")
+        for by_length in r["record"]["tasks"].values():
             for length in by_length:
                 if hit is not None:
-                    out.setdefault(key(rec), {}).setdefault(int(length), []).append(hit)
+                    out.setdefault(int(length), []).append(hit)
     return out
 
 
@@ -95,8 +94,7 @@ def table_readme(folder: Path) -> str:
             for m in [[c for c in cells if int(c.split("@")[1]) == n]]
         )
         lines += [f"- {SYSTEMS[s]}: {100 * (mean('fullattn', cells) - mean(s, cells)):.1f} ({per})"]
-    clo = [r for r in d["records"] if r["record"]["system"] == "clo"]
-    hits = hit_rates(clo, lambda rec: "clo").get("clo", {})
+    hits = hit_rates(r for r in d["records"] if r["record"]["system"] == "clo")
     lines += ["", "CLO's real hit rate per length (mean over its records; the paper's Table 4: ~79 %): "]
     lines[-1] += ", ".join(f"{tokens(n)} {statistics.fmean(v):.3f}" for n, v in sorted(hits.items())) + "."
     costs = [r["record"]["cost_per_sample"] for r in d["records"]]
