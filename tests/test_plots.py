@@ -346,3 +346,19 @@ def test_table5_merges_the_accuracy_commands_cells(tmp_path):
     write(tmp_path / "acc", {"again/record.json": cell("clo", "ruler_vt", 4096, 0.35)})
     with pytest.raises(RecordError, match="two accuracy records of clo on smollm2 score ruler_vt@4096"):
         tab5_accuracy.data(tmp_path / "acc")
+
+
+def test_table_5_ablation_readme_without_and_with_the_table(tmp_path):
+    from experiments.tab5_readme import ablation_readme
+
+    recs = {
+        "record_a.json": ablation_record("simhash", "ruler_vt", 0.2, 0.7),
+        "record_b.json": ablation_record("exact", "ruler_vt", 0.4, 0.9),
+        "record_c.json": ablation_record("exact", "niah", 1.0, 0.9),
+    }
+    folder = write(tmp_path / "abl", recs)
+    text = ablation_readme(folder, tmp_path / "no_table")
+    assert "| `simhash` | 0.200 | 0.700 |" in text and "simhash: `niah` @ 2K" in text
+    full = ablation_record("exact", "ruler_vt", 0.5, 0.0, system="fullattn")
+    table = write(tmp_path / "tab", {"record_f.json": {**full, "overrides": []}})
+    assert "| `exact` | 0.400 | 0.900 | 10.0 |" in ablation_readme(folder, table)
