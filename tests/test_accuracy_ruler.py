@@ -107,3 +107,31 @@ print(json.dumps(out))
         for length in (2048, 4096, 8192):
             n, longest, answers_inside = out[f"{name}@{length}"]  # longest prompt, in tokens
             assert n == 500 and longest <= length and answers_inside, (name, length, out[f"{name}@{length}"])
+
+
+def test_a_second_evaluation_in_one_process_sees_the_same_samples(tm, smollm2_folder):
+    """RULER's cwe draws from a module-level random.Random(42): without fresh_task_modules, every later evaluation
+    in a process (the next system of a sweep) got other prompts for the same doc ids."""
+    from lm_eval.api.model import LM
+
+    from experiments.accuracy.tasks import evaluate, task_folder
+
+    class Recorder(LM):
+        def __init__(self):
+            super().__init__()
+            self.contexts = []
+
+        def generate_until(self, requests, disable_tqdm=False):
+            self.contexts += [r.args[0] for r in requests]
+            return ["" for _ in requests]
+
+        def loglikelihood(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests, disable_tqdm=False):
+            raise NotImplementedError
+
+    runs = [Recorder() for _ in range(2)]
+    for lm in runs:
+        evaluate(lm, "ruler_cwe", task_folder(tm, "ruler_cwe"), str(smollm2_folder), 2048, 2, False)
+    assert len(runs[0].contexts) == 2 and runs[0].contexts == runs[1].contexts

@@ -6,6 +6,7 @@ its own so that `limit` counts samples per length. A RULER sample's score is its
 from __future__ import annotations
 
 import difflib
+import sys
 from pathlib import Path
 
 from experiments.accuracy.offline import missing_data, offline_nltk
@@ -76,12 +77,22 @@ def check_tasks(tm, names: list[str]) -> tuple[list[str], list[str]]:
     return runnable, skipped
 
 
+def fresh_task_modules() -> None:
+    """Forget the task helper modules lm-eval's YAML loader keeps in sys.modules, so that the next evaluation runs
+    them afresh. RULER's cwe_utils draws its word lists from a module-level random.Random(42): kept, a second
+    evaluation in the same process continues that generator and builds other prompts, so the systems of a sweep
+    would not see the same samples (simple_evaluate reseeds only the global generators)."""
+    for name in [n for n, m in sys.modules.items() if n.startswith("lm_eval.tasks.") and hasattr(m, "__mtime__")]:
+        del sys.modules[name]
+
+
 def evaluate(lm, task: str, folder: str, tokenizer: str, length: int | None, limit: int | None, chat: bool) -> dict:
     """One lm-eval run of `task` (its yaml in `folder`; at RULER length `length`) with model `lm`; its score and its
-    samples."""
+    samples. The same task, length and limit give the same samples whatever ran before in the process."""
     from lm_eval import simple_evaluate
 
     offline_nltk()
+    fresh_task_modules()
     metadata = {"tokenizer": tokenizer} | ({"max_seq_lengths": [length]} if length else {})
     out = simple_evaluate(
         model=lm,
