@@ -30,7 +30,9 @@ machine was shared with other work: the records' times are costs on a loaded 2-c
 `record_<system>_<task>_<tokens>.json` hold every sample. Plot: `python -m plots.tab5_accuracy`. Not a comparison
 with the paper's Table 5 (Llama-3-8B and Qwen2.5-14B at 16K-128K): SmolLM2-135M solves the single needle and little
 else, so most cells are near the floor for every system, FullAttn included. At 20 samples one sample is 5 points
-of a cell (ruler_cwe and ruler_vt score partial credit).
+of a cell (ruler_cwe and ruler_vt score partial credit). `ruler_cwe` is missing on purpose: up to 900f4ca each
+evaluation in a process continued lm-eval's module-level cwe generator, so the systems of a cell saw different
+haystacks; those records left for `../LEDGER.md`, and the cells are to be rerun at a fixed commit.
 """
 
 ABLATION_HEAD = """# Table 5's ablations: CLO's retriever and eta on the table's samples (SmolLM2, CPU)
