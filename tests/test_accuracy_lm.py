@@ -113,3 +113,21 @@ def test_model_args_are_hydra_overrides():
         from experiments.accuracy.config import check_workload
 
         check_workload(compose_config(["workload.loglikelihood=sideways"])[0])
+
+
+def test_the_prefill_cache_evicts_the_least_recently_used():
+    """A cell-major sweep meets a cell's prompts again right away and an older cell's never: the cache keeps the
+    recent ones, and a prefill larger than the cache is not kept."""
+    from experiments.accuracy.backbone import Prefill, PrefillCache
+
+    def prefill(n):  # n float32 K/V rows of 4 values: 2 * n * 16 bytes
+        return Prefill(torch.zeros(1, 2), [torch.zeros(1, 1, n, 4)], [torch.zeros(1, 1, n, 4)], 0.0)
+
+    cache = PrefillCache(max_bytes=3 * 2 * 16)
+    for key in ((1,), (2,), (3,)):
+        cache.put(key, prefill(1))
+    assert cache.get((1,)) is not None  # (2,) is now the least recently used
+    cache.put((4,), prefill(1))
+    assert list(cache.entries) == [(3,), (1,), (4,)] and cache.used == 96
+    cache.put((5,), prefill(4))  # larger than the whole cache: not kept, nothing evicted
+    assert list(cache.entries) == [(3,), (1,), (4,)] and (cache.hits, cache.misses) == (1, 0)

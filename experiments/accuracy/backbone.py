@@ -75,26 +75,32 @@ class PrefillRecorder(KVOffloadSystem):
 
 @dataclass
 class PrefillCache:
-    """Prefills by prompt, up to max_bytes of K/V. A sweep meets its prompts in the same order for each system, so
-    the cache keeps the first prompts until it is full rather than evicting (evicting the oldest would miss every
-    time once the sweep is larger than the cache)."""
+    """Prefills by prompt, up to max_bytes of K/V, the least recently used evicted first. The accuracy bundles run
+    a cell's systems one after another (cell-major), so a cell's prompts are met again right away and an older
+    cell's never: keeping the first prompts instead would fill the cache with the first cells and miss on every
+    later one."""
 
     max_bytes: int
-    entries: dict[tuple[int, ...], Prefill] = field(default_factory=dict)
+    entries: dict[tuple[int, ...], Prefill] = field(default_factory=dict)  # least recently used first
     used: int = 0
     hits: int = 0
     misses: int = 0
 
     def get(self, ids: tuple[int, ...]) -> Prefill | None:
-        p = self.entries.get(ids)
+        p = self.entries.pop(ids, None)
+        if p is not None:
+            self.entries[ids] = p  # now the most recently used
         self.hits += p is not None
         self.misses += p is None
         return p
 
     def put(self, ids: tuple[int, ...], p: Prefill) -> None:
-        if self.used + p.nbytes <= self.max_bytes:
-            self.entries[ids] = p
-            self.used += p.nbytes
+        if p.nbytes > self.max_bytes:
+            return
+        while self.used + p.nbytes > self.max_bytes:
+            self.used -= self.entries.pop(next(iter(self.entries))).nbytes
+        self.entries[ids] = p
+        self.used += p.nbytes
 
 
 class Backbone:
