@@ -146,7 +146,7 @@ class InfiniGen(OffloadedBaseline):
         if not n_mid:
             return
         if self.oracle_query:
-            self.exact.index(layer, keys_mid.clone())  # the oracle keeps them: a copy, not a view of the prompt
+            self.exact.index(layer, keys_mid)
             return
         # fp32 temporaries a chunk of tokens at a time: the whole batch's keys in fp32 at once would be 2x the
         # layer's bf16 keys beside the prefill, more than the memory plan holds for it

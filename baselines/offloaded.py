@@ -83,7 +83,7 @@ class OffloadedBaseline(KVOffloadSystem):
 
     def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int) -> None:
         """keys_mid [B, Hkv, n_mid, D]: the candidates of a sparse layer, a view of the prompt's keys. What is kept
-        of it must be a copy (.clone()): a view would keep the whole prompt's K of the layer alive."""
+        of it must be a copy (the retrievers' index copies): a view would keep the whole prompt's K alive."""
 
     def begin_step(self) -> None:
         super().begin_step()

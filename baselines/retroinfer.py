@@ -222,8 +222,8 @@ class RetroInfer(OffloadedBaseline):
         spec = self.spec
         if not n_mid:
             return
-        if self.retriever_kind != "wave":  # the exact oracle keeps the keys: a copy, not a view of the prompt
-            self.retriever.index(layer, keys_mid.clone() if self.retriever_kind == "exact" else keys_mid)
+        if self.retriever_kind != "wave":
+            self.retriever.index(layer, keys_mid)
         else:  # the host store cluster by cluster: a cluster is a run of blocks
             sink = split_prompt(self.t0, self.sink, self.recent)[0]
             self.retriever.index(layer, keys_mid, self.prompt_values[:, :, sink : sink + n_mid])

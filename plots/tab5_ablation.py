@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from plots.records import RecordError, cli, load_files, names, plot_arguments, save  # noqa: E402
 from plots.tab5_accuracy import is_accuracy, scores_of  # noqa: E402
 
-VARIANTS = ("simhash", "nocache", "learned", "exact", "eta0.6", "eta0.7", "eta0.9")  # conf/clo_ablation, drawn so
+VARIANTS = ("simhash", "nocache", "learned", "exact", "eta0.6", "eta0.7", "eta0.9")  # conf/clo_ablation, drawing order
 KEY = "+clo_ablation="
 
 

@@ -85,8 +85,9 @@ class ExactRetriever:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
 
     def index(self, layer: int, keys: torch.Tensor) -> None:
-        """keys [B, Hkv, T, D]: the candidates of this layer (kept on the device)."""
-        self.keys[layer] = keys
+        """keys [B, Hkv, T, D] (a strided view will do): the candidates of this layer, kept on the device as a copy
+        (a view would keep alive all of the prompt's tensor it was taken from)."""
+        self.keys[layer] = keys.clone(memory_format=torch.contiguous_format)
 
     def scores(
         self,
