@@ -3,7 +3,7 @@
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
 # Stages: pytest_gpu (~4 min) fig3_13 bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
 # bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
-# memory_peak (PEAK_SEQLEN) fig10 (FIG10) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather fig2 (~3.5 min) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
+# memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather fig2 (~3.5 min) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
 # It installs the carried wheels (hardware.md), runs the GPU tests, the kernel benchmarks and the system runs,
 # and packs every record and log into $OUT/gpu_session.tgz (one file: the device returns at most 8).
@@ -36,6 +36,8 @@ stage bench_attn 240 python3 -m experiments.bench_decode_attention --batches 1,2
 # paper Figures 3/13: each transfer path's bandwidth by volume and CPU threads, beside a bulk pinned copy
 stage fig3_13 240 python3 -m experiments.bench_link --out "$out/fig3_13_link/record.json"
 # InfiniGen-style's CPU gather alone by pool size, memory kind, index pattern, threads and chunk (issue 15)
+# what the synthetic query process costs a step on its own, by batch (a workload's cost inside every system's step)
+stage query_process 120 python3 -m experiments.bench_query_process --out "$out/query_process.json"
 stage host_gather 240 python3 -m experiments.bench_host_gather --tokens ${GATHER_TOKENS:-131072,524288} \
   --out "$out/host_gather.json"
 stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
@@ -71,18 +73,20 @@ stage fig10 ${FIG10_SECS:-540} $run +experiment=fig10_throughput ${FIG10:-}
 # where a system's step stands against its floor; FIG10T picks the points
 stage fig10_trace 300 $run +experiment=fig10_throughput ${FIG10T:-seqlen=8k,32k batch=8 system=clo} \
   'trace_dir='"$out"'/trace_fig10/${hydra:runtime.choices.system}_${seqlen}_b${batch}'
-# its prefill throughput: real prefills (fig10_throughput fills the KV by projection); FIG10P narrows it. A 4K
+# Figure 10's prefill throughput: real prefills (fig10_throughput fills the KV by projection); FIG10P narrows it. A 4K
 # sweep first fills the kernel caches on disk (Triton, numba), so that no measured prefill pays one-off compilation
 stage fig10_prefill 400 bash -c "python3 -m experiments.run --multirun results_dir=$out/warmup \
   +experiment=fig10_prefill seqlen=4k batch=1 > $out/fig10_prefill_warmup.log 2>&1; \
   $run +experiment=fig10_prefill ${FIG10P:-}"
-# what is alive at CLO's device peak, which exceeds its plan at long prompts (fig10_throughput/README.md)
-stage memory_peak 300 bash -c "python3 -m experiments.run +experiment=fig10_throughput system=clo batch=1 \
-  seqlen=${PEAK_SEQLEN:-128k} memory_snapshot=$out/snapshot.pickle results_dir=$out/runs_peak && \
+# what is alive at a system's device peak (default CLO at 128K BSZ 1; PEAK_SYSTEM, PEAK_BATCH, PEAK_SEQLEN)
+stage memory_peak 300 bash -c "python3 -m experiments.run +experiment=fig10_throughput system=${PEAK_SYSTEM:-clo} \
+  batch=${PEAK_BATCH:-1} seqlen=${PEAK_SEQLEN:-128k} memory_snapshot=$out/snapshot.pickle results_dir=$out/runs_peak && \
   python3 -m experiments.memory_peak $out/snapshot.pickle --out $out/memory_peak.json && rm $out/snapshot.pickle"
 stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg,tgp seqlen=128k workload.gen_tokens=16
-# the baselines' top-k, radix select vs torch.topk; the sweep's first run is slower in every phase (cold process)
-stage topk_ab 300 $run +experiment=fig2_breakdown system=retroinfer,infinigen system.topk=torch,radix workload.gen_tokens=16
+# the baselines' top-k, radix select vs torch.topk; the sweep's first run is slower in every phase (cold process),
+# so TOPK_AB can reorder it
+stage topk_ab 300 $run +experiment=fig2_breakdown ${TOPK_AB:-system=retroinfer,infinigen system.topk=torch,radix} \
+  workload.gen_tokens=16
 stage fullattn_512k 450 $run +experiment=clo_synthetic system=fullattn seqlen=512k workload.gen_tokens=16
 stage clo_512k 450 $run +experiment=clo_synthetic system=clo seqlen=512k workload.gen_tokens=16  # prefill ~3.5 min
 cp "$out/summary.log" "${OUT:-/tmp}/summary.log"

@@ -1,0 +1,126 @@
+"""What the synthetic query process (experiments/query_process.py) costs a decode step on its own.
+
+Speed runs on synthetic weights pass every layer's query through this process inside the timed step, for every
+system: it is the workload's cost, not a system's, and a real model pays nothing for it. This bench times one
+step's worth of its calls (every layer, as Decoder.attention_queries issues them) by batch, replayed from a CUDA
+graph (as CLO's and FullAttn's whole steps and the baselines' piecewise dense segments replay it) and launched
+eagerly. `speculative`: the calls of a system that wants a one-layer-ahead query (CLO, InfiniGen-style), which
+perturbs a second query per layer; the others (FullAttn, RetroInfer-style) make one call per layer.
+
+    python -m experiments.bench_query_process --out results/.../query_process.json   # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from experiments.bench_link import counts
+from experiments.query_process import ProfileQueryProcess
+from experiments.records import environment, refuse
+from kvoffload.errors import ConfigError
+from kvoffload.paths import write_json_atomic
+
+LLAMA3 = {"layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128}
+PROFILE = "data/profiles/llama3-from-smollm2-reuse.json"  # conf/model/llama3.yaml's synthetic_queries
+
+
+def one_step(process: ProfileQueryProcess, q: torch.Tensor, layers: int, speculative: bool) -> None:
+    """The process's calls of one decode step, in Decoder.attention_queries's order."""
+    for i in range(layers):
+        if speculative and i + 1 < layers:
+            process.query(i + 1, q, advance=True, speculative=True)
+        process.query(i, q, advance=not (speculative and i > 0))
+
+
+def time_ms(fn, iters: int, device: torch.device) -> float:
+    if device.type != "cuda":
+        import time
+
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t) * 1e3 / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def kernels_per_step(fn) -> int:
+    """CUDA kernels one eager step launches (profiler count)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def measure(batch: int, speculative: bool, device: torch.device, iters: int) -> dict:
+    shape = LLAMA3
+    process = ProfileQueryProcess.from_profile(
+        PROFILE, shape["layers"], shape["kv_heads"], shape["heads"] // shape["kv_heads"], device
+    )
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(batch, shape["heads"], shape["head_dim"], device=device, dtype=dtype)
+    step = lambda: one_step(process, q, shape["layers"], speculative)  # noqa: E731
+    for _ in range(3):  # the first call of a layer draws its state; later calls advance it in place
+        step()
+    row = {"batch": batch, "speculative": speculative, "eager_ms": round(time_ms(step, iters, device), 4)}
+    if device.type == "cuda":
+        row["kernels_per_step"] = kernels_per_step(step)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            step()  # warm on the capture stream, as torch's capture examples do
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(10):
+            graph.replay()
+        row["graph_ms"] = round(time_ms(graph.replay, iters, device), 4)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,2,4,8,16,32,64")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    try:
+        batches = counts(args.batches, "batches")
+        if args.iters < 1:
+            raise ConfigError(f"--iters {args.iters}: must be at least 1")
+    except ConfigError as e:
+        refuse(e)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    for batch in batches:
+        for speculative in (False, True):
+            rows.append(measure(batch, speculative, device, args.iters))
+            print(rows[-1], flush=True)
+    write_json_atomic(
+        args.out,
+        {
+            "bench": "query_process",
+            "command": "python -m experiments.bench_query_process " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "profile": PROFILE,
+            "shape": LLAMA3,
+            "rows": rows,
+            "environment": environment(device),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
