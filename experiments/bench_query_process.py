@@ -109,11 +109,12 @@ def main(argv: list[str] | None = None) -> None:
         for speculative in (False, True):
             rows.append(measure(batch, speculative, device, args.iters))
             print(rows[-1], flush=True)
+    command = "python -m experiments.bench_query_process " + shlex.join(sys.argv[1:] if argv is None else argv)
     write_json_atomic(
         args.out,
         {
             "bench": "query_process",
-            "command": "python -m experiments.bench_query_process " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "command": command,
             "profile": PROFILE,
             "shape": LLAMA3,
             "rows": rows,
