@@ -132,7 +132,7 @@ class InfiniGen(OffloadedBaseline):
             raise ConfigError(f"skew file {path.name} has shape {tuple(bases.shape)}, the model needs {want}")
         return bases[..., : self.channels(spec.head_dim)].float().to(spec.device)
 
-    def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int) -> None:
+    def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int, rows: torch.Tensor) -> None:
         spec = self.spec
         k_sel = self.k_select(self.t0)
         if k_sel and not self.buffers:

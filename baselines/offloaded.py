@@ -8,6 +8,7 @@ import torch
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload.budget import check_budget, select_budget, split_prompt
+from kvoffload.offload.host import Offload, host_buffer
 from kvoffload.offload.layers import DenseLayers, prompt_window
 from kvoffload.offload.retrieval import check_topk_method
 from kvoffload.offload.transfer import TransferEngine
@@ -56,34 +57,57 @@ class OffloadedBaseline(KVOffloadSystem):
         L = spec.num_layers
         self.dense = DenseLayers(spec, self.dense_layers)
         self.window: list[torch.Tensor | None] = [None] * L
-        self.host: list[torch.Tensor | None] = [None] * L
+        self.host = self.host_stores(spec)
+        self.offload = Offload(spec.device)  # each layer's host copy, while the next layer computes (as CLO's)
         self.heads = torch.arange(spec.num_kv_heads, device=spec.device)
         self.t0 = 0
         self.link_gb_s = spec.link_bytes_per_s / 1e9  # what the system floor divides the moved bytes by, as CLO's
 
+    def host_stores(self, spec: KVSpec) -> list[torch.Tensor | None]:
+        """Every sparse layer's host store (pinned on CUDA) for a prompt of spec.prompt_len tokens, allocated before
+        the prefill as CLO's are; None where the prompt's length is not known yet (prefill allocates it then)."""
+        if spec.prompt_len is None:
+            return [None] * spec.num_layers
+        n_mid = split_prompt(spec.prompt_len, self.sink, self.recent)[2]
+        shape = (spec.batch, spec.num_kv_heads, n_mid + self.host_padding(n_mid), 2, spec.head_dim)
+        pinned = spec.device.type == "cuda"
+        sparse = range(self.dense_layers, spec.num_layers)
+        return [host_buffer(shape, spec.dtype, pinned) if i in sparse else None for i in range(spec.num_layers)]
+
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The layer's prompt K/V: sink and recent rows into its device window; the middle staged on the device in
+        the host store's layout (padding zeroed), indexed by the subclass, then copied to the host store by
+        `offload` (on CUDA while the next layer computes), one contiguous copy."""
+        self.offload.finish()  # the last layer's staged rows go before this layer's are made
         spec = self.spec
-        kv = torch.stack([k, v], dim=3)  # [B, Hkv, T0, 2, D]
-        b, hkv, t0, _, d = kv.shape
+        b, hkv, t0, d = k.shape
         self.t0 = t0
         if layer in self.dense:
-            self.dense.prefill(layer, kv)
+            self.dense.prefill(layer, torch.stack([k, v], dim=3))
             return
         sink, recent, n_mid = split_prompt(t0, self.sink, self.recent)
-        self.window[layer] = prompt_window(kv, sink, recent, spec.max_len)
-        pad = self.host_padding(n_mid)  # RetroInfer: the last block of a head is padded to a whole block
-        host = torch.zeros(b, hkv, n_mid + pad, 2, d, dtype=spec.dtype, pin_memory=spec.device.type == "cuda")
-        host[:, :, :n_mid] = kv[:, :, sink : sink + n_mid]
-        self.host[layer] = host
-        # a view, not a copy: a copy would be one more of the layer's K beside the prefill (1 GB at a 64 GiB batch)
-        self.prefill_sparse(layer, k[:, :, sink : sink + n_mid], n_mid)
+        self.window[layer] = prompt_window(k, v, sink, recent, spec.max_len)
+        rows = k.new_empty(b, hkv, n_mid + self.host_padding(n_mid), 2, d)
+        rows[:, :, :n_mid, 0], rows[:, :, :n_mid, 1] = k[:, :, sink : sink + n_mid], v[:, :, sink : sink + n_mid]
+        rows[:, :, n_mid:].zero_()  # RetroInfer's padding of a head's last block
+        if self.host[layer] is None or self.host[layer].shape != rows.shape:
+            self.host[layer] = host_buffer(rows.shape, spec.dtype, spec.device.type == "cuda")
+        # keys: a view, not a copy: a copy would be one more of the layer's K beside the prefill (1 GB at a 64 GiB
+        # batch)
+        self.prefill_sparse(layer, k[:, :, sink : sink + n_mid], n_mid, rows)
+        self.offload.start(rows, self.host[layer])
+
+    def end_prefill(self, prompt_len: int) -> None:
+        self.offload.finish()  # decode reads the host stores
+        super().end_prefill(prompt_len)
 
     def host_padding(self, n_mid: int) -> int:
         return 0
 
-    def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int) -> None:
+    def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int, rows: torch.Tensor) -> None:
         """keys_mid [B, Hkv, n_mid, D]: the candidates of a sparse layer, a view of the prompt's keys. What is kept
-        of it must be a copy (the retrievers' index copies): a view would keep the whole prompt's K alive."""
+        of it must be a copy (the retrievers' index copies): a view would keep the whole prompt's K alive. rows
+        [B, Hkv, n_mid + padding, 2, D]: the device copy bound for the host store, which a subclass may reorder."""
 
     def begin_step(self) -> None:
         super().begin_step()

@@ -218,18 +218,17 @@ class RetroInfer(OffloadedBaseline):
         super().prefill(layer, k, v)
         self.prompt_values = None
 
-    def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int) -> None:
+    def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int, rows: torch.Tensor) -> None:
         spec = self.spec
         if not n_mid:
             return
         if self.retriever_kind != "wave":
             self.retriever.index(layer, keys_mid)
-        else:  # the host store cluster by cluster: a cluster is a run of blocks
+        else:  # the host store cluster by cluster (a cluster is a run of blocks), reordered before its copy
             sink = split_prompt(self.t0, self.sink, self.recent)[0]
             self.retriever.index(layer, keys_mid, self.prompt_values[:, :, sink : sink + n_mid])
-            host, d = self.host[layer], spec.head_dim
-            perm = self.retriever.perm[layer].cpu()[..., None, None].expand(-1, -1, -1, 2, d)
-            host[:, :, :n_mid] = host[:, :, :n_mid].gather(2, perm)
+            perm = self.retriever.perm[layer][..., None, None].expand(-1, -1, -1, 2, spec.head_dim)
+            rows[:, :, :n_mid] = rows[:, :, :n_mid].gather(2, perm)
             self.retriever.perm[layer] = None  # used once: positions are all a step needs
         n_blocks, _, cap = self.geometry(self.t0)
         rows = spec.batch * spec.num_kv_heads

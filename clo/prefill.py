@@ -4,12 +4,10 @@ layer computes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from clo.store import host_buffer
 from kvoffload.kv.interface import KVSpec
+from kvoffload.offload.host import host_buffer
 
 
 def host_stores(spec: KVSpec, dense_layers: int) -> list[torch.Tensor | None]:
@@ -32,37 +30,3 @@ def staged_kv(k: torch.Tensor, v: torch.Tensor, order: list[int]) -> torch.Tenso
     for j, h in enumerate(order):
         kv[:, j, :, 0], kv[:, j, :, 1] = k[:, h], v[:, h]
     return kv
-
-
-class Offload:
-    """On CUDA, a layer's host copy (into pinned memory: the copy engine, beside the compute stream's kernels) and
-    its encoding run on a stream of their own, behind the layer's compute, while the decoder goes on to the next
-    layer. The staged K/V they read is held until an event after them has completed: freed earlier, its memory
-    would go to the next layer's kernels on the compute stream while the copy still reads it. Off CUDA both run
-    in place."""
-
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.pending: tuple[torch.cuda.Event, torch.Tensor] | None = None  # (done, the staged K/V)
-
-    def start(self, kv: torch.Tensor, host: torch.Tensor, encode: Callable[[], None]) -> None:
-        """host <- kv, and encode(), after the work queued so far on the current stream."""
-        if self.stream is None:
-            host.copy_(kv)
-            encode()
-            return
-        self.finish()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            host.copy_(kv, non_blocking=True)
-            encode()
-            done = torch.cuda.Event()
-            done.record()
-        self.pending = (done, kv)
-
-    def finish(self) -> None:
-        """Waits on the host for the last offload to complete, then lets go of its staged K/V. A layer's prefill
-        calls it first: by then the decoder has queued that layer's compute, which keeps the GPU busy meanwhile."""
-        if self.pending is not None:
-            self.pending[0].synchronize()
-            self.pending = None

@@ -8,16 +8,15 @@ graph."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from kvoffload.errors import ConfigError
 from kvoffload.kernels.append_kv import append_kv
 from kvoffload.kernels.decode_attention import hybrid_attention
 from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.budget import split_prompt
+from kvoffload.offload.host import host_buffer
 from kvoffload.offload.layers import prompt_window
 from kvoffload.offload.retrieval import select_topk, topk_work
 
@@ -36,16 +35,6 @@ class Selection:
 def store_order(num_kv_heads: int, persistent: list[int]) -> list[int]:
     """The store's head order: the cached heads, then the persistent ones (model head ids)."""
     return sorted(set(range(num_kv_heads)) - set(persistent)) + sorted(persistent)
-
-
-def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    try:
-        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
-    except RuntimeError as e:  # pinning tens of GB can fail well below the RAM size
-        raise ConfigError(
-            f"could not allocate {math.prod(shape) * dtype.itemsize / 2**30:.1f} GiB of pinned host memory for a "
-            f"layer's offloaded KV ({e}); lower seqlen or batch"
-        ) from e
 
 
 def to_device(values, dev: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -71,7 +60,7 @@ class LayerStore:
     ):
         """kv [B, Hkv, T0, 2, D]: the prompt's K/V, its heads already in store_order (clo.prefill.staged_kv). host:
         the buffer its host copy goes to (None, or another shape: allocated here); making that copy is the
-        caller's (clo.prefill.Offload), so is setting tau and weights. Nothing here waits for the device."""
+        caller's (kvoffload.offload.host.Offload), so is setting tau and weights. Nothing here waits for the device."""
         b, hkv, t0, _, d = kv.shape
         dev, dtype = spec.device, spec.dtype
         self.t0, self.k, self.group = t0, k, group
@@ -87,7 +76,7 @@ class LayerStore:
         if host is None or host.shape != kv.shape:
             host = host_buffer(kv.shape, dtype, dev.type == "cuda")
         self.host = host
-        self.window = prompt_window(kv, self.sink, self.recent, spec.max_len)
+        self.window = prompt_window(kv[..., 0, :], kv[..., 1, :], self.sink, self.recent, spec.max_len)
         self.prefetch_mask = to_device([h in prefetch for h in cached], dev, torch.bool)
         self.n_managed = sum(h not in prefetch for h in cached)  # cached heads the lookups decide (not prefetch)
         self.slots = torch.zeros(b, self.nc, k, 2, d, dtype=dtype, device=dev)  # the transfer engine writes here

@@ -23,11 +23,12 @@ import torch
 from clo.accounting import count_step, memory_parts, step_device_bytes
 from clo.config import CLOConfig
 from clo.plan import CLOPlan, estimate_parts, k_select, make_plan
-from clo.prefill import Offload, host_stores, staged_kv
+from clo.prefill import host_stores, staged_kv
 from clo.store import LayerStore, Selection, store_order, to_device
 from kvoffload.kernels.decode_attention import SplitAttention
 from kvoffload.kernels.head_cache import lookup_and_update
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
+from kvoffload.offload.host import Offload
 from kvoffload.offload.layers import DenseLayers
 from kvoffload.offload.retrieval import make_retriever
 from kvoffload.offload.transfer import TransferEngine

@@ -24,6 +24,7 @@ from clo.plan import k_select
 from clo.system import CLO
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, split_host
+from tests.offload_double import DeferredOffload
 from tests.reference import exact_topk_attention, topk_middle
 
 B, H, HKV, D, L, T0, STEPS = 2, 8, 2, 16, 3, 123, 4  # T0 - sink - recent = 111: a partial last block
@@ -584,7 +585,8 @@ def test_prefill_hands_a_view_of_the_keys_and_keeps_no_view_of_them(cls, kw, mon
         s = cls(**{**dict(sink=SINK, recent=RECENT, topk_ratio=RATIO, dense_layers=0, cpu_threads=2), **kw})
         s.allocate(KVSpec(L, b, T0 + STEPS, hkv * G, hkv, D, torch.float32, CPU))
         seen, real = [], s.prefill_sparse
-        monkeypatch.setattr(s, "prefill_sparse", lambda layer, keys, n: (seen.append(keys), real(layer, keys, n)))
+        spy = lambda layer, keys, *rest: (seen.append(keys), real(layer, keys, *rest))
+        monkeypatch.setattr(s, "prefill_sparse", spy)
         ks = [torch.randn(b, hkv, T0, D) for _ in range(L)]
         for layer, k in enumerate(ks):
             s.prefill(layer, k, torch.randn_like(k))
@@ -594,3 +596,32 @@ def test_prefill_hands_a_view_of_the_keys_and_keeps_no_view_of_them(cls, kw, mon
         del seen[:]
         kept = [t for t in tensors_of(s) if t.untyped_storage().data_ptr() in prompt]
         assert not kept, [tuple(t.shape) for t in kept]
+
+
+@pytest.mark.parametrize(
+    "cls, kw",
+    [(InfiniGen, {}), (RetroInfer, {}), (RetroInfer, {"retriever": "wave", "wave_cluster_size": 8})],
+)
+def test_host_stores_are_allocated_before_prefill_and_copied_while_the_next_layer_computes(cls, kw):
+    """With the prompt's length known, every sparse layer's pinned host store exists before the prefill and the
+    prefill fills that very buffer; its copy deferred to the latest moment the CUDA path allows (the next layer's
+    prefill, or end_prefill) leaves the stores and every decode output as the synchronous copy does (the wave
+    index reorders the rows before their copy)."""
+    runs = []
+    for deferred in (False, True):
+        s = cls(**{**dict(sink=SINK, recent=RECENT, topk_ratio=RATIO, dense_layers=1, cpu_threads=2), **kw})
+        s.allocate(replace(spec(), prompt_len=T0))
+        stores = list(s.host)
+        assert stores[0] is None and all(h is not None for h in stores[1:])
+        if deferred:
+            s.offload = DeferredOffload()
+            for h in stores[1:]:
+                h.fill_(float("nan"))  # what a step would read before its copy
+        got, _, _ = feed(s)
+        assert all(a is b for a, b in zip(s.host, stores))
+        runs.append((s, got))
+    (sync, want), (late, got) = runs
+    assert late.offload.deferred == L - 1 and late.offload.waiting is None
+    for a, b in zip(sync.host[1:], late.host[1:]):
+        assert torch.equal(a, b)
+    assert_outputs(got, want)

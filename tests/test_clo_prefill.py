@@ -1,16 +1,16 @@
-"""CLO's prefill (issue 16): each layer's K/V staged in the store's head order, then copied to host memory and its
-keys hash-encoded by clo.prefill.Offload, on CUDA while the next layer computes. On the CPU the offload runs in
-place; here it is also deferred to the latest moment the asynchronous path allows (the next layer's prefill, or
-end_prefill), which must leave every store as the synchronous path makes it."""
+"""CLO's prefill (issue 16): each layer's K/V staged in the store's head order, then copied to host memory and
+its keys hash-encoded by kvoffload.offload.host.Offload, on CUDA while the next layer computes. On the CPU the
+offload runs in place; here it is also deferred to the latest moment the asynchronous path allows (the next layer's
+prefill, or end_prefill), which must leave every store as the synchronous path makes it."""
 
 import pytest
 import torch
 
-from clo.prefill import Offload
 from clo.system import CLO
 from kvoffload.kv.interface import KVSpec
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import synthetic_decoder
+from tests.offload_double import DeferredOffload
 from tests.reference import first_head_hard, write_profile
 
 B, H, HKV, D, L, T0 = 2, 8, 4, 16, 3, 150
@@ -73,28 +73,6 @@ def test_hash_index_in_chunks_equals_one_encoding():
     r.index(0, keys, rows=7 * B * HKV)  # 7 tokens at a time
     assert torch.equal(r.codes[0], r.encode(0, keys.contiguous()))
     assert torch.equal(r.norms[0], keys.norm(dim=-1))
-
-
-class DeferredOffload(Offload):
-    """Runs each offload as late as the CUDA path may: when the next one starts or at finish. Remembers whether a
-    layer's prefill found the previous layer's offload still pending (it must wait for it first)."""
-
-    def __init__(self):
-        super().__init__(CPU)
-        self.waiting = None
-        self.deferred = 0
-
-    def start(self, kv, host, encode):
-        self.finish()
-        self.waiting = (kv, host, encode)
-
-    def finish(self):
-        if self.waiting is not None:
-            kv, host, encode = self.waiting
-            self.waiting = None
-            host.copy_(kv)
-            encode()
-            self.deferred += 1
 
 
 def tiny_model():

@@ -12,13 +12,14 @@ from kvoffload.kernels.decode_attention import decode_attention
 from kvoffload.kv.interface import KVSpec
 
 
-def prompt_window(kv: torch.Tensor, sink: int, recent: int, max_len: int) -> torch.Tensor:
-    """kv [B, Hkv, T0, 2, D] -> window [B, Hkv, sink + recent + max_len - T0, 2, D]: the sink rows, the recent
-    rows, then room for every generated token."""
-    b, hkv, t0, _, d = kv.shape
-    window = torch.empty(b, hkv, sink + recent + max_len - t0, 2, d, dtype=kv.dtype, device=kv.device)
-    window[:, :, :sink] = kv[:, :, :sink]
-    window[:, :, sink : sink + recent] = kv[:, :, t0 - recent : t0]
+def prompt_window(k: torch.Tensor, v: torch.Tensor, sink: int, recent: int, max_len: int) -> torch.Tensor:
+    """k, v [B, Hkv, T0, D] (views of a staged [B, Hkv, T0, 2, D] will do) -> window [B, Hkv, sink + recent +
+    max_len - T0, 2, D]: the sink rows, the recent rows, then room for every generated token."""
+    b, hkv, t0, d = k.shape
+    window = torch.empty(b, hkv, sink + recent + max_len - t0, 2, d, dtype=k.dtype, device=k.device)
+    for j, x in enumerate((k, v)):
+        window[:, :, :sink, j] = x[:, :, :sink]
+        window[:, :, sink : sink + recent, j] = x[:, :, t0 - recent : t0]
     return window
 
 

@@ -1,0 +1,59 @@
+"""Host memory for a layer's offloaded KV and the prefill's copy into it, shared by every offloading system.
+
+Pinned stores are allocated before the prefill where the prompt's length is known (pinning GBs keeps the host busy
+long enough to leave the prefill's GPU waiting for its next launches), and each layer's copy runs on a stream of its
+own while the decoder goes on to the next layer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from kvoffload.errors import ConfigError
+
+
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    try:
+        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+    except RuntimeError as e:  # pinning tens of GB can fail well below the RAM size
+        raise ConfigError(
+            f"could not allocate {math.prod(shape) * dtype.itemsize / 2**30:.1f} GiB of pinned host memory for a "
+            f"layer's offloaded KV ({e}); lower seqlen or batch"
+        ) from e
+
+
+class Offload:
+    """On CUDA, a layer's host copy (into pinned memory: the copy engine, beside the compute stream's kernels) and
+    its encoding run on a stream of their own, behind the layer's compute, while the decoder goes on to the next
+    layer. The staged K/V they read is held until an event after them has completed: freed earlier, its memory
+    would go to the next layer's kernels on the compute stream while the copy still reads it. Off CUDA both run
+    in place."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pending: tuple[torch.cuda.Event, torch.Tensor] | None = None  # (done, the staged K/V)
+
+    def start(self, kv: torch.Tensor, host: torch.Tensor, encode: Callable[[], None] | None = None) -> None:
+        """host <- kv, and encode() if given, after the work queued so far on the current stream."""
+        encode = encode or (lambda: None)
+        if self.stream is None:
+            host.copy_(kv)
+            encode()
+            return
+        self.finish()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            host.copy_(kv, non_blocking=True)
+            encode()
+            done = torch.cuda.Event()
+            done.record()
+        self.pending = (done, kv)
+
+    def finish(self) -> None:
+        """Waits on the host for the last offload to complete, then lets go of its staged K/V. A layer's prefill
+        calls it first: by then the decoder has queued that layer's compute, which keeps the GPU busy meanwhile."""
+        if self.pending is not None:
+            self.pending[0].synchronize()
+            self.pending = None
