@@ -4,8 +4,9 @@ Speed runs on synthetic weights pass every layer's query through this process in
 system: it is the workload's cost, not a system's, and a real model pays nothing for it. This bench times one
 step's worth of its calls (every layer, as Decoder.attention_queries issues them) by batch, replayed from a CUDA
 graph (as CLO's and FullAttn's whole steps and the baselines' piecewise dense segments replay it) and launched
-eagerly. `speculative`: the calls of a system that wants a one-layer-ahead query (CLO, InfiniGen-style), which
-perturbs a second query per layer; the others (FullAttn, RetroInfer-style) make one call per layer.
+eagerly, as torch code (some thirty kernels a call) and in one launch a call (kvoffload.kernels.query_chain, the
+default on CUDA). `speculative`: the calls of a system that wants a one-layer-ahead query (CLO, InfiniGen-style),
+which perturbs a second query per layer; the others (FullAttn, RetroInfer-style) make one call per layer.
 
     python -m experiments.bench_query_process --out results/.../query_process.json   # on the GPU machine
 """
@@ -64,17 +65,18 @@ def kernels_per_step(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def measure(batch: int, speculative: bool, device: torch.device, iters: int) -> dict:
+def measure(batch: int, speculative: bool, fused: bool, device: torch.device, iters: int) -> dict:
     shape = LLAMA3
     process = ProfileQueryProcess.from_profile(
-        PROFILE, shape["layers"], shape["kv_heads"], shape["heads"] // shape["kv_heads"], device
+        PROFILE, shape["layers"], shape["kv_heads"], shape["heads"] // shape["kv_heads"], device, fused=fused
     )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q = torch.randn(batch, shape["heads"], shape["head_dim"], device=device, dtype=dtype)
     step = lambda: one_step(process, q, shape["layers"], speculative)  # noqa: E731
     for _ in range(3):  # the first call of a layer draws its state; later calls advance it in place
         step()
-    row = {"batch": batch, "speculative": speculative, "eager_ms": round(time_ms(step, iters, device), 4)}
+    row = {"batch": batch, "speculative": speculative, "fused": process.fused}
+    row["eager_ms"] = round(time_ms(step, iters, device), 4)
     if device.type == "cuda":
         row["kernels_per_step"] = kernels_per_step(step)
         stream = torch.cuda.Stream(device)
@@ -107,8 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for batch in batches:
         for speculative in (False, True):
-            rows.append(measure(batch, speculative, device, args.iters))
-            print(rows[-1], flush=True)
+            for fused in (False, True) if device.type == "cuda" else (False,):
+                rows.append(measure(batch, speculative, fused, device, args.iters))
+                print(rows[-1], flush=True)
     command = "python -m experiments.bench_query_process " + shlex.join(sys.argv[1:] if argv is None else argv)
     write_json_atomic(
         args.out,

@@ -18,7 +18,8 @@ g = the head's spec_cos, so its cosine with the real query is g. w_t is a chain 
 dynamics (not fresh noise each step: the speculative queries of different steps must stay as alike as the real
 ones, which CLO's lookups compare). Without `spec_cos` it equals the real query (perfect speculation).
 The model's own query keeps its norm. All state lives on the device and is updated in place: a step replayed
-from a CUDA graph advances the chain, with no host sync.
+from a CUDA graph advances the chain, with no host sync. On CUDA a call of the persistent form is one launch
+(kvoffload.kernels.query_chain; this torch code is its specification), with the same random draws.
 
     python -m experiments.query_process data/profiles/smollm2-reuse.json --fit \\
         --out data/profiles/smollm2-process.json        # fit c, rho, spec_cos from a reuse record
@@ -36,6 +37,7 @@ import torch
 
 from clo.policy.persistent import load_profile
 from kvoffload.errors import ConfigError
+from kvoffload.kernels import query_chain
 from kvoffload.paths import repo_path, write_json_atomic
 
 FIT_LAGS = (1, 2, 4, 8)
@@ -62,7 +64,11 @@ class ProfileQueryProcess:
         persistent: torch.Tensor | None = None,
         rho: torch.Tensor | None = None,
         spec_cos: torch.Tensor | None = None,
+        fused: bool = True,
     ):
+        # fused: on CUDA, each call of the persistent form in one launch (kvoffload.kernels.query_chain) instead of
+        # some thirty: the process is a workload's cost inside every system's timed step, and should be small
+        self.fused = fused and query_chain.triton is not None
         per_q_head = lambda t: t.float().repeat_interleave(group, dim=1).to(device)  # [L, Hkv] -> [L, H]
         self.persistent_form = persistent is not None
         if self.persistent_form:
@@ -87,7 +93,9 @@ class ProfileQueryProcess:
         self.first_query = None
 
     @classmethod
-    def from_profile(cls, path: str, num_layers: int, num_kv_heads: int, group: int, device: torch.device):
+    def from_profile(
+        cls, path: str, num_layers: int, num_kv_heads: int, group: int, device: torch.device, fused: bool = True
+    ):
         s_hat, source = load_profile(path, num_layers, num_kv_heads)
         data = json.loads(repo_path(path).read_text())
         fields = {}
@@ -100,13 +108,22 @@ class ProfileQueryProcess:
                         f"needs ({num_layers}, {num_kv_heads})"
                     )
                 fields[name] = t
-        return cls(s_hat, group, device, source, **fields)
+        return cls(s_hat, group, device, source, fused=fused, **fields)
 
     def query(self, layer: int, q: torch.Tensor, advance: bool, speculative: bool = False) -> torch.Tensor:
         """q [B, H, D] from the model -> the process's query for this layer and step, with q's norms.
         `speculative`: the one-layer-ahead query for this layer (perturbed by spec_cos when the profile has it)."""
         if self.state[layer] is None and self.first_query is not None:
             q = self.first_query(layer, q)
+        head_dim = q.shape[-1]
+        one_launch = q.is_cuda and self.persistent_form and head_dim & (head_dim - 1) == 0  # Triton: D a power of 2
+        if self.fused and one_launch and self.state[layer] is not None:
+            err = None if self.spec is None else self.err[layer]
+            if self.spec is None or err is not None:  # both chains drawn: their first call is the torch one
+                g = None if self.spec is None else self.spec[layer]
+                return query_chain.query_chain(
+                    q, self.state[layer], err, self.c[layer], self.rho[layer], g, advance, speculative
+                )
         norm = q.norm(dim=-1, keepdim=True)
         u = self._persistent(layer, q, norm, advance) if self.persistent_form else self._ar1(layer, q, norm, advance)
         if self.spec is not None:

@@ -59,9 +59,19 @@ def summary(ks: list[dict], n_gaps: int) -> dict:
     for k in ks:
         kernel_time[(k["stream"], k["name"][:50])] += k["end"] - k["start"]
     top = sorted(kernel_time.items(), key=lambda kv: -kv[1])[:20]
+    # by kernel over every stream: a replayed graph spreads one kernel's launches over the streams of its branches
+    by_name = defaultdict(lambda: [0.0, 0])
+    for k in ks:
+        by_name[k["name"][:50]][0] += k["end"] - k["start"]
+        by_name[k["name"][:50]][1] += 1
     return {
         "span_us": round(span, 1),
         "kernels": len(ks),
+        "busy_us": round(sum(busy.values()), 1),
+        "busy_us_by_kernel": [
+            {"name": n, "us": round(t, 1), "launches": c}
+            for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+        ],
         "busy_us_by_stream": busy,
         "compute_stream": compute,
         "compute_idle_us": round(sum(g["idle_us"] for g in gaps), 1),

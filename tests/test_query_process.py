@@ -197,3 +197,39 @@ def test_the_persistent_process_advances_when_replayed_from_a_cuda_graph():
         specs.append(torch.nn.functional.cosine_similarity(spec, real, dim=-1).mean().item())
         prev = real.clone()
     assert abs(sum(sims) / len(sims) - 0.75) < 0.05 and abs(sum(specs) / len(specs) - 0.8) < 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec_cos", [None, [[0.9, 0.6], [0.8, 0.7]]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_one_launch_process_equals_the_torch_process_draw_for_draw(spec_cos, dtype):
+    """kvoffload.kernels.query_chain against this module's torch code (its specification): same seeds, the
+    decoder's call pattern, several steps, every layer; outputs and both chains' states agree."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA; run on the GPU machine")
+    dev = torch.device("cuda")
+    fields = dict(persistent=torch.tensor([[0.7, 0.2], [0.0, 0.9]]), rho=torch.tensor([[0.5, 0.8], [0.95, 0.3]]))
+    if spec_cos is not None:
+        fields["spec_cos"] = torch.tensor(spec_cos)
+    procs = [ProfileQueryProcess(torch.ones(2, 2), 4, dev, "test", fused=f, **fields) for f in (False, True)]
+    q = torch.randn(5, 8, 128, device=dev, dtype=dtype)
+    outs = []
+    for proc in procs:
+        torch.manual_seed(7)
+        got = []
+        for _ in range(4):
+            for layer in range(2):
+                if spec_cos is not None and layer + 1 < 2:
+                    got.append(proc.query(layer + 1, q * (layer + 2), advance=True, speculative=True))
+                got.append(proc.query(layer, q * (layer + 1), advance=not (spec_cos is not None and layer > 0)))
+        outs.append(got)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, **tol)
+    torch_proc, fused_proc = procs
+    for layer in range(2):
+        for x, y in zip(torch_proc.state[layer], fused_proc.state[layer]):
+            torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
+        if spec_cos is not None:
+            for x, y in zip(torch_proc.err[layer], fused_proc.err[layer]):
+                torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
