@@ -28,6 +28,16 @@ def load_events(path: Path, cats: tuple[str, ...] = ("kernel", "gpu_memcpy")) ->
     )
 
 
+def family(name: str) -> str:
+    """torch: its own small kernels (elementwise, reductions, draws, index, cat, copies); cublas: GEMMs; else the
+    kernel's name (Triton kernels: the project's own)."""
+    if name.startswith("void at::native") or name.startswith("memcpy32") or name.startswith("Memcpy"):
+        return "torch"
+    if name.startswith("nvjet") or "cublas" in name or "gemm" in name.lower():
+        return "cublas"
+    return name[:50]
+
+
 def kernels(path: Path) -> list[dict]:
     return load_events(path, ("kernel",))
 
@@ -59,16 +69,16 @@ def summary(ks: list[dict], n_gaps: int) -> dict:
     for k in ks:
         kernel_time[(k["stream"], k["name"][:50])] += k["end"] - k["start"]
     top = sorted(kernel_time.items(), key=lambda kv: -kv[1])[:20]
-    # by kernel over every stream: a replayed graph spreads one kernel's launches over the streams of its branches
+    # by family over every stream: a replayed graph spreads one kernel's launches over the streams of its branches
     by_name = defaultdict(lambda: [0.0, 0])
     for k in ks:
-        by_name[k["name"][:50]][0] += k["end"] - k["start"]
-        by_name[k["name"][:50]][1] += 1
+        by_name[family(k["name"])][0] += k["end"] - k["start"]
+        by_name[family(k["name"])][1] += 1
     return {
         "span_us": round(span, 1),
         "kernels": len(ks),
         "busy_us": round(sum(busy.values()), 1),
-        "busy_us_by_kernel": [
+        "busy_us_by_family": [
             {"name": n, "us": round(t, 1), "launches": c}
             for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
         ],
