@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from experiments.step_phases import phase_of, step_phases
-from experiments.step_timeline import load_events
+from experiments.step_timeline import load_events, summary
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -45,3 +45,15 @@ def test_a_committed_retroinfer_trace_splits_into_its_span():
     assert ph["transfer_exposed"] > 5 and ph["retrieval"] > 1 and ph["launch_sync"] > 5  # its LRU waits on the host
     with pytest.raises(ValueError, match="no GPU kernels"):
         step_phases([])
+
+
+def test_timeline_sums_kernel_families_over_the_streams_of_a_replayed_graph():
+    events = [
+        k("nvjet_sm90_tst_128x8", 7, 0, 10),
+        k("void at::native::vectorized_elementwise_kernel<4>", 7, 10, 12),
+        k("void at::native::reduce_kernel<512>", 31, 12, 15),  # another branch's stream
+        k("_uva_gather_kernel", 31, 15, 40),
+        k("_uva_gather_kernel", 32, 40, 60),
+    ]
+    fam = {r["name"]: (r["us"], r["launches"]) for r in summary(events, 3)["busy_us_by_family"]}
+    assert fam == {"_uva_gather_kernel": (45.0, 2), "cublas": (10.0, 1), "torch": (5.0, 2)}
