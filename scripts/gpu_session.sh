@@ -37,7 +37,7 @@ stage bench_attn 240 python3 -m experiments.bench_decode_attention --batches 1,2
 stage fig3_13 240 python3 -m experiments.bench_link --out "$out/fig3_13_link/record.json"
 # InfiniGen-style's CPU gather alone by pool size, memory kind, index pattern, threads and chunk (issue 15)
 # what the synthetic query process costs a step on its own, by batch (a workload's cost inside every system's step)
-stage query_process 120 python3 -m experiments.bench_query_process --out "$out/query_process.json"
+stage query_process 240 python3 -m experiments.bench_query_process --out "$out/query_process.json"
 stage host_gather 240 python3 -m experiments.bench_host_gather --tokens ${GATHER_TOKENS:-131072,524288} \
   --out "$out/host_gather.json"
 stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
