@@ -8,7 +8,7 @@ import torch
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload.budget import check_budget, select_budget, split_prompt
-from kvoffload.offload.host import Offload, host_buffer
+from kvoffload.offload.host import Offload, host_buffer, host_stores
 from kvoffload.offload.layers import DenseLayers, prompt_window
 from kvoffload.offload.retrieval import check_topk_method
 from kvoffload.offload.transfer import TransferEngine
@@ -57,22 +57,19 @@ class OffloadedBaseline(KVOffloadSystem):
         L = spec.num_layers
         self.dense = DenseLayers(spec, self.dense_layers)
         self.window: list[torch.Tensor | None] = [None] * L
-        self.host = self.host_stores(spec)
+        self.host = host_stores(spec, self.dense_layers, self.host_rows(spec))  # pinned before the prefill, as CLO's
         self.offload = Offload(spec.device)  # each layer's host copy, while the next layer computes (as CLO's)
         self.heads = torch.arange(spec.num_kv_heads, device=spec.device)
         self.t0 = 0
         self.link_gb_s = spec.link_bytes_per_s / 1e9  # what the system floor divides the moved bytes by, as CLO's
 
-    def host_stores(self, spec: KVSpec) -> list[torch.Tensor | None]:
-        """Every sparse layer's host store (pinned on CUDA) for a prompt of spec.prompt_len tokens, allocated before
-        the prefill as CLO's are; None where the prompt's length is not known yet (prefill allocates it then)."""
+    def host_rows(self, spec: KVSpec) -> int | None:
+        """Rows per head of a layer's host store (the prompt's middle, padded), or None before the prompt's length
+        is known."""
         if spec.prompt_len is None:
-            return [None] * spec.num_layers
+            return None
         n_mid = split_prompt(spec.prompt_len, self.sink, self.recent)[2]
-        shape = (spec.batch, spec.num_kv_heads, n_mid + self.host_padding(n_mid), 2, spec.head_dim)
-        pinned = spec.device.type == "cuda"
-        sparse = range(self.dense_layers, spec.num_layers)
-        return [host_buffer(shape, spec.dtype, pinned) if i in sparse else None for i in range(spec.num_layers)]
+        return n_mid + self.host_padding(n_mid)
 
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The layer's prompt K/V: sink and recent rows into its device window; the middle staged on the device in

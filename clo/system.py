@@ -23,12 +23,12 @@ import torch
 from clo.accounting import count_step, memory_parts, step_device_bytes
 from clo.config import CLOConfig
 from clo.plan import CLOPlan, estimate_parts, k_select, make_plan
-from clo.prefill import host_stores, staged_kv
+from clo.prefill import staged_kv
 from clo.store import LayerStore, Selection, store_order, to_device
 from kvoffload.kernels.decode_attention import SplitAttention
 from kvoffload.kernels.head_cache import lookup_and_update
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
-from kvoffload.offload.host import Offload
+from kvoffload.offload.host import Offload, host_stores
 from kvoffload.offload.layers import DenseLayers
 from kvoffload.offload.retrieval import make_retriever
 from kvoffload.offload.transfer import TransferEngine
@@ -94,7 +94,7 @@ class CLO(KVOffloadSystem):
         self.win_at = torch.zeros(1, dtype=torch.long, device=spec.device)
         self.win_len = torch.zeros(spec.batch, dtype=torch.long, device=spec.device)
         self.offload = Offload(spec.device)  # prefill's host copies and hash encoding
-        self.hosts = host_stores(spec, cfg.dense_layers)  # handed to the stores at prefill
+        self.hosts = host_stores(spec, cfg.dense_layers, spec.prompt_len)  # handed to the stores at prefill
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

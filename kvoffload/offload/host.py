@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import KVSpec
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
@@ -22,6 +23,18 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> tor
             f"could not allocate {math.prod(shape) * dtype.itemsize / 2**30:.1f} GiB of pinned host memory for a "
             f"layer's offloaded KV ({e}); lower seqlen or batch"
         ) from e
+
+
+def host_stores(spec: KVSpec, dense_layers: int, rows: int | None) -> list[torch.Tensor | None]:
+    """Every sparse layer's host store [B, Hkv, rows, 2, D], allocated (pinned on CUDA) before the prefill, as
+    FullAttn allocates its device cache: pinning GBs keeps the host busy long enough to leave the prefill's GPU
+    waiting for its next launches, and a failure to pin is reported before the long work. rows None (the
+    prompt's length not known yet): None for every layer (the prefill allocates them)."""
+    if rows is None:
+        return [None] * spec.num_layers
+    shape = (spec.batch, spec.num_kv_heads, rows, 2, spec.head_dim)
+    pinned = spec.device.type == "cuda"
+    return [None if i < dense_layers else host_buffer(shape, spec.dtype, pinned) for i in range(spec.num_layers)]
 
 
 class Offload:
