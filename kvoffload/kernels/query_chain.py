@@ -91,9 +91,10 @@ def query_chain(
     pe, ae = err if err is not None else (p, a)  # unread without an error chain
     na = torch.randn_like(a) if advance else a  # drawn in the torch process's order: the query's, then the error's
     ne = torch.randn_like(ae) if advance and err is not None else a
-    out = torch.empty_like(q)
+    q = q.contiguous()
+    out = torch.empty_like(q)  # contiguous as q now is: the kernel writes rows of D
     _query_chain_kernel[(b * h,)](
-        q.contiguous(), out, p, a, na, pe, ae, ne, c, rho, c if g is None else g,
+        q, out, p, a, na, pe, ae, ne, c, rho, c if g is None else g,
         H=h, D=d, ADVANCE=advance, HAS_ERR=err is not None, SPECULATIVE=speculative and err is not None,
     )  # fmt: skip
     return out
