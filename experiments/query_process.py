@@ -86,6 +86,8 @@ class ProfileQueryProcess:
         self.spec = None if spec_cos is None else per_q_head(spec_cos.clamp(-1.0, 1.0))
         if self.spec is not None:
             self.description += f"; speculative query at cos spec_cos per head (mean {spec_cos[1:].mean():.3f})"
+        if self.fused and self.persistent_form and torch.device(device).type == "cuda":
+            self.description += "; one launch a call (kvoffload.kernels.query_chain)"
         self.state: list = [None] * s_hat.shape[0]
         self.err: list = [None] * s_hat.shape[0]  # the speculative error's chain, with spec_cos only
         # (layer, q) -> q: the first query's direction where the model's own means nothing (synthetic weights
