@@ -231,11 +231,11 @@ class RetroInfer(OffloadedBaseline):
             rows[:, :, :n_mid] = rows[:, :, :n_mid].gather(2, perm)
             self.retriever.perm[layer] = None  # used once: positions are all a step needs
         n_blocks, _, cap = self.geometry(self.t0)
-        rows = spec.batch * spec.num_kv_heads
+        heads = spec.batch * spec.num_kv_heads  # (sequence, KV head) pairs: one cache and LRU row each
         self.cache[layer] = torch.zeros(
-            rows, cap, self.block_size, 2, spec.head_dim, dtype=spec.dtype, device=spec.device
+            heads, cap, self.block_size, 2, spec.head_dim, dtype=spec.dtype, device=spec.device
         )
-        self.lru[layer] = BlockLRU(rows, n_blocks, cap, self.cpu_threads)
+        self.lru[layer] = BlockLRU(heads, n_blocks, cap, self.cpu_threads)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.estimating and layer not in self.dense and self.retriever.centroids[layer] is not None:
