@@ -23,6 +23,7 @@ import torch
 from experiments.bench_link import counts
 from experiments.query_process import ProfileQueryProcess
 from experiments.records import environment, refuse
+from experiments.timing import median_ms, replay_ms
 from kvoffload.errors import ConfigError
 from kvoffload.paths import write_json_atomic
 
@@ -36,23 +37,6 @@ def one_step(process: ProfileQueryProcess, q: torch.Tensor, layers: int, specula
         if speculative and i + 1 < layers:
             process.query(i + 1, q, advance=True, speculative=True)
         process.query(i, q, advance=not (speculative and i > 0))
-
-
-def time_ms(fn, iters: int, device: torch.device) -> float:
-    if device.type != "cuda":
-        import time
-
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t) * 1e3 / iters
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def kernels_per_step(fn) -> int:
@@ -76,20 +60,10 @@ def measure(batch: int, speculative: bool, fused: bool, device: torch.device, it
     for _ in range(3):  # the first call of a layer draws its state; later calls advance it in place
         step()
     row = {"batch": batch, "speculative": speculative, "fused": process.fused}
-    row["eager_ms"] = round(time_ms(step, iters, device), 4)
+    row["eager_ms"] = round(median_ms(step, device, repeats=iters), 4)
     if device.type == "cuda":
         row["kernels_per_step"] = kernels_per_step(step)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            step()  # warm on the capture stream, as torch's capture examples do
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        for _ in range(10):
-            graph.replay()
-        row["graph_ms"] = round(time_ms(graph.replay, iters, device), 4)
+        row["graph_ms"] = round(replay_ms(step), 4)  # median of 10 replays of a 20-step graph, per step
     return row
 
 
