@@ -70,17 +70,18 @@ def summary(ks: list[dict], n_gaps: int) -> dict:
         kernel_time[(k["stream"], k["name"][:50])] += k["end"] - k["start"]
     top = sorted(kernel_time.items(), key=lambda kv: -kv[1])[:20]
     # by family over every stream: a replayed graph spreads one kernel's launches over the streams of its branches
-    by_name = defaultdict(lambda: [0.0, 0])
+    by_family = defaultdict(lambda: [0.0, 0])
     for k in ks:
-        by_name[family(k["name"])][0] += k["end"] - k["start"]
-        by_name[family(k["name"])][1] += 1
+        totals = by_family[family(k["name"])]
+        totals[0] += k["end"] - k["start"]
+        totals[1] += 1
     return {
         "span_us": round(span, 1),
         "kernels": len(ks),
         "busy_us": round(sum(busy.values()), 1),
         "busy_us_by_family": [
             {"name": n, "us": round(t, 1), "launches": c}
-            for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+            for n, (t, c) in sorted(by_family.items(), key=lambda kv: -kv[1][0])[:25]
         ],
         "busy_us_by_stream": busy,
         "compute_stream": compute,
