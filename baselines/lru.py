@@ -131,6 +131,16 @@ class BlockLRU:
         numba.set_num_threads(self.threads)
         lru_native.access_into(blocks, self.n_blocks, *self.arrays, dest, src, counts)
 
+    def decide_into(self, blocks, dest, src, counts) -> None:
+        """access_into's outputs, the state as it was until update(blocks) (lru_native.decide_into)."""
+        assert self.backend == "native", "decide_into is the native backend's"
+        numba.set_num_threads(self.threads)
+        lru_native.decide_into(blocks, self.n_blocks, *self.arrays, dest, src, counts)
+
+    def update(self, blocks) -> None:
+        """The state change of the step decide_into decided for the same blocks (one thread, GIL released)."""
+        lru_native.update(blocks, self.n_blocks, *self.arrays)
+
     def _access_native(self, blocks: torch.Tensor) -> LRUStep:
         b = blocks.to(torch.int32).contiguous().numpy()  # one dtype and layout: one compiled kernel
         numba.set_num_threads(self.threads)  # applies to this calling thread's parallel regions

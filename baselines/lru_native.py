@@ -150,12 +150,59 @@ def access_into(blocks, nb, block_slot, slot_block, link, dest, src, counts):
     counts[0], counts[1], counts[2] = rows * n, hits.sum(), evictions.sum()
 
 
+@numba.njit(nogil=True, parallel=True, cache=True)
+def decide_into(blocks, nb, block_slot, slot_block, link, dest, src, counts):
+    """access_into's dest, src and counts, the state left as it was (the decision a step waits for; `update`
+    then makes the state change, off the critical path, as RetroInfer's thread pool does). The victims are the
+    slots not hit in this step, least recently used first: access_into's, which moves the hits to the tail
+    before it takes them from the head. A hit slot is marked while the row is decided by flipping its
+    slot_block entry b >= 0 to -2 - b (an unhit slot's entry is >= -1), and flipped back after."""
+    rows, n = blocks.shape
+    cap = link.shape[1] - 1
+    hits, evictions = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
+    for r in prange(rows):
+        lk, bsl, sbl = link[r], block_slot[r], slot_block[r]
+        h = 0
+        for j in range(n):
+            s = bsl[U(blocks[r, j])]
+            dest[r, j], src[r, j] = s, -1
+            if s >= 0:
+                sbl[U(s)] = -2 - sbl[U(s)]
+                h += 1
+        v, e = lk[cap, NEXT], 0
+        for j in range(n):
+            if dest[r, j] < 0:
+                while sbl[U(v)] < -1:
+                    v = lk[U(v), NEXT]
+                dest[r, j], src[r, j] = v, r * nb + blocks[r, j]
+                e += sbl[U(v)] >= 0
+                v = lk[U(v), NEXT]
+        for j in range(n):
+            if src[r, j] < 0:
+                s = dest[r, j]
+                sbl[U(s)] = -2 - sbl[U(s)]
+        hits[r], evictions[r] = h, e
+    counts[0], counts[1], counts[2] = rows * n, hits.sum(), evictions.sum()
+
+
+@numba.njit(nogil=True, cache=True)
+def update(blocks, nb, block_slot, slot_block, link):
+    """The state change of access_into for the same blocks, one thread (it runs beside the step's GPU work)."""
+    rows, n = blocks.shape
+    slot_r = np.empty(n, np.int64)
+    mcol, mslot = np.empty(n, np.int32), np.empty(n, np.int32)
+    for r in range(rows):
+        _row_step(link[r], block_slot[r], slot_block[r], blocks[r], n, nb, slot_r, mcol, mslot)
+
+
 def warm() -> None:
     """Compile (or load from numba's cache) and start the thread pool now, once per process: not in a timed step."""
     state = [torch.full((1, 2), -1, dtype=torch.int64).numpy() for _ in range(2)]
     access(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy())
     out = [np.zeros((1, 1), np.int32) for _ in range(2)]
     access_into(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy(), *out, np.zeros(3, np.int64))
+    decide_into(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy(), *out, np.zeros(3, np.int64))
+    update(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy())
 
 
 def order(link: torch.Tensor) -> torch.Tensor:

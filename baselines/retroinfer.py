@@ -27,6 +27,7 @@ BufferManager does.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -54,6 +55,10 @@ SELECTIONS = ("block", "token")
 # on: the decode step's GPU work in per-layer CUDA graphs between the sync points (baselines/retroinfer_graphs.py);
 # off: eager; auto: on where it applies (CUDA, block selection, hash or exact retriever, uva transfer)
 GRAPH_MODES = ("auto", "on", "off")
+# the graph path's LRU, per layer and step: inline, the whole step (decision and state change) between the sync and
+# the fetch; deferred, the decision there and the state change in a worker thread beside the GPU's fetch and
+# attention, as RetroInfer's thread pool updates its cache (cache_hub/retroinfer_cache.py: batch_access, then sync)
+LRU_UPDATES = ("inline", "deferred")
 
 
 class RetroInfer(OffloadedBaseline):
@@ -81,6 +86,7 @@ class RetroInfer(OffloadedBaseline):
         wave_iters: int = 4,
         wave_estimate: float = 0.232,
         graphs: str = "auto",
+        lru_update: str = "inline",
     ) -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, uva_programs, topk)
         if selection not in SELECTIONS:
@@ -103,6 +109,9 @@ class RetroInfer(OffloadedBaseline):
         if graphs not in GRAPH_MODES:
             raise ConfigError(f"graphs={graphs!r}; valid: {', '.join(GRAPH_MODES)}")
         self.graphs = graphs
+        if lru_update not in LRU_UPDATES:
+            raise ConfigError(f"lru_update={lru_update!r}; valid: {', '.join(LRU_UPDATES)}")
+        self.lru_update = lru_update
         self.estimating = retriever == "wave" and self.wave.estimate > 0
         self.evictions = 0
 
@@ -208,6 +217,8 @@ class RetroInfer(OffloadedBaseline):
             raise ConfigError(f"graphs=on needs {', '.join(why_not)}; use graphs=auto or off")
         self.use_graphs = self.graphs != "off" and not why_not
         self.layer_graphs: dict[int, LayerGraphs] = {}
+        # one worker: the layers' deferred LRU updates run in order, one core beside the launching thread
+        self.lru_worker = ThreadPoolExecutor(1) if self.use_graphs and self.lru_update == "deferred" else None
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         on_device = spec.device if self.transfer_kind == "uva" else torch.device("cpu")  # where fill wants indices
         self.fill_heads = torch.zeros(1, dtype=torch.long, device=on_device)
@@ -369,6 +380,7 @@ class RetroInfer(OffloadedBaseline):
             "link_gb_s": self.link_gb_s,
             "selection": self.selection,
             "graphs": self.use_graphs,
+            "lru_update": self.lru_update if self.use_graphs else "inline",
             "defaults_source": "RetroInfer cache_hub/retroinfer_cache.py (microsoft/RetrievalAttention): "
             "page_size 8, cache = 3 x the retrieved clusters' pages",
             "memory_parts": self.memory_parts(),

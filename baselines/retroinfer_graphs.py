@@ -8,7 +8,10 @@ Per sparse layer and step:
   sync              the host waits for that copy: the step's one host sync per layer (RetroInfer's too)
   manage (CPU)      the LRU decides, for each selected block, its cache slot (a hit, or the slot a miss is admitted
                     into: block selection retrieves at most the cache's capacity, so every miss is admitted) and,
-                    for a miss, its block in the host store; written into pinned buffers (lru_native.access_into)
+                    for a miss, its block in the host store; written into pinned buffers (lru_native.access_into).
+                    With lru_update=deferred only the decision is made here (decide_into) and the LRU's state
+                    change runs in a worker thread beside the fetch and attention (update), awaited before the
+                    layer's next step
   fetch (graph)     those buffers copied to the device, then the missed blocks read from pinned host memory
                     straight into their cache slots (uva_copy_blocks: zero-copy, no staging)
   attend (graph)    window + the selected blocks' rows, read where they lie in the cache (hybrid_attention with
@@ -64,6 +67,7 @@ class LayerGraphs:
         self.row_base = (torch.arange(self.rows, device=dev, dtype=torch.int32) * self.cap)[:, None]
         self.win_len = torch.zeros(b, dtype=torch.int32, device=dev)
         self.retrieved = torch.cuda.Event()
+        self.updating = None  # the deferred LRU update of this layer's last step (a Future)
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.out: torch.Tensor | None = None
 
@@ -112,6 +116,10 @@ class LayerGraphs:
     # ---- one step -------------------------------------------------------------------------------------
     def step(self, q: torch.Tensor, n_win: int) -> torch.Tensor:
         s = self.system
+        if self.updating is not None:  # its blocks_host is about to be overwritten, its state read
+            with s.phase("cache_mgmt"), host_work(s.step):
+                self.updating.result()
+            self.updating = None
         with s.phase("retrieval"):
             self.q.copy_(q)
             self._replay("retrieve", self._retrieve)
@@ -120,10 +128,13 @@ class LayerGraphs:
             self.retrieved.synchronize()  # the block ids are on the host
         s.step.host_syncs += 1
         s.step.bytes_d2h += self.blocks_host.nbytes
+        lru, blocks = s.lru[self.layer], self.blocks_host.numpy()
         with s.phase("cache_mgmt"), host_work(s.step):
-            s.lru[self.layer].access_into(
-                self.blocks_host.numpy(), self.dest_host.numpy(), self.src_host.numpy(), self.counts.numpy()
-            )
+            if s.lru_worker is None:
+                lru.access_into(blocks, self.dest_host.numpy(), self.src_host.numpy(), self.counts.numpy())
+            else:
+                lru.decide_into(blocks, self.dest_host.numpy(), self.src_host.numpy(), self.counts.numpy())
+                self.updating = s.lru_worker.submit(lru.update, blocks)
         lookups, hits, evictions = self.counts.tolist()
         with s.phase("transfer_exposed"):
             self._replay("fetch", self._fetch)

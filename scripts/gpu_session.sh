@@ -3,7 +3,7 @@
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
 # Stages: pytest_gpu (~4 min) fig3_13 bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
 # bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
-# memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather fig2 (~3.5 min) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
+# memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather lru (~1 min) fig2 (~3.5 min) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
 # It installs the carried wheels (hardware.md), runs the GPU tests, the kernel benchmarks and the system runs,
 # and packs every record and log into $OUT/gpu_session.tgz (one file: the device returns at most 8).
@@ -35,9 +35,11 @@ stage bench_attn 240 python3 -m experiments.bench_decode_attention --batches 1,2
   --out "$out/decode_attention.json"
 # paper Figures 3/13: each transfer path's bandwidth by volume and CPU threads, beside a bulk pinned copy
 stage fig3_13 240 python3 -m experiments.bench_link --out "$out/fig3_13_link/record.json"
-# InfiniGen-style's CPU gather alone by pool size, memory kind, index pattern, threads and chunk (issue 15)
 # what the synthetic query process costs a step on its own, by batch (a workload's cost inside every system's step)
 stage query_process 240 python3 -m experiments.bench_query_process --out "$out/query_process.json"
+# RetroInfer-style's CPU LRU alone at Figure 10's shapes, by threads, inline vs deferred (its step's host work)
+stage lru 150 python3 -m experiments.bench_lru --out "$out/lru.json"
+# InfiniGen-style's CPU gather alone by pool size, memory kind, index pattern, threads and chunk (issue 15)
 stage host_gather 240 python3 -m experiments.bench_host_gather --tokens ${GATHER_TOKENS:-131072,524288} \
   --out "$out/host_gather.json"
 stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"

@@ -262,6 +262,32 @@ def test_lru_access_into_decides_as_access():
         assert torch.equal(ref.block_slot, got.block_slot) and torch.equal(ref.order(), got.order())
 
 
+def test_lru_decide_then_update_equals_access_into():
+    """The deferred path (RetroInfer's thread pool updates the LRU beside the step's GPU work): decide_into
+    gives access_into's every output with the state untouched, and update then leaves access_into's state."""
+    rows, n_blocks, capacity, n = 4, 60, 12, 9
+    g = torch.Generator().manual_seed(5)
+    ref, got = (BlockLRU(rows, n_blocks, capacity, 2) for _ in range(2))
+    for _ in range(40):
+        blocks = torch.stack([torch.randperm(n_blocks, generator=g)[:n].sort().values for _ in range(rows)]).int()
+        outs = [
+            (
+                torch.empty(rows, n, dtype=torch.int32),
+                torch.empty(rows, n, dtype=torch.int32),
+                torch.zeros(3, dtype=torch.int64),
+            )
+            for _ in range(2)
+        ]
+        ref.access_into(blocks.numpy(), *(t.numpy() for t in outs[0]))
+        before = (got.block_slot.clone(), got.slot_block.clone(), got.order())
+        got.decide_into(blocks.numpy(), *(t.numpy() for t in outs[1]))
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+        assert all(torch.equal(a, b) for a, b in zip(before, (got.block_slot, got.slot_block, got.order())))
+        got.update(blocks.numpy())
+        assert torch.equal(ref.block_slot, got.block_slot) and torch.equal(ref.slot_block, got.slot_block)
+        assert torch.equal(ref.order(), got.order())
+
+
 def test_lru_refuses_bad_threads_and_backend():
     with pytest.raises(ConfigError, match="threads"):
         BlockLRU(2, 10, 4, threads=0)
@@ -344,6 +370,7 @@ def test_budget_rule_is_clos():
         (lambda: RetroInfer(retriever="wave", wave_cluster_size=0), "cluster_size"),
         (lambda: RetroInfer(transfer="dma"), "transfer"),
         (lambda: RetroInfer(uva_programs=0), "uva_programs"),
+        (lambda: RetroInfer(lru_update="async"), "lru_update"),
         (lambda: InfiniGen(topk="heap"), "topk"),
         (lambda: InfiniGen(channel_fraction=0.0), "channel_fraction"),
         (lambda: InfiniGen(fetch_chunk_rows=0), "fetch_chunk_rows"),

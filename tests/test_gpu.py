@@ -180,7 +180,8 @@ def test_piecewise_graphs_generate_the_eager_tokens(system):
 def test_retroinfer_graph_step_equals_its_eager_step(t0, topk_ratio):
     """RetroInfer-style's per-layer graphs (retrieve, LRU into pinned buffers, UVA block fetch, split attention
     over window + cache rows) against its eager path, step by step: the same attention output (to bf16 rounding),
-    the same hits, lookups and bytes; a middle that is not whole blocks (1003 tokens) and top-k 100 % included."""
+    the same hits, lookups and bytes; a middle that is not whole blocks (1003 tokens) and top-k 100 % included.
+    The graphs with the LRU's state change deferred to a worker thread give the inline graphs' outputs exactly."""
     from baselines.retroinfer import RetroInfer
 
     layers, b, h, hkv, d, n = 3, 2, 8, 2, 64, 12
@@ -188,13 +189,14 @@ def test_retroinfer_graph_step_equals_its_eager_step(t0, topk_ratio):
     k = torch.randn(layers, b, hkv, t0 + n, d, device=CUDA, dtype=torch.bfloat16, generator=g)
     v = torch.randn_like(k)
     q = torch.randn(n, layers, b, h, d, device=CUDA, dtype=torch.bfloat16, generator=g)
-    systems = [RetroInfer(topk_ratio=topk_ratio, dense_layers=1, graphs=m) for m in ("off", "on")]
+    modes = (("off", "inline"), ("on", "inline"), ("on", "deferred"))
+    systems = [RetroInfer(topk_ratio=topk_ratio, dense_layers=1, graphs=m, lru_update=u) for m, u in modes]
     for kv in systems:
         kv.allocate(cuda_spec(layers, b, t0 + n, h, hkv, d, torch.bfloat16), PhaseTimer(CUDA))
         for layer in range(layers):
             kv.prefill(layer, k[layer, :, :, :t0], v[layer, :, :, :t0])
         kv.end_prefill(t0)
-    assert not systems[0].use_graphs and systems[1].use_graphs
+    assert not systems[0].use_graphs and systems[1].use_graphs and systems[2].lru_worker is not None
     for i in range(n):
         outs, stats = [], []
         for kv in systems:
@@ -202,12 +204,17 @@ def test_retroinfer_graph_step_equals_its_eager_step(t0, topk_ratio):
             step = [(q[i, lay], k[lay, :, :, t0 + i], v[lay, :, :, t0 + i]) for lay in range(layers)]
             outs.append([kv.decode(lay, *args) for lay, args in enumerate(step)])
             stats.append(kv.end_step())
-        for a, c in zip(*outs):
+        for a, c, e in zip(*outs):
             rel = (a.float() - c.float()).norm() / a.float().norm()
             assert rel < 2e-2, (i, rel)
+            assert torch.equal(c, e), i
         for f in ("lookups", "hits", "bytes_h2d", "host_syncs"):
-            assert getattr(stats[0], f) == getattr(stats[1], f), f
+            assert getattr(stats[0], f) == getattr(stats[1], f) == getattr(stats[2], f), f
     assert stats[1].lookups > 0 and stats[1].host_syncs == layers - 1
+    for layer in range(1, layers):  # the deferred updates leave the inline LRU's state
+        systems[2].layer_graphs[layer].updating.result()
+        assert torch.equal(systems[1].lru[layer].block_slot, systems[2].lru[layer].block_slot)
+        assert torch.equal(systems[1].lru[layer].order(), systems[2].lru[layer].order())
 
 
 def test_infinigen_worker_fetch_equals_the_gpu_gather():

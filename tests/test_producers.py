@@ -86,6 +86,24 @@ def test_host_gather_bench_on_the_cpu(tmp_path, capsys):
         assert e.value.code == 2 and why in capsys.readouterr().err
 
 
+def test_lru_bench_on_the_cpu(tmp_path, capsys):
+    """experiments.bench_lru: a row per (point, threads, mode), the deferred mode's hit rate the inline one's (the
+    same decisions), its state change timed apart; bad input refused with one line and exit status 2."""
+    from experiments import bench_lru
+
+    out = tmp_path / "lru.json"
+    args = ["--out", str(out), "--points", "1k:1,1k:2", "--threads", "1", "--steps", "12"]
+    bench_lru.main(args)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["mode"]) for r in rows] == [(b, m) for b in (1, 2) for m in ("inline", "deferred")]
+    assert rows[0]["hit_rate"] == rows[1]["hit_rate"] > 0.5 and "update_us" in rows[1]
+    assert all(r["critical_us"] > 0 and r["rows"] == 8 * r["batch"] for r in rows)
+    for bad, why in ((["--points", "1k"], "seqlen:batch"), (["--keep", "1"], "must be in [0, 1)")):
+        with pytest.raises(SystemExit) as e:
+            bench_lru.main([*args, *bad])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+
+
 def test_the_infinigen_fetch_readme_is_current():
     """results/infinigen_cpu_fetch/README.md is what its generator makes of the records beside it."""
     from experiments.infinigen_fetch_readme import readme
