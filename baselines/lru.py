@@ -59,7 +59,9 @@ BACKENDS = ("native", "torch")
 
 
 class BlockLRU:
-    def __init__(self, rows: int, n_blocks: int, capacity: int, threads: int = 1, backend: str = "native"):
+    def __init__(
+        self, rows: int, n_blocks: int, capacity: int, threads: int = 1, backend: str = "native", deferred: bool = False
+    ):
         if threads < 1:
             raise ConfigError(f"BlockLRU threads={threads} must be at least 1")
         if backend not in BACKENDS:
@@ -73,7 +75,7 @@ class BlockLRU:
             # and more threads than heads only add a parallel region's start-up cost
             self.threads = min(threads, rows, numba.config.NUMBA_NUM_THREADS)
             self.arrays = (self.block_slot.numpy(), self.slot_block.numpy(), self.slot_link.numpy())  # shared memory
-            lru_native.warm()  # compile here, once per process, not in the first timed step
+            lru_native.warm(deferred)  # compile here, once per process, not in the first timed step
             return
         self.slot_stamp = torch.full((rows, capacity + 1), -1, dtype=torch.int64)
         self.slot_stamp[:, :capacity] = torch.arange(capacity) - capacity  # distinct: slot 0 least recently used

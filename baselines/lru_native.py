@@ -195,14 +195,16 @@ def update(blocks, nb, block_slot, slot_block, link):
         _row_step(link[r], block_slot[r], slot_block[r], blocks[r], n, nb, slot_r, mcol, mslot)
 
 
-def warm() -> None:
-    """Compile (or load from numba's cache) and start the thread pool now, once per process: not in a timed step."""
+def warm(deferred: bool = False) -> None:
+    """Compile (or load from numba's cache) and start the thread pool now, once per process: not in a timed step.
+    deferred: decide_into and update too (only the deferred LRU update calls them)."""
     state = [torch.full((1, 2), -1, dtype=torch.int64).numpy() for _ in range(2)]
     access(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy())
     out = [np.zeros((1, 1), np.int32) for _ in range(2)]
     access_into(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy(), *out, np.zeros(3, np.int64))
-    decide_into(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy(), *out, np.zeros(3, np.int64))
-    update(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy())
+    if deferred:
+        decide_into(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy(), *out, np.zeros(3, np.int64))
+        update(np.zeros((1, 1), np.int32), 1, *state, new_links(1, 1).numpy())
 
 
 def order(link: torch.Tensor) -> torch.Tensor:

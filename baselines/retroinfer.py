@@ -246,7 +246,7 @@ class RetroInfer(OffloadedBaseline):
         self.cache[layer] = torch.zeros(
             heads, cap, self.block_size, 2, spec.head_dim, dtype=spec.dtype, device=spec.device
         )
-        self.lru[layer] = BlockLRU(heads, n_blocks, cap, self.cpu_threads)
+        self.lru[layer] = BlockLRU(heads, n_blocks, cap, self.cpu_threads, deferred=self.lru_worker is not None)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.estimating and layer not in self.dense and self.retriever.centroids[layer] is not None:
@@ -380,7 +380,7 @@ class RetroInfer(OffloadedBaseline):
             "link_gb_s": self.link_gb_s,
             "selection": self.selection,
             "graphs": self.use_graphs,
-            "lru_update": self.lru_update if self.use_graphs else "inline",
+            "lru_update": "inline" if self.lru_worker is None else "deferred",  # as the steps ran
             "defaults_source": "RetroInfer cache_hub/retroinfer_cache.py (microsoft/RetrievalAttention): "
             "page_size 8, cache = 3 x the retrieved clusters' pages",
             "memory_parts": self.memory_parts(),

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         steps = block_steps(rows, n, n_blocks, args.keep, args.steps, seed=seqlen + batch)
         for t in threads:
             for mode in ("inline", "deferred"):
-                lru = BlockLRU(rows, n_blocks, cap, t)
+                lru = BlockLRU(rows, n_blocks, cap, t, deferred=mode == "deferred")
                 row = dict(seqlen=seqlen, batch=batch, rows=rows, blocks_per_step=n, cache_blocks=cap, threads=t)
                 row |= dict(mode=mode, effective_threads=lru.threads, **time_mode(mode, lru, steps, warm=10))
                 rows_out.append(row)
