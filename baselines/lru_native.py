@@ -150,6 +150,34 @@ def access_into(blocks, nb, block_slot, slot_block, link, dest, src, counts):
     counts[0], counts[1], counts[2] = rows * n, hits.sum(), evictions.sum()
 
 
+@numba.njit(nogil=True, cache=True)
+def _row_decide(lk, bsl, sbl, blocks_r, base, dest_r, src_r):
+    """decide_into's work for one row; returns (hits, evictions). Not inlined into the prange loop: numba's
+    parfor reduction analysis (some versions) fails on the victim walk's loop-carried `v` there."""
+    cap = lk.shape[0] - 1
+    n = blocks_r.shape[0]
+    h = 0
+    for j in range(n):
+        s = bsl[U(blocks_r[j])]
+        dest_r[j], src_r[j] = s, -1
+        if s >= 0:
+            sbl[U(s)] = -2 - sbl[U(s)]
+            h += 1
+    v, e = lk[cap, NEXT], 0
+    for j in range(n):
+        if dest_r[j] < 0:
+            while sbl[U(v)] < -1:
+                v = lk[U(v), NEXT]
+            dest_r[j], src_r[j] = v, base + blocks_r[j]
+            e += sbl[U(v)] >= 0
+            v = lk[U(v), NEXT]
+    for j in range(n):
+        if src_r[j] < 0:
+            s = dest_r[j]
+            sbl[U(s)] = -2 - sbl[U(s)]
+    return h, e
+
+
 @numba.njit(nogil=True, parallel=True, cache=True)
 def decide_into(blocks, nb, block_slot, slot_block, link, dest, src, counts):
     """access_into's dest, src and counts, the state left as it was (the decision a step waits for; `update`
@@ -158,30 +186,9 @@ def decide_into(blocks, nb, block_slot, slot_block, link, dest, src, counts):
     before it takes them from the head. A hit slot is marked while the row is decided by flipping its
     slot_block entry b >= 0 to -2 - b (an unhit slot's entry is >= -1), and flipped back after."""
     rows, n = blocks.shape
-    cap = link.shape[1] - 1
     hits, evictions = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
     for r in prange(rows):
-        lk, bsl, sbl = link[r], block_slot[r], slot_block[r]
-        h = 0
-        for j in range(n):
-            s = bsl[U(blocks[r, j])]
-            dest[r, j], src[r, j] = s, -1
-            if s >= 0:
-                sbl[U(s)] = -2 - sbl[U(s)]
-                h += 1
-        v, e = lk[cap, NEXT], 0
-        for j in range(n):
-            if dest[r, j] < 0:
-                while sbl[U(v)] < -1:
-                    v = lk[U(v), NEXT]
-                dest[r, j], src[r, j] = v, r * nb + blocks[r, j]
-                e += sbl[U(v)] >= 0
-                v = lk[U(v), NEXT]
-        for j in range(n):
-            if src[r, j] < 0:
-                s = dest[r, j]
-                sbl[U(s)] = -2 - sbl[U(s)]
-        hits[r], evictions[r] = h, e
+        hits[r], evictions[r] = _row_decide(link[r], block_slot[r], slot_block[r], blocks[r], r * nb, dest[r], src[r])
     counts[0], counts[1], counts[2] = rows * n, hits.sum(), evictions.sum()
 
 
