@@ -172,3 +172,31 @@ def test_hf_projections_fuse_in_order_and_incomplete_groups_stay():
     assert fused[p + "self_attn.qkv_proj.bias"].shape == (8,)
     assert p + "mlp.gate_proj.weight" in fused and p + "mlp.gate_up_proj.weight" not in fused
     assert not any(".q_proj." in k or ".k_proj." in k or ".v_proj." in k for k in fused)
+
+
+def test_smollm2_folder_converted_once_by_concurrent_first_users(tmp_path, monkeypatch):
+    """Two sweeps started at once on a fresh machine both find the folder missing: one converts, the other waits
+    for it (the second used to fail on the first's temporary folder)."""
+    import threading
+    import time
+
+    from kvoffload.model import gguf_convert, weights
+
+    calls = []
+
+    def convert(gguf_path, out):
+        calls.append(out)
+        time.sleep(0.2)  # both threads are past the first check before the folder exists
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setenv("CLO_CACHE", str(tmp_path))
+    monkeypatch.setattr(gguf_convert, "gguf_to_hf_folder", convert)
+    monkeypatch.setattr(weights, "smollm2_gguf_path", lambda: tmp_path / "x.gguf")
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(weights.smollm2_folder())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 2 and got[0] == got[1] == calls[0]

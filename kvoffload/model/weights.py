@@ -4,6 +4,7 @@ bf16 safetensors folder outside the repo, then loaded like any HF folder)."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -128,5 +129,9 @@ def smollm2_folder() -> Path:
         return out
     from kvoffload.model.gguf_convert import gguf_to_hf_folder
 
-    gguf_to_hf_folder(smollm2_gguf_path(), out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:  # two sweeps started at once convert it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "model.safetensors").is_file():
+            gguf_to_hf_folder(smollm2_gguf_path(), out)
     return out
