@@ -12,11 +12,13 @@ Per sparse layer and step:
                     With lru_update=deferred only the decision is made here (decide_into) and the LRU's state
                     change runs in a worker thread beside the fetch and attention (update), awaited before the
                     layer's next step
-  fetch (graph)     those buffers copied to the device, then the missed blocks read from pinned host memory
-                    straight into their cache slots (uva_copy_blocks: zero-copy, no staging)
-  attend (graph)    window + the selected blocks' rows, read where they lie in the cache (hybrid_attention with
-                    every head indexed; a partial last block's padding rows are index -1: never attended)
-Retrieve, fetch and attend each replay one graph, so a phase costs its kernels' GPU time plus one launch.
+  fetch + attend    one graph: those buffers (and the window's length) copied to the device, the missed blocks
+                    read from pinned host memory straight into their cache slots (uva_copy_blocks: zero-copy, no
+                    staging), then attention over the window + the selected blocks' rows, read where they lie in
+                    the cache (hybrid_attention with every head indexed; a partial last block's padding rows are
+                    index -1: never attended)
+A layer replays two graphs: nothing on the host separates the fetch from the attention, and each graph launch
+after the sync is time the GPU waits (a trace of the step showed it idle for each launch).
 """
 
 from __future__ import annotations
@@ -66,12 +68,16 @@ class LayerGraphs:
         self.src = torch.zeros_like(self.dest)
         self.row_base = (torch.arange(self.rows, device=dev, dtype=torch.int32) * self.cap)[:, None]
         self.win_len = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.win_len_host = torch.zeros(b, **pinned)
+        # numpy views of the pinned buffers, made once: the host's work between the sync and the launch is the
+        # step's critical path
+        self.host_views = tuple(t.numpy() for t in (self.blocks_host, self.dest_host, self.src_host, self.counts))
         self.retrieved = torch.cuda.Event()
         self.updating = None  # the deferred LRU update of this layer's last step (a Future)
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.out: torch.Tensor | None = None
 
-    # ---- the three captured parts -----------------------------------------------------------------------
+    # ---- the captured parts --------------------------------------------------------------------------
     def _retrieve(self) -> None:
         s, bs = self.system, self.bs
         scores = s.retriever.scores(self.layer, self.q, s.heads)  # [B, Hkv, n_mid]
@@ -79,10 +85,15 @@ class LayerGraphs:
         self.blocks.copy_(blocks.view(self.rows, self.nsel))
         self.blocks_host.copy_(self.blocks, non_blocking=True)
 
+    def _fetch_attend(self) -> None:
+        self._fetch()
+        self._attend()
+
     def _fetch(self) -> None:
         s = self.system
         self.dest.copy_(self.dest_host, non_blocking=True)
         self.src.copy_(self.src_host, non_blocking=True)
+        self.win_len.copy_(self.win_len_host, non_blocking=True)
         host = s.host[self.layer].view(-1, self.bs, 2, self.d)  # [rows * n_blocks, bs, 2, D] pinned
         cache = s.cache[self.layer].view(-1, self.bs, 2, self.d)  # [rows * cap, bs, 2, D]
         uva_copy_blocks(host, self.src.view(-1), cache, (self.dest + self.row_base).view(-1))
@@ -128,19 +139,17 @@ class LayerGraphs:
             self.retrieved.synchronize()  # the block ids are on the host
         s.step.host_syncs += 1
         s.step.bytes_d2h += self.blocks_host.nbytes
-        lru, blocks = s.lru[self.layer], self.blocks_host.numpy()
+        lru, (blocks, dest, src, counts) = s.lru[self.layer], self.host_views
         with s.phase("cache_mgmt"), host_work(s.step):
             if s.lru_worker is None:
-                lru.access_into(blocks, self.dest_host.numpy(), self.src_host.numpy(), self.counts.numpy())
+                lru.access_into(blocks, dest, src, counts)
             else:
-                lru.decide_into(blocks, self.dest_host.numpy(), self.src_host.numpy(), self.counts.numpy())
+                lru.decide_into(blocks, dest, src, counts)
                 self.updating = s.lru_worker.submit(lru.update, blocks)
-        lookups, hits, evictions = self.counts.tolist()
-        with s.phase("transfer_exposed"):
-            self._replay("fetch", self._fetch)
-        with s.phase("attention"):
-            self.win_len.fill_(n_win)
-            self._replay("attend", self._attend)
+        lookups, hits, evictions = counts.tolist()
+        self.win_len_host.fill_(n_win)
+        with s.phase("attention"):  # the fetch's kernels too: one graph (a trace splits them by kernel)
+            self._replay("fetch_attend", self._fetch_attend)
         s.step.lookups += lookups
         s.step.hits += hits
         s.step.bytes_h2d += (lookups - hits) * self.bs * s.spec.row_bytes
