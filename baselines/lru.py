@@ -55,6 +55,10 @@ class LRUStep:
 
 
 PARALLEL_MIN = 1 << 15  # torch: below this many looked-up entries one thread is faster than handing out chunks
+# native: below this many lookups a step runs on the calling thread. Its work is a few microseconds there, less than
+# waking a parallel region's threads, and where other processes share the cores (a CPU accuracy sweep) a region's
+# barrier can wait a scheduler slice for a thread that is not running. Figure 10's smallest step is above it.
+NATIVE_PARALLEL_MIN = 512
 BACKENDS = ("native", "torch")
 
 
@@ -127,16 +131,20 @@ class BlockLRU:
             evictions=sum(p.evictions for p in parts),
         )
 
+    def _set_threads(self, blocks) -> None:
+        """numba's thread count for this step: per calling thread, so set at every call."""
+        numba.set_num_threads(self.threads if blocks.size >= NATIVE_PARALLEL_MIN else 1)
+
     def access_into(self, blocks, dest, src, counts) -> None:
         """The graph path's step (lru_native.access_into): numpy views of pinned buffers, written in place."""
         assert self.backend == "native", "access_into is the native backend's"
-        numba.set_num_threads(self.threads)
+        self._set_threads(blocks)
         lru_native.access_into(blocks, self.n_blocks, *self.arrays, dest, src, counts)
 
     def decide_into(self, blocks, dest, src, counts) -> None:
         """access_into's outputs, the state as it was until update(blocks) (lru_native.decide_into)."""
         assert self.backend == "native", "decide_into is the native backend's"
-        numba.set_num_threads(self.threads)
+        self._set_threads(blocks)
         lru_native.decide_into(blocks, self.n_blocks, *self.arrays, dest, src, counts)
 
     def update(self, blocks) -> None:
@@ -145,7 +153,7 @@ class BlockLRU:
 
     def _access_native(self, blocks: torch.Tensor) -> LRUStep:
         b = blocks.to(torch.int32).contiguous().numpy()  # one dtype and layout: one compiled kernel
-        numba.set_num_threads(self.threads)  # applies to this calling thread's parallel regions
+        self._set_threads(b)
         *arrays, lookups, hits, evictions = lru_native.access(b, self.n_blocks, *self.arrays)
         return LRUStep(*map(torch.from_numpy, arrays), lookups=int(lookups), hits=int(hits), evictions=int(evictions))
 

@@ -196,6 +196,7 @@ def random_step(g, rows, n_blocks, most=14, width=16):
 @pytest.mark.parametrize("capacity", [1, 4, 9, 40])
 def test_lru_matches_an_ordered_dict_lru_on_a_random_trace(backend, threads, capacity, monkeypatch):
     monkeypatch.setattr(baselines.lru, "PARALLEL_MIN", 0)  # exercise the torch backend's chunked path too
+    monkeypatch.setattr(baselines.lru, "NATIVE_PARALLEL_MIN", 0)  # and the native one's parallel region
     rows, n_blocks = 5, 30
     g = torch.Generator().manual_seed(capacity)
     lru = BlockLRU(rows, n_blocks, capacity, threads, backend)
@@ -221,6 +222,7 @@ def test_lru_backends_decide_identically(threads, monkeypatch):
     """native and torch: the same LRUStep and the same state, step after step, with the cache often smaller than a
     step's distinct blocks (so misses bypass it), rows of different lengths, empty rows and an empty step."""
     monkeypatch.setattr(baselines.lru, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(baselines.lru, "NATIVE_PARALLEL_MIN", 0)
     rows, n_blocks, capacity = 6, 200, 24
     g = torch.Generator().manual_seed(7)
     native, spec = (BlockLRU(rows, n_blocks, capacity, threads, b) for b in ("native", "torch"))
@@ -286,6 +288,25 @@ def test_lru_decide_then_update_equals_access_into():
         got.update(blocks.numpy())
         assert torch.equal(ref.block_slot, got.block_slot) and torch.equal(ref.slot_block, got.slot_block)
         assert torch.equal(ref.order(), got.order())
+
+
+def test_lru_small_steps_run_on_the_calling_thread(monkeypatch):
+    """A step of few lookups (SmolLM2's 3 KV heads on a CPU) runs without a parallel region: waking its threads
+    costs more than the work, and on shared cores a region can wait a scheduler slice for a descheduled thread."""
+    asked = []
+    monkeypatch.setattr(baselines.lru.numba, "set_num_threads", asked.append)
+    monkeypatch.setattr(baselines.lru.numba.config, "NUMBA_NUM_THREADS", 4)
+    rows, n_blocks = 4, 1000
+    lru = BlockLRU(rows, n_blocks, 400, threads=4)
+    small = torch.arange(rows * 16, dtype=torch.int32).view(rows, 16)  # 64 lookups
+    large = torch.arange(rows * 200, dtype=torch.int32).view(rows, 200)  # 800: above the threshold
+    counts = torch.zeros(3, dtype=torch.int64).numpy()
+    lru.access(small)
+    for blocks in (large, small):
+        out = torch.zeros_like(blocks).numpy(), torch.zeros_like(blocks).numpy()
+        lru.access_into(blocks.numpy(), *out, counts)
+    assert small.numel() < baselines.lru.NATIVE_PARALLEL_MIN <= large.numel()
+    assert asked == [1, 4, 1]
 
 
 def test_lru_refuses_bad_threads_and_backend():
