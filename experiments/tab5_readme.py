@@ -22,7 +22,7 @@ TABLE_HEAD = """# Paper Table 5 at SmolLM2 scale: RULER through every system, re
         +experiment=tab5_accuracy results_dir=results_tab5 wandb.enabled=false      # on a CPU
     python -m experiments.tab5_readme results/tab5_accuracy                        # this README
 
-Run from a clone at the commit below (`CLO_GIT_COMMIT` set), in a network namespace without a device (nothing
+Run from a clone at each cell's commit (`CLO_GIT_COMMIT` set), in a network namespace without a device (nothing
 downloaded). One job per length, task and system; a cell is four jobs, and only cells all four systems scored are
 here. The sweep resumes with the same command. Real SmolLM2-135M-Instruct (fp32), lm-eval's RULER tasks, the first
 20 samples each, greedy, no chat template, every system's defaults (top-k 10 %, CLO with SimHash retrieval). The
@@ -30,9 +30,9 @@ machine was shared with other work: the records' times are costs on a loaded 2-c
 `record_<system>_<task>_<tokens>.json` hold every sample. Plot: `python -m plots.tab5_accuracy`. Not a comparison
 with the paper's Table 5 (Llama-3-8B and Qwen2.5-14B at 16K-128K): SmolLM2-135M solves the single needle and little
 else, so most cells are near the floor for every system, FullAttn included. At 20 samples one sample is 5 points
-of a cell (ruler_cwe and ruler_vt score partial credit). `ruler_cwe` is missing on purpose: up to 900f4ca each
-evaluation in a process continued lm-eval's module-level cwe generator, so the systems of a cell saw different
-haystacks; those records left for `../LEDGER.md`, and the cells are to be rerun at a fixed commit.
+of a cell (ruler_cwe and ruler_vt score partial credit). `ruler_cwe`: up to 900f4ca each evaluation in a
+process continued lm-eval's module-level cwe generator, so the systems of a cell saw different haystacks; those
+records are void (`../LEDGER.md`), and its cells here ran after the fix.
 """
 
 ABLATION_HEAD = """# Table 5's ablations: CLO's retriever and eta on the table's samples (SmolLM2, CPU)
@@ -73,20 +73,29 @@ def table_readme(folder: Path) -> str:
     scores = {s: d["scores"][(model, s)] for s in systems}
     cells = sorted(set.intersection(*(set(v) for v in scores.values())), key=lambda c: (int(c.split("@")[1]), c))
     lengths = sorted({int(c.split("@")[1]) for c in cells})
-    lines = [TABLE_HEAD, f"Commit {d['records'].commit}; {len(cells)} complete cells.", ""]
-    lines += ["| task, 20 samples | " + " | ".join(SYSTEMS[s] for s in systems) + " |"]
-    lines += ["|---" * (len(systems) + 1) + "|"]
+    commit = {c: d["commits"][(model, c)] for c in cells}
+    by_commit = {k: sum(1 for c in cells if commit[c] == k) for k in sorted(set(commit.values()))}
+    lines = [
+        TABLE_HEAD,
+        f"{len(cells)} complete cells; commit " + ", ".join(f"{k} ({n})" for k, n in by_commit.items()),
+    ]
+    lines[-1] += ": every system of a cell ran at its commit (column `commit`).\n"
+    lines += ["| task, 20 samples | " + " | ".join(SYSTEMS[s] for s in systems) + " | commit |"]
+    lines += ["|---" * (len(systems) + 2) + "|"]
 
     def mean(s, cs):
         return statistics.fmean(scores[s][c] for c in cs)
 
     for length in lengths:
         mine = [c for c in cells if int(c.split("@")[1]) == length]
-        lines += [f"| {cell_name(c)} | " + " | ".join(f"{scores[s][c]:.3f}" for s in systems) + " |" for c in mine]
+        lines += [
+            f"| {cell_name(c)} | " + " | ".join(f"{scores[s][c]:.3f}" for s in systems) + f" | {commit[c]} |"
+            for c in mine
+        ]
         means = " | ".join(f"{mean(s, mine):.3f}" for s in systems)
-        lines += [f"| mean @ {tokens(length)} ({len(mine)} tasks) | {means} |"]
+        lines += [f"| mean @ {tokens(length)} ({len(mine)} tasks) | {means} | |"]
     means = " | ".join(f"**{mean(s, cells):.3f}**" for s in systems)
-    lines += [f"| **mean of the {len(cells)} cells** | {means} |", ""]
+    lines += [f"| **mean of the {len(cells)} cells** | {means} | |", ""]
     lines += ["Points below FullAttn (mean of the cells; issue 17's target for CLO: within 1.0 over the whole table;"]
     lines += ["negative: above it):", ""]
     for s in systems[1:]:

@@ -23,14 +23,26 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
-from plots.records import SYSTEMS, RecordError, check_systems, cli, load_files, names, plot_arguments, save  # noqa: E402
+from plots.records import (  # noqa: E402
+    SYSTEMS,
+    RecordError,
+    check_systems,
+    cli,
+    commit_of,
+    load_files,
+    names,
+    plot_arguments,
+    save,
+)
 
 
 def data(root: Path) -> dict:
-    """{"scores": {(model, system): {task: score}}, "files": {(model, system): file}, "tasks", "records"}."""
-    recs = load_files(root, "record*.json", is_accuracy, "accuracy records")
+    """{"scores": {(model, system): {task: score}}, "files": {(model, system): file}, "tasks", "records",
+    "commits": {(model, task): commit}}. The records may come from several commits (a table filled in over
+    sessions), but the systems of one cell, which it compares, must share one."""
+    recs = load_files(root, "record*.json", is_accuracy, "accuracy records", allow_mixed=True)
     check_systems([(r["record"].get("system"), r["file"]) for r in recs], recs.root)
-    scores, files, cell_file = {}, {}, {}
+    scores, files, cell_file, commits = {}, {}, {}, {}
     for r in recs:
         rec = r["record"]
         key = (rec["model"], rec["system"])
@@ -45,13 +57,21 @@ def data(root: Path) -> dict:
                     f"{cell_file[key, task]}, {r['file']}"
                 )
             cell_file[key, task] = r["file"]
+            commits.setdefault((key[0], task), {})[r["file"]] = commit_of(rec)
         scores.setdefault(key, {}).update(mine)
         files.setdefault(key, r["file"])
+    for (model, task), by_file in commits.items():
+        if len(set(by_file.values())) > 1:
+            raise RecordError(
+                f"the systems of {task} on {model} ran at different commits under {root}: "
+                + ", ".join(f"{f} ({c})" for f, c in sorted(by_file.items()))
+            )
     seen = {t for s in scores.values() for t in s}
     tasks = [t for t in paper.TAB5_TASKS if t in seen] + sorted(seen - set(paper.TAB5_TASKS))
     if not tasks:
         raise RecordError(f"no scores in {names(recs.files)} under {root}")
-    return {"scores": scores, "files": files, "tasks": tasks, "records": recs}
+    commits = {cell: next(iter(by_file.values())) for cell, by_file in commits.items()}
+    return {"scores": scores, "files": files, "tasks": tasks, "records": recs, "commits": commits}
 
 
 def is_accuracy(rec: dict) -> bool:
@@ -92,7 +112,8 @@ def plot(root: Path, out: Path) -> dict:
         ax.set_ylabel("score")
         ax.set_title(model, fontsize=9)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Tab. 5: accuracy, commit {d['records'].commit}", fontsize=9)
+    commits = d["records"].commits
+    fig.suptitle(f"Tab. 5: accuracy, commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}", fontsize=9)
     save(fig, out)
     return d
 

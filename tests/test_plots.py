@@ -348,6 +348,30 @@ def test_table5_merges_the_accuracy_commands_cells(tmp_path):
         tab5_accuracy.data(tmp_path / "acc")
 
 
+def test_tab5_cells_may_differ_in_commit_but_not_their_systems(tmp_path):
+    """A table filled in over sessions: each cell at its own commit is drawn and named; a cell whose systems ran
+    at different commits (their comparison) is refused, naming the files."""
+
+    def cell(system, task, commit):
+        return {
+            "status": "ok",
+            "system": system,
+            "model": "smollm2",
+            "tasks": {task: {"2048": {"score": 0.5, "n": 20}}},
+            "environment": {"git": {"commit": commit}},
+        }
+
+    recs = {
+        f"record_{s}_{t}.json": cell(s, t, c)
+        for s, t, c in (("fullattn", "a", "aaa1111"), ("clo", "a", "aaa1111"), ("fullattn", "b", "bbb2222"))
+    }
+    d = tab5_accuracy.data(write(tmp_path / "acc", recs))
+    assert d["commits"] == {("smollm2", "a@2048"): "aaa1111", ("smollm2", "b@2048"): "bbb2222"}
+    write(tmp_path / "acc", {"record_clo_b.json": cell("clo", "b", "ccc3333")})
+    with pytest.raises(RecordError, match="b@2048 on smollm2 ran at different commits.*ccc3333.*bbb2222"):
+        tab5_accuracy.data(tmp_path / "acc")
+
+
 def test_table_5_ablation_readme_without_and_with_the_table(tmp_path):
     from experiments.tab5_readme import ablation_readme
 
