@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 from plots import tab5_ablation, tab5_accuracy
-from plots.records import SYSTEMS, NoRecords, cli, tokens
+from plots.records import SYSTEMS, NoRecords, cli, commit_of, tokens
 
 ORDER = ("fullattn", "clo", "retroinfer", "infinigen")
 
@@ -24,9 +24,12 @@ TABLE_HEAD = """# Paper Table 5 at SmolLM2 scale: RULER through every system, re
 
 Run from a clone at each cell's commit (`CLO_GIT_COMMIT` set), in a network namespace without a device (nothing
 downloaded). One job per length, task and system; a cell is four jobs, and only cells all four systems scored are
-here. The sweep resumes with the same command. Real SmolLM2-135M-Instruct (fp32), lm-eval's RULER tasks, the first
+here. The sweep resumes with the same command; two sweeps on one 2-core machine each go on a core of their own
+(`taskset -c 0`, `taskset -c 1`: the baselines' `cpu_threads=auto` then gives each one thread). Real SmolLM2-135M-Instruct (fp32), lm-eval's RULER tasks, the first
 20 samples each, greedy, no chat template, every system's defaults (top-k 10 %, CLO with SimHash retrieval). The
-machine was shared with other work: the records' times are costs on a loaded 2-core machine, not speeds. Records
+machine was shared with other work: the records' times are costs on a loaded 2-core machine, not speeds (a sweep
+beside another on the same cores, its systems' CPU threads oversubscribed, ran several times slower: the cost
+table below splits by commit). Records
 `record_<system>_<task>_<tokens>.json` hold every sample. Plot: `python -m plots.tab5_accuracy`. Not a comparison
 with the paper's Table 5 (Llama-3-8B and Qwen2.5-14B at 16K-128K): SmolLM2-135M solves the single needle and little
 else, so most cells are near the floor for every system, FullAttn included. At 20 samples one sample is 5 points
@@ -114,11 +117,18 @@ def table_readme(folder: Path) -> str:
     lines += ["", f"The records here cost {prefill_h + system_h:.1f} h of one thread: {prefill_h:.1f} h of prefills"]
     lines += [f"(each prompt's, shared by the systems of its cell) and {system_h:.1f} h in the systems (issue 17's"]
     lines += ["target: the whole table in 3 h of a 2-core machine). Per sample, means over the records:", ""]
-    lines += ["| system | decode ms/step | system s/sample |", "|---|---|---|"]
+    lines += ["| system | commit | records | decode ms/step | system s/sample |", "|---|---|---|---|---|"]
     for s in systems:
-        mine = [r["record"]["cost_per_sample"] for r in d["records"] if r["record"]["system"] == s]
-        ms = statistics.fmean(c["decode_ms_per_step"] for c in mine)
-        lines += [f"| {SYSTEMS[s]} | {ms:.0f} | {statistics.fmean(c['system_s'] for c in mine):.1f} |"]
+        for k in sorted(d["records"].commits):
+            mine = [
+                r["record"]["cost_per_sample"]
+                for r in d["records"]
+                if r["record"]["system"] == s and commit_of(r["record"]) == k
+            ]
+            if mine:
+                ms = statistics.fmean(c["decode_ms_per_step"] for c in mine)
+                sys_s = statistics.fmean(c["system_s"] for c in mine)
+                lines += [f"| {SYSTEMS[s]} | {k} | {len(mine)} | {ms:.0f} | {sys_s:.1f} |"]
     return "\n".join(lines) + "\n"
 
 
