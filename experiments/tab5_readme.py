@@ -148,6 +148,9 @@ def ablation_readme(folder: Path, table: Path) -> str:
         hit = d["hit_rate"].get(v)
         row = f"| `{v}` | {m:.3f} | {hit:.3f} |" if hit is not None else f"| `{v}` | {m:.3f} | - |"
         lines += [row + (f" {100 * (fa - m):.1f} |" if ref else "")]
+    if any(d["hit_rate"].get(v) is None for v in d["means"]):
+        lines += ["", "A hit rate `-`: the variant looked nothing up in a cache (`nocache`, or a plan with every head"]
+        lines += ["a prefetch head, as eta 0.9 makes on SmolLM2: its record's `system_state.plan`)."]
     if ref:
         lines += ["", f"FullAttn's mean over the same cells is {fa:.3f} (`../tab5_accuracy/`, its own commit)."]
     missing = {v: cs for v, cs in d["missing"].items() if cs}
