@@ -25,11 +25,11 @@ TABLE_HEAD = """# Paper Table 5 at SmolLM2 scale: RULER through every system, re
 Run from a clone at each cell's commit (`CLO_GIT_COMMIT` set), in a network namespace without a device (nothing
 downloaded). One job per length, task and system; a cell is four jobs, and only cells all four systems scored are
 here. The sweep resumes with the same command; two sweeps on one 2-core machine each go on a core of their own
-(`taskset -c 0`, `taskset -c 1`: the baselines' `cpu_threads=auto` then gives each one thread). Real SmolLM2-135M-Instruct (fp32), lm-eval's RULER tasks, the first
-20 samples each, greedy, no chat template, every system's defaults (top-k 10 %, CLO with SimHash retrieval). The
-machine was shared with other work: the records' times are costs on a loaded 2-core machine, not speeds (a sweep
-beside another on the same cores, its systems' CPU threads oversubscribed, ran several times slower: the cost
-table below splits by commit). Records
+(`taskset -c 0`, `taskset -c 1`: the baselines' `cpu_threads=auto` then gives each one thread). Real
+SmolLM2-135M-Instruct (fp32), lm-eval's RULER tasks, the first 20 samples each, greedy, no chat template, every
+system's defaults (top-k 10 %, CLO with SimHash retrieval). The machine was shared with other work: the records'
+times are costs on a loaded 2-core machine, not speeds (a sweep beside another on the same cores, its systems' CPU
+threads oversubscribed, ran several times slower: the cost table below splits by commit). Records
 `record_<system>_<task>_<tokens>.json` hold every sample. Plot: `python -m plots.tab5_accuracy`. Not a comparison
 with the paper's Table 5 (Llama-3-8B and Qwen2.5-14B at 16K-128K): SmolLM2-135M solves the single needle and little
 else, so most cells are near the floor for every system, FullAttn included. At 20 samples one sample is 5 points
