@@ -59,6 +59,11 @@ PARALLEL_MIN = 1 << 15  # torch: below this many looked-up entries one thread is
 # waking a parallel region's threads, and where other processes share the cores (a CPU accuracy sweep) a region's
 # barrier can wait a scheduler slice for a thread that is not running. Figure 10's smallest step is above it.
 NATIVE_PARALLEL_MIN = 512
+# above it, a thread per this many lookups at most: a thread with less work costs more to wake than it saves. On the
+# GPU machine's 16 cores this gave Figure 10's 8K BSZ 1 step (8 rows x 92 blocks) 4 threads, which ran it faster
+# than 8 in each of two paired sweeps; from 128K (a head's 1628 blocks) every row keeps its own thread
+# (results/retroinfer_host_path/).
+NATIVE_LOOKUPS_PER_THREAD = 184
 BACKENDS = ("native", "torch")
 
 
@@ -133,7 +138,10 @@ class BlockLRU:
 
     def _set_threads(self, blocks) -> None:
         """numba's thread count for this step: per calling thread, so set at every call."""
-        numba.set_num_threads(self.threads if blocks.size >= NATIVE_PARALLEL_MIN else 1)
+        n = blocks.size
+        numba.set_num_threads(
+            max(1, min(self.threads, n // NATIVE_LOOKUPS_PER_THREAD)) if n >= NATIVE_PARALLEL_MIN else 1
+        )
 
     def access_into(self, blocks, dest, src, counts) -> None:
         """The graph path's step (lru_native.access_into): numpy views of pinned buffers, written in place."""

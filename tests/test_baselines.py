@@ -197,6 +197,7 @@ def random_step(g, rows, n_blocks, most=14, width=16):
 def test_lru_matches_an_ordered_dict_lru_on_a_random_trace(backend, threads, capacity, monkeypatch):
     monkeypatch.setattr(baselines.lru, "PARALLEL_MIN", 0)  # exercise the torch backend's chunked path too
     monkeypatch.setattr(baselines.lru, "NATIVE_PARALLEL_MIN", 0)  # and the native one's parallel region
+    monkeypatch.setattr(baselines.lru, "NATIVE_LOOKUPS_PER_THREAD", 1)
     rows, n_blocks = 5, 30
     g = torch.Generator().manual_seed(capacity)
     lru = BlockLRU(rows, n_blocks, capacity, threads, backend)
@@ -223,6 +224,7 @@ def test_lru_backends_decide_identically(threads, monkeypatch):
     step's distinct blocks (so misses bypass it), rows of different lengths, empty rows and an empty step."""
     monkeypatch.setattr(baselines.lru, "PARALLEL_MIN", 0)
     monkeypatch.setattr(baselines.lru, "NATIVE_PARALLEL_MIN", 0)
+    monkeypatch.setattr(baselines.lru, "NATIVE_LOOKUPS_PER_THREAD", 1)
     rows, n_blocks, capacity = 6, 200, 24
     g = torch.Generator().manual_seed(7)
     native, spec = (BlockLRU(rows, n_blocks, capacity, threads, b) for b in ("native", "torch"))
@@ -299,14 +301,15 @@ def test_lru_small_steps_run_on_the_calling_thread(monkeypatch):
     rows, n_blocks = 4, 1000
     lru = BlockLRU(rows, n_blocks, 400, threads=4)
     small = torch.arange(rows * 16, dtype=torch.int32).view(rows, 16)  # 64 lookups
-    large = torch.arange(rows * 200, dtype=torch.int32).view(rows, 200)  # 800: above the threshold
+    middle = torch.arange(rows * 150, dtype=torch.int32).view(rows, 150)  # 600: above it, work for 3 threads
+    large = torch.arange(rows * 200, dtype=torch.int32).view(rows, 200)  # 800: for 4, every row its own
     counts = torch.zeros(3, dtype=torch.int64).numpy()
     lru.access(small)
-    for blocks in (large, small):
+    for blocks in (large, middle, small):
         out = torch.zeros_like(blocks).numpy(), torch.zeros_like(blocks).numpy()
         lru.access_into(blocks.numpy(), *out, counts)
-    assert small.numel() < baselines.lru.NATIVE_PARALLEL_MIN <= large.numel()
-    assert asked == [1, 4, 1]
+    assert small.numel() < baselines.lru.NATIVE_PARALLEL_MIN <= middle.numel()
+    assert asked == [1, 4, 3, 1]
 
 
 def test_lru_refuses_bad_threads_and_backend():
