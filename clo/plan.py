@@ -80,17 +80,19 @@ def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
 
 def fit_budget(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> CLOPlan:
     """The plan with as few persistent heads demoted to the cached path (miss -> top-k + transfer) as the device
-    budget needs, the least hard (lowest Eq. 11 difficulty) first. A plan that fits, or that no demotion makes fit
-    (the allocation then refuses it with the numbers), is returned as it is."""
+    budget needs, the least hard (lowest Eq. 11 difficulty) first. A plan that fits is returned as it is; where no
+    demotion makes it fit, the plan with every head demoted, CLO's smallest, so that the allocation's refusal quotes
+    the least CLO needs."""
     budget, heads = spec.gpu_budget_bytes, plan.heads
     if budget is None or split_host(estimate_parts(cfg, plan, spec)).device_bytes <= budget:
         return plan
     order = sorted((heads.difficulty[l][h], l, h) for l, hs in enumerate(heads.persistent) for h in hs)
+    trial = plan
     for n in range(1, len(order) + 1):
         trial = replace(plan, heads=heads.without([(l, h) for _, l, h in order[:n]]))
         if split_host(estimate_parts(cfg, trial, spec)).device_bytes <= budget:
             return trial
-    return plan
+    return trial
 
 
 def estimate_parts(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> dict[str, int]:

@@ -326,3 +326,25 @@ def test_a_tight_budget_demotes_the_least_hard_persistent_heads(tmp_path):
     held = tight.memory_held().device_bytes
     assert held <= need - one_head
     assert tight.estimate_parts(KVSpec(**{**spec(need - one_head).__dict__, "prompt_len": T0})) == tight.memory_parts()
+
+
+def test_a_budget_no_demotion_meets_is_refused_with_clos_smallest_plan(tmp_path):
+    """Where even every head demoted does not fit, the estimate (and so the refusal's numbers) is CLO's least: the plan
+    with no persistent head, not the one it started from."""
+    kw = dict(
+        profile=write_profile(tmp_path / "p.json", first_head_hard(L, HKV)),
+        persistent=True,
+        speculative=True,
+        layer_time_ms=0.1,
+        link_gb_s=1e-3,
+    )
+    free = CLO(**{**BASE, **kw})
+    need = free.estimate_memory(spec()).device_bytes
+    assert sum(map(len, free.plan.heads.persistent)) > 0
+    smallest = CLO(**{**BASE, **kw, "persistent": False}).estimate_memory(spec()).device_bytes
+    assert smallest < need
+    s = CLO(**{**BASE, **kw})
+    assert s.estimate_memory(spec(smallest - 1)).device_bytes == smallest
+    assert sum(map(len, s.plan.heads.persistent)) == 0
+    with pytest.raises(ConfigError, match="budget"):
+        s.allocate(spec(smallest - 1))
