@@ -65,6 +65,12 @@ FIGURES = (
         "paper Fig. 10: throughput",
         {"allow_mixed": True},
     ),
+    Figure(
+        "fig10_throughput_qwen25",
+        "fig10_throughput_qwen25",
+        fig10_throughput.plot,
+        "paper Fig. 10: throughput, Qwen2.5-14B shapes",
+    ),
     Figure("tab5_accuracy", "tab5_accuracy", tab5_accuracy.plot, "paper Tab. 5: accuracy"),
     Figure("tab5_ablation", "tab5_ablation", tab5_ablation.plot, "Tab. 5 ablations: CLO's retriever and eta"),
     Figure("phases_gpu_smoke_eager", "gpu_smoke_llama3/eager", phase_breakdown.plot, "FullAttn smoke runs, eager"),
