@@ -1,6 +1,8 @@
 """Where a decode step's GPU time goes, from a Chrome trace (`trace_dir=...` of the run command, or the layer
 benchmark's --trace): per stream, the kernels' busy time; on the compute stream (the one of the longest kernel), its
-idle gaps and the kernel of another stream that ended just before each gap closed (what the compute stream waited for).
+idle gaps and the kernel of another stream that ended just before each gap closed (what the compute stream waited for);
+the copies by direction with their achieved bandwidth, and the host round trips: how long the GPU stays idle after
+each device-to-host copy (a system that syncs on it waits for the host to act on what it read).
 
     python -m experiments.step_timeline results/.../decode_step.trace.json [--gaps 15]
 """
@@ -21,7 +23,13 @@ def load_events(path: Path, cats: tuple[str, ...] = ("kernel", "gpu_memcpy")) ->
     events = [e for e in json.loads(text)["traceEvents"] if e.get("cat") in cats]
     return sorted(
         (
-            {"name": e["name"], "stream": e["args"].get("stream"), "start": e["ts"], "end": e["ts"] + e["dur"]}
+            {
+                "name": e["name"],
+                "stream": e["args"].get("stream"),
+                "start": e["ts"],
+                "end": e["ts"] + e["dur"],
+                "bytes": e["args"].get("bytes"),
+            }
             for e in events
         ),
         key=lambda k: k["start"],
@@ -91,12 +99,41 @@ def summary(ks: list[dict], n_gaps: int) -> dict:
     }
 
 
+def median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
+
+
+def copies(events: list[dict]) -> dict:
+    """Per direction (the trace's `Memcpy HtoD/DtoH/DtoD`): how many, their median bytes, duration and GB/s; and after
+    each device-to-host copy the GPU's idle time until its next event on any stream (median and sum, us)."""
+    out = {}
+    for kind in ("HtoD", "DtoH", "DtoD"):
+        cs = [e for e in events if e["name"].startswith(f"Memcpy {kind}")]
+        if cs:
+            rates = [e["bytes"] / (e["end"] - e["start"]) / 1e3 for e in cs if e["bytes"] and e["end"] > e["start"]]
+            out[kind] = {
+                "copies": len(cs),
+                "median_bytes": median([e["bytes"] or 0 for e in cs]),
+                "median_us": round(median([e["end"] - e["start"] for e in cs]), 1),
+                "median_gb_s": round(median(rates), 2) if rates else None,
+            }
+    waits = []
+    for i, e in enumerate(events):
+        if e["name"].startswith("Memcpy DtoH"):
+            later = [n["start"] for n in events[i + 1 :] if n["start"] >= e["end"]]
+            if later:
+                waits.append(max(0.0, min(later) - max(n["end"] for n in events[: i + 1])))
+    out["idle_after_dtoh_us"] = {"median": round(median(waits), 1), "sum": round(sum(waits), 1)} if waits else None
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", type=Path)
     ap.add_argument("--gaps", type=int, default=15)
     args = ap.parse_args()
-    print(json.dumps(summary(kernels(args.trace), args.gaps), indent=1))
+    print(json.dumps({**summary(kernels(args.trace), args.gaps), "copies": copies(load_events(args.trace))}, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from experiments.step_phases import phase_of, step_phases
-from experiments.step_timeline import load_events, summary
+from experiments.step_timeline import copies, load_events, summary
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -57,3 +57,24 @@ def test_timeline_sums_kernel_families_over_the_streams_of_a_replayed_graph():
     ]
     fam = {r["name"]: (r["us"], r["launches"]) for r in summary(events, 3)["busy_us_by_family"]}
     assert fam == {"_uva_gather_kernel": (45.0, 2), "cublas": (10.0, 1), "torch": (5.0, 2)}
+
+
+def test_timeline_reports_copies_and_the_host_round_trip_after_each_read_back():
+    events = [
+        {**k("_topk", 7, 0, 10), "bytes": None},
+        {**k("Memcpy DtoH (Device -> Pinned)", 7, 10, 12), "bytes": 2000},
+        {**k("Memcpy HtoD (Pinned -> Device)", 21, 62, 162), "bytes": 5_000_000},  # 50 GB/s, 50 us after the read
+        {**k("_attention", 7, 170, 180), "bytes": None},
+        {**k("Memcpy DtoH (Device -> Pinned)", 7, 180, 181), "bytes": 2000},
+        {**k("Memcpy HtoD (Pinned -> Device)", 21, 211, 261), "bytes": 1_000_000},  # 20 GB/s, 30 us after
+    ]
+    c = copies(events)
+    assert c["HtoD"] == {"copies": 2, "median_bytes": 3_000_000, "median_us": 75.0, "median_gb_s": 35.0}
+    assert c["DtoH"]["copies"] == 2 and "DtoD" not in c
+    assert c["idle_after_dtoh_us"] == {"median": 40.0, "sum": 80.0}
+
+
+def test_a_committed_infinigen_trace_shows_its_copies():
+    c = copies(load_events(RESULTS / "infinigen_step_8k" / "trace_infinigen_8k_b1.json.gz"))
+    assert c["HtoD"]["copies"] == 30 and c["DtoH"]["copies"] == 30  # a fetch and a read-back per sparse layer
+    assert c["idle_after_dtoh_us"]["median"] > 50  # the host acts between them
