@@ -120,3 +120,18 @@ def test_the_table5_readme_is_current():
 
     folder = ROOT / "results" / "tab5_accuracy"
     assert (folder / "README.md").read_text() == table_readme(folder)
+
+
+def test_the_table5_gap_interval_is_paired_and_covers_the_gap():
+    """Paired: a system that scores FullAttn's sample for sample has the interval [0, 0] however the samples vary; a
+    gap on some samples gives an interval around it, and different documents are refused."""
+    from experiments.tab5_readme import paired_interval
+
+    ref = {i: float(i % 2) for i in range(20)}
+    same = {("fullattn", "a@2048"): ref, ("clo", "a@2048"): dict(ref)}
+    assert paired_interval(same, "clo", ["a@2048"]) == (0.0, 0.0)
+    worse = {**same, ("clo", "a@2048"): {i: 0.0 if i < 4 else v for i, v in ref.items()}}  # 2 of 20 lost: 10 points
+    lo, hi = paired_interval(worse, "clo", ["a@2048"])
+    assert 0 <= lo < 10 < hi <= 25
+    with pytest.raises(SystemExit, match="different samples"):
+        paired_interval({**same, ("clo", "a@2048"): {0: 1.0}}, "clo", ["a@2048"])
