@@ -215,6 +215,7 @@ def check_numbers(cfg) -> RunNumbers:
         value = _select(cfg, key)
         if value is not _MISSING:
             switch(value, key)
+    integer(cfg.get("repeat", 0), "repeat", 0)  # a label, checked: it names the run's folder
     hw = cfg.get("hardware") or {}
     return RunNumbers(
         seqlen=parse_tokens(cfg.seqlen, "seqlen"),

@@ -149,6 +149,7 @@ def composed(*overrides: str):
         ("batch=1.5", "batch=1.5: expected a whole number"),
         ("seed=x", "seed='x': expected a whole number"),
         ("seed=-1", "seed=-1 must be at least 0"),
+        ("repeat=-1", "repeat=-1 must be at least 0"),
         ("seqlen=lots", "seqlen='lots'"),
         ("workload.gen_tokens=two", "workload.gen_tokens='two'"),
         ("workload.warmup_steps=-1", "workload.warmup_steps=-1 must be at least 0"),
@@ -197,6 +198,7 @@ def test_run_identity_is_the_resolved_values():
     assert identity("seqlen=1k", "results_dir=/x", "force=true", "wandb.enabled=false") == ["seqlen=1k"]
     assert identity("seqlen=4k") != identity("seqlen=8k")
     assert identity("trace_dir=null") == ["trace_dir=null"]
+    assert identity("repeat=1") != identity("repeat=2") != identity()  # repeats of a point: records of their own
     path = record_path(Path("r"), identity("model=llama3", "seqlen=131072"))
     assert path.parent.name.startswith("model=llama3,seqlen=128k-")
 
