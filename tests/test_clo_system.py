@@ -301,19 +301,19 @@ def test_the_estimate_and_the_allocation_share_one_plan(monkeypatch, tmp_path):
     assert len(calls) == 1 and s.plan is planned and sum(map(len, planned.heads.persistent)) > 0
 
 
+def planned_heads(tmp_path, s_hat) -> dict:
+    """CLO settings that plan from this difficulty profile: its hard heads persistent, a slow link, short layers."""
+    profile = write_profile(tmp_path / "p.json", s_hat)
+    return dict(profile=profile, persistent=True, speculative=True, layer_time_ms=0.1, link_gb_s=1e-3)
+
+
 def test_a_tight_budget_demotes_the_least_hard_persistent_heads(tmp_path):
     """Under a device budget the persistent heads that do not fit take the cached path, the least hard first; the
     estimate then fits the budget and is what the system holds."""
     s_hat = first_head_hard(L, HKV)
     for row in s_hat:
         row[1] = 0.5  # head 1 hard too, less than head 0
-    kw = dict(
-        profile=write_profile(tmp_path / "p.json", s_hat),
-        persistent=True,
-        speculative=True,
-        layer_time_ms=0.1,
-        link_gb_s=1e-3,
-    )
+    kw = planned_heads(tmp_path, s_hat)
     free = CLO(**{**BASE, **kw})
     need = free.estimate_memory(spec()).device_bytes
     assert all(set(p) == {0, 1} for p in free.plan.heads.persistent)
@@ -331,13 +331,7 @@ def test_a_tight_budget_demotes_the_least_hard_persistent_heads(tmp_path):
 def test_a_budget_no_demotion_meets_is_refused_with_clos_smallest_plan(tmp_path):
     """Where even every head demoted does not fit, the estimate (and so the refusal's numbers) is CLO's least: the plan
     with no persistent head, not the one it started from."""
-    kw = dict(
-        profile=write_profile(tmp_path / "p.json", first_head_hard(L, HKV)),
-        persistent=True,
-        speculative=True,
-        layer_time_ms=0.1,
-        link_gb_s=1e-3,
-    )
+    kw = planned_heads(tmp_path, first_head_hard(L, HKV))
     free = CLO(**{**BASE, **kw})
     need = free.estimate_memory(spec()).device_bytes
     assert sum(map(len, free.plan.heads.persistent)) > 0
