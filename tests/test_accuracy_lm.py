@@ -159,7 +159,7 @@ print((rss() - base) / cache.used)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_the_prefill_caches_churn_does_not_fragment_the_heap():
-    """An 8K sweep's process held about twice its prefill cache: evicted prompts' K/V left holes in glibc's heap.
+    """An 8K sweep's process held far more than its prefill cache: evicted prompts' K/V left holes in glibc's heap.
     With the fixed mmap threshold the process holds the cache and little more."""
     out = subprocess.run([sys.executable, "-c", CHURN], capture_output=True, text=True, check=True)
     assert float(out.stdout) < 1.15, out.stdout  # with the default threshold it is well above

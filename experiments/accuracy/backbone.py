@@ -113,7 +113,7 @@ def fix_mmap_threshold(nbytes: int = 1 << 20) -> bool:
     default raises this threshold to the size of each large block freed (up to 32 MB); from then on blocks of a
     layer's K/V size come from the heap, and a cache that frees them in another order than it took them (the
     PrefillCache evicting its oldest prompt while the next is computed) leaves the heap fragmented: an 8K sweep's
-    process held about twice its cache. True where the setting took (glibc on Linux)."""
+    process held far more than its cache. True where the setting took (glibc on Linux)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
