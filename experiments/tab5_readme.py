@@ -70,14 +70,15 @@ def hit_rates(records) -> dict[int, list[float]]:
     return out
 
 
-def sample_scores(records) -> dict[tuple[str, str], dict[int, float]]:
-    """{(system, cell): {doc_id: score}} from the records' samples (a cell is <task>@<tokens>, as in the table)."""
+def sample_scores(records, name=lambda rec: rec["system"]) -> dict[tuple[str, str], dict[int, float]]:
+    """{(name, cell): {doc_id: score}} from the records' samples (a cell is <task>@<tokens>, as in the table); the
+    name is the record's system, or what `name` makes of the record (an ablation's variant)."""
     out: dict[tuple[str, str], dict[int, float]] = {}
     for r in records:
         rec = r["record"]
         for task, by_length in rec["tasks"].items():
             for length, cell in by_length.items():
-                out[rec["system"], f"{task}@{length}"] = {x["doc_id"]: float(x["score"]) for x in cell["samples"]}
+                out[name(rec), f"{task}@{length}"] = {x["doc_id"]: float(x["score"]) for x in cell["samples"]}
     return out
 
 
@@ -170,22 +171,28 @@ def ablation_readme(folder: Path, table: Path) -> str:
     lines = [ABLATION_HEAD, f"Commit {d['records'].commit}; cells scored by every variant: "]
     lines[-1] += ", ".join(cell_name(c) for c in d["cells"]) + "."
     try:
-        full = tab5_accuracy.data(table)["scores"].get(("smollm2", "fullattn"), {})
+        t = tab5_accuracy.data(table)
+        full, samples = t["scores"].get(("smollm2", "fullattn"), {}), sample_scores(t["records"])
     except NoRecords:
-        full = {}
+        full, samples = {}, {}
     ref = all(c in full for c in d["cells"])
-    lines += ["", "| variant | mean score | real hit rate |" + (" points below FullAttn |" if ref else "")]
-    lines += ["|---|---|---|" + ("---|" if ref else "")]
+    samples.update(sample_scores(d["records"], tab5_ablation.variant_of))
+    head = " points below FullAttn | 95 % paired interval |" if ref else ""
+    lines += ["", "| variant | mean score | real hit rate |" + head, "|---|---|---|" + ("---|---|" if ref else "")]
     fa = statistics.fmean(full[c] for c in d["cells"]) if ref else None
     for v, m in d["means"].items():
         hit = d["hit_rate"].get(v)
         row = f"| `{v}` | {m:.3f} | {hit:.3f} |" if hit is not None else f"| `{v}` | {m:.3f} | - |"
-        lines += [row + (f" {100 * (fa - m):.1f} |" if ref else "")]
+        if ref:
+            lo, hi = paired_interval(samples, v, d["cells"])
+            row += f" {100 * (fa - m):.1f} | {lo:.1f} to {hi:.1f} |"
+        lines += [row]
     if any(d["hit_rate"].get(v) is None for v in d["means"]):
         lines += ["", "A hit rate `-`: the variant looked nothing up in a cache (`nocache`, or a plan with every head"]
         lines += ["a prefetch head, as eta 0.9 makes on SmolLM2: its record's `system_state.plan`)."]
     if ref:
-        lines += ["", f"FullAttn's mean over the same cells is {fa:.3f} (`../tab5_accuracy/`, its own commit)."]
+        lines += ["", f"FullAttn's mean over the same cells is {fa:.3f} (`../tab5_accuracy/`, its own commit); the"]
+        lines += ["interval is the paired bootstrap of `../tab5_accuracy/README.md` over the same documents."]
     missing = {v: cs for v, cs in d["missing"].items() if cs}
     if missing:
         lines += ["", "Cells some variants have not run yet: "]
