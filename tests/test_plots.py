@@ -251,7 +251,7 @@ def ablation_record(variant: str, task: str, score: float, hit: float, system: s
         "system": system,
         "model": "smollm2",
         "overrides": ["workload.lengths=2k", f"workload.tasks={task}", f"+clo_ablation={variant}"],
-        "tasks": {task: {"2048": {"score": score}}},
+        "tasks": {task: {"2048": {"score": score, "samples": [{"doc_id": 0, "score": score}]}}},
         "cost_per_sample": {"hit_rate": hit},
         "environment": {"git": {"commit": "abc1234"}},
     }
@@ -385,4 +385,4 @@ def test_table_5_ablation_readme_without_and_with_the_table(tmp_path):
     assert "| `simhash` | 0.200 | 0.700 |" in text and "simhash: `niah` @ 2K" in text
     full = ablation_record("exact", "ruler_vt", 0.5, 0.0, system="fullattn")
     table = write(tmp_path / "tab", {"record_f.json": {**full, "overrides": []}})
-    assert "| `exact` | 0.400 | 0.900 | 10.0 |" in ablation_readme(folder, table)
+    assert "| `exact` | 0.400 | 0.900 | 10.0 | 10.0 to 10.0 |" in ablation_readme(folder, table)  # one sample
