@@ -83,6 +83,7 @@ class BlockLRU:
             # numba's thread count is per calling thread and capped by the pool it started with
             # and more threads than heads only add a parallel region's start-up cost
             self.threads = min(threads, rows, numba.config.NUMBA_NUM_THREADS)
+            self.step_threads = 0  # the last step's: its lookups decide how many of them run (_set_threads)
             self.arrays = (self.block_slot.numpy(), self.slot_block.numpy(), self.slot_link.numpy())  # shared memory
             lru_native.warm(deferred)  # compile here, once per process, not in the first timed step
             return
@@ -139,9 +140,8 @@ class BlockLRU:
     def _set_threads(self, blocks) -> None:
         """numba's thread count for this step: per calling thread, so set at every call."""
         n = blocks.size
-        numba.set_num_threads(
-            max(1, min(self.threads, n // NATIVE_LOOKUPS_PER_THREAD)) if n >= NATIVE_PARALLEL_MIN else 1
-        )
+        self.step_threads = max(1, min(self.threads, n // NATIVE_LOOKUPS_PER_THREAD)) if n >= NATIVE_PARALLEL_MIN else 1
+        numba.set_num_threads(self.step_threads)
 
     def access_into(self, blocks, dest, src, counts) -> None:
         """The graph path's step (lru_native.access_into): numpy views of pinned buffers, written in place."""

@@ -374,6 +374,10 @@ class RetroInfer(OffloadedBaseline):
             "cache_multiple_configured": self.cache_multiple,  # more than cache_multiple: cut to the device budget
             "evictions": self.evictions,
             "cpu_threads": self.cpu_threads,
+            # the threads the LRU's last step ran on, by layer (a step's lookups decide them: baselines/lru.py)
+            "lru_step_threads": sorted(
+                {x.step_threads for x in getattr(self, "lru", []) if x and x.backend == "native"}
+            ),
             "transfer": self.transfer_kind,
             "uva_programs": self.uva_programs,
             "topk": self.topk,

@@ -309,7 +309,7 @@ def test_lru_small_steps_run_on_the_calling_thread(monkeypatch):
         out = torch.zeros_like(blocks).numpy(), torch.zeros_like(blocks).numpy()
         lru.access_into(blocks.numpy(), *out, counts)
     assert small.numel() < baselines.lru.NATIVE_PARALLEL_MIN <= middle.numel()
-    assert asked == [1, 4, 3, 1]
+    assert asked == [1, 4, 3, 1] and lru.step_threads == 1  # the last step's count, for the record
 
 
 def test_lru_refuses_bad_threads_and_backend():
@@ -539,6 +539,7 @@ def test_retroinfer_with_the_wave_index_attends_real_rows_of_its_clusters():
     want = exact_topk_attention(k0, v0, data, SINK, RECENT, T0 - SINK - RECENT, 0)
     assert_outputs(got, want)
     assert "wave index" in s.describe()["retriever"]
+    assert s.describe()["lru_step_threads"] == [1]  # a few lookups a layer: the calling thread (NATIVE_PARALLEL_MIN)
 
 
 def test_retroinfers_lru_is_timed_as_its_host_work():
