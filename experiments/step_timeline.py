@@ -14,6 +14,7 @@ import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
+from statistics import median
 
 
 def load_events(path: Path, cats: tuple[str, ...] = ("kernel", "gpu_memcpy")) -> list[dict]:
@@ -99,11 +100,6 @@ def summary(ks: list[dict], n_gaps: int) -> dict:
     }
 
 
-def median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
-
-
 def copies(events: list[dict]) -> dict:
     """Per direction (the trace's `Memcpy HtoD/DtoH/DtoD`): how many, their median bytes, duration and GB/s; and after
     each device-to-host copy the GPU's idle time until its next event on any stream (median and sum, us)."""
@@ -118,12 +114,13 @@ def copies(events: list[dict]) -> dict:
                 "median_us": round(median([e["end"] - e["start"] for e in cs]), 1),
                 "median_gb_s": round(median(rates), 2) if rates else None,
             }
-    waits = []
+    waits, busy_until = [], 0.0
     for i, e in enumerate(events):
+        busy_until = max(busy_until, e["end"])  # the GPU is busy until every event begun so far has ended
         if e["name"].startswith("Memcpy DtoH"):
-            later = [n["start"] for n in events[i + 1 :] if n["start"] >= e["end"]]
-            if later:
-                waits.append(max(0.0, min(later) - max(n["end"] for n in events[: i + 1])))
+            nxt = next((n["start"] for n in events[i + 1 :] if n["start"] >= e["end"]), None)  # events by start
+            if nxt is not None:
+                waits.append(max(0.0, nxt - busy_until))
     out["idle_after_dtoh_us"] = {"median": round(median(waits), 1), "sum": round(sum(waits), 1)} if waits else None
     return out
 
