@@ -1,9 +1,9 @@
 """InfiniGen's prefetch as its public code runs it at its best: the rows of layer l are gathered by the CPU and
 copied to the device while the device computes layer l-1.
 
-  start(l)  on the launch thread: the flat row indices (made on the device) go to a pinned buffer by an async
-            copy and an event; a worker thread takes it from there, so the launch thread goes on launching layer
-            l-1's attention and dense work
+  submit(l) on the launch thread, after the device work that copies the flat row indices into a pinned buffer
+            (an async copy, in or out of a graph): an event; a worker thread takes it from there, so the launch
+            thread goes on launching layer l-1's attention and dense work
   worker    waits for the indices (the CPU-centric sync), then gathers the rows with every core
             (torch.index_select on `threads` OpenMP threads) into pinned staging, chunk_rows rows at a time,
             each chunk's async copy to the device buffer issued as soon as it is gathered: the copy of one chunk
@@ -45,10 +45,10 @@ class PipelinedFetcher:
     def nbytes(self) -> int:
         return sum(x.nbytes for x in self.staging + self.idx)
 
-    def start(self, parity: int, flat_idx: torch.Tensor, host_rows: torch.Tensor, out_rows: torch.Tensor) -> Future:
-        """flat_idx [rows] long on the device: rows of host_rows [N, row_elems] (pinned) to fetch into out_rows
-        [rows, row_elems] (device), in order."""
-        self.idx[parity].copy_(flat_idx, non_blocking=True)
+    def submit(self, parity: int, host_rows: torch.Tensor, out_rows: torch.Tensor) -> Future:
+        """Fetches the rows self.idx[parity] of host_rows [N, row_elems] (pinned) into out_rows [rows, row_elems]
+        (device), in order; the current stream's work enqueued so far copies those indices (long, flat) into
+        self.idx[parity]."""
         ready = torch.cuda.Event()
         ready.record()
         self.stream.wait_stream(torch.cuda.current_stream())  # out_rows may still be read by an earlier layer

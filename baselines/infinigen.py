@@ -23,6 +23,9 @@ Per sparse layer l of a step:
                                         copy stream; on a CPU run the gather is done here
   decode(l)           transfer_exposed  what layer l still waits for of that fetch
                       attention         window + the fetched rows
+With `graphs` (auto: on CUDA with the worker's fetch) the speculation and the attention are replayed from
+per-layer CUDA graphs, the attention in the split kernel over the window and the fetched rows where they lie
+(baselines/infinigen_graphs.py); without, they run eagerly and the attention concatenates the two first.
 With `oracle_query` the real query and exact q.k scores replace the speculation (the test's oracle); decode then
 does the whole fetch itself.
 """
@@ -32,7 +35,8 @@ from __future__ import annotations
 import torch
 
 from baselines.cpu_fetch import CHUNK_ROWS, PipelinedFetcher
-from baselines.offloaded import OffloadedBaseline
+from baselines.infinigen_graphs import InfiniGenLayerGraphs
+from baselines.offloaded import GRAPH_MODES, OffloadedBaseline
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, StepStats
 from kvoffload.offload.budget import split_prompt
@@ -58,6 +62,7 @@ class InfiniGen(OffloadedBaseline):
         skew: str = "prefill",
         topk: str = "torch",
         fetch_chunk_rows: int = CHUNK_ROWS,
+        graphs: str = "auto",
     ) -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, topk=topk)
         if not 0.0 < channel_fraction <= 1.0:
@@ -65,6 +70,9 @@ class InfiniGen(OffloadedBaseline):
         if fetch_chunk_rows < 1:
             raise ConfigError(f"fetch_chunk_rows={fetch_chunk_rows} must be at least 1")
         self.fetch_chunk_rows = fetch_chunk_rows
+        if graphs not in GRAPH_MODES:
+            raise ConfigError(f"graphs={graphs!r}; valid: {', '.join(GRAPH_MODES)}")
+        self.graphs = graphs
         self.channel_fraction, self.oracle_query, self.skew = channel_fraction, oracle_query, skew
         self.wants_speculative_query = not oracle_query
 
@@ -115,6 +123,13 @@ class InfiniGen(OffloadedBaseline):
         self.fetcher: PipelinedFetcher | None = None  # made with the buffers, at prefill
         self.gather_gb_s = 0.0  # the fetcher's CPU gather measured alone (after the first step, on its indices)
         self.gathered_ms, self.gathered_bytes = 0.0, 0  # the decode steps' gathers
+        if self.graphs == "on" and not self.pipelined(spec):
+            raise ConfigError(
+                "graphs=on needs a CUDA device, transfer=cpu_gather and oracle_query=false; use graphs=auto or off"
+            )
+        self.use_graphs = self.graphs != "off" and self.pipelined(spec)
+        self.layer_graphs: dict[int, InfiniGenLayerGraphs] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def _load_skew(self, spec: KVSpec) -> torch.Tensor | None:
         """The offline skew bases ([L, Hkv, D, D], by `python -m experiments.infinigen_skew`), or None (prefill)."""
@@ -167,35 +182,69 @@ class InfiniGen(OffloadedBaseline):
 
     def prepare(self, layer: int, q_spec: torch.Tensor) -> None:
         if layer >= self.dense_layers and self.window[layer] is not None and self.k_select(self.t0):
-            self.fetch(layer, q_spec)
+            if self.use_graphs:
+                self.graphs_of(layer).speculate(q_spec)
+            else:
+                self.fetch(layer, q_spec)
+
+    def graphs_of(self, layer: int) -> InfiniGenLayerGraphs:
+        if layer not in self.layer_graphs:
+            self.layer_graphs[layer] = InfiniGenLayerGraphs(self, layer, self.graph_pool)
+        return self.layer_graphs[layer]
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self.use_graphs or layer in self.dense or not self.k_select(self.t0):
+            return super().decode(layer, q, k, v)
+        n_win = self.append_window(layer, k, v)
+        graphs = self.graphs_of(layer)
+        if layer not in self.pending:  # no speculation for this layer (no layer before it): select with q now
+            graphs.speculate(q)
+        return graphs.attend(q, n_win)
+
+    def partial_scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [B, H, D] -> [B, Hkv, n_mid]: the sum over the query group of q_j . k on the partial channels, i.e.
+        (sum_j q_j) projected on the skew basis . the partial key."""
+        b, hkv, d = self.spec.batch, self.spec.num_kv_heads, self.spec.head_dim
+        qsum = q.view(b, hkv, -1, d).float().sum(2)
+        pq = torch.einsum("bkd,bkdr->bkr", qsum, self.basis[layer]).to(self.spec.dtype)
+        # one batched matmul over the partial keys as they are stored (fp32 accumulation in the GEMM), not a
+        # per-layer fp32 copy of the whole partial key cache
+        part = self.partial[layer]
+        return torch.matmul(part.view(b * hkv, *part.shape[2:]), pq.view(b * hkv, -1, 1)).view(b, hkv, -1)
+
+    def start_fetch(self, layer: int) -> None:
+        """The worker's fetch of layer `layer`'s rows, whose flat indices the current stream is copying into the
+        fetcher's index buffer of the layer's parity."""
+        spec, buf, d = self.spec, self.buffers[layer % 2], self.spec.head_dim
+        host = self.host[layer].view(-1, 2 * d)
+        self.pending[layer] = (buf, self.fetcher.submit(layer % 2, host, buf.view(-1, 2 * d)), None)
+        rows = spec.batch * spec.num_kv_heads * self.k_select(self.t0)
+        self.step.host_syncs += 1  # the worker waits for the indices
+        self.step.bytes_d2h += rows * 8
+        self.step.bytes_h2d += rows * spec.row_bytes
+
+    def wait_fetch(self, layer: int) -> torch.Tensor:
+        """The compute stream waits for the layer's fetch (the host waits for the worker to have issued it)."""
+        buf, fetch, _ = self.pending.pop(layer)
+        with self.phase("transfer_exposed"):
+            self.fetcher.wait(fetch)
+        return buf
 
     def fetch(self, layer: int, q: torch.Tensor) -> None:
         spec = self.spec
-        b, hkv, d = spec.batch, spec.num_kv_heads, spec.head_dim
+        b, hkv = spec.batch, spec.num_kv_heads
         k_sel = self.k_select(self.t0)
         with self.phase("retrieval"):
             if self.oracle_query:
                 scores = self.exact.scores(layer, q, self.heads)
-            else:  # sum over the group of q_j . k on the partial channels = (sum_j q_j) projected . partial key
-                qsum = q.view(b, hkv, -1, d).float().sum(2)
-                pq = torch.einsum("bkd,bkdr->bkr", qsum, self.basis[layer]).to(spec.dtype)
-                # one batched matmul over the partial keys as they are stored (fp32 accumulation in the GEMM),
-                # not a per-layer fp32 copy of the whole partial key cache
-                part = self.partial[layer]
-                scores = torch.matmul(part.view(b * hkv, *part.shape[2:]), pq.view(b * hkv, -1, 1)).view(b, hkv, -1)
+            else:
+                scores = self.partial_scores(layer, q)
             idx = select_topk(scores, k_sel, 0, method=self.topk)  # [B, Hkv, k] positions among the middle tokens
         if self.fetcher is not None:
-            host, t = self.host[layer], self.host[layer].shape[2]
+            t = self.host[layer].shape[2]
             base = (torch.arange(b * hkv, device=idx.device) * t).view(b, hkv, 1)
-            buf = self.buffers[layer % 2]
-            self.pending[layer] = (
-                buf,
-                self.fetcher.start(layer % 2, (idx + base).view(-1), host.view(-1, 2 * d), buf.view(-1, 2 * d)),
-                idx,
-            )
-            self.step.host_syncs += 1  # the worker waits for the indices
-            self.step.bytes_d2h += idx.numel() * 8
-            self.step.bytes_h2d += b * hkv * k_sel * spec.row_bytes
+            self.fetcher.idx[layer % 2].copy_((idx + base).view(-1), non_blocking=True)
+            self.start_fetch(layer)
             return
         with self.phase("launch_sync"):
             idx_host = idx.cpu()  # a blocking copy: the CPU gather needs the indices
@@ -220,11 +269,9 @@ class InfiniGen(OffloadedBaseline):
     def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, None]:
         if self.oracle_query or layer not in self.pending:  # no speculation for this layer: fetch now
             self.fetch(layer, q)
-        buf, event, _ = self.pending.pop(layer)
         if self.fetcher is not None:  # every fetch went to the worker (pipelined() excludes the oracle)
-            with self.phase("transfer_exposed"):
-                self.fetcher.wait(event)  # the compute stream waits, the host does not sync
-            return buf, None
+            return self.wait_fetch(layer), None
+        buf, event, _ = self.pending.pop(layer)
         with self.phase("launch_sync"):
             if event is not None:
                 event.synchronize()
@@ -276,6 +323,9 @@ class InfiniGen(OffloadedBaseline):
             else "in the launch thread",
             "cpu_threads": self.cpu_threads,
             "fetch_chunk_rows": self.fetch_chunk_rows,
+            "graphs": "per-layer CUDA graphs: speculation; split attention over window + fetched rows"
+            if self.use_graphs
+            else "none: eager speculation, attention over the window and fetched rows concatenated",
             "cpu_gather_gb_s": {
                 "alone": round(self.gather_gb_s, 2),  # what the floor's host part divides the gathered bytes by
                 "in_steps": round(self.gathered_bytes / self.gathered_ms / 1e6, 2) if self.gathered_ms else None,

@@ -14,6 +14,21 @@ from kvoffload.offload.retrieval import check_topk_method
 from kvoffload.offload.transfer import TransferEngine
 from kvoffload.offload.transfer import cpu_threads as resolve_threads
 
+GRAPH_MODES = ("auto", "on", "off")  # a baseline's per-layer CUDA graphs: where it can, always, never
+
+
+def replay_graph(graphs: dict, name: str, fn, pool) -> None:
+    """Replays graphs[name], capturing fn() into it first (after one eager call: kernels compiled, library state
+    made) into the memory pool `pool`. Capture errors are the capturing thread's only: a baseline's worker thread
+    (InfiniGen-style's fetch) may sync with its own events meanwhile."""
+    g = graphs.get(name)
+    if g is None:
+        fn()
+        g = graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            fn()
+    g.replay()
+
 
 class OffloadedBaseline(KVOffloadSystem):
     """CLO's conventions, shared by the baselines: the first `dense_layers` layers keep their full KV on the device

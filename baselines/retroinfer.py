@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from baselines.lru import BlockLRU, distinct_sorted
-from baselines.offloaded import OffloadedBaseline
+from baselines.offloaded import GRAPH_MODES, OffloadedBaseline
 from baselines.retroinfer_graphs import LayerGraphs, block_scores
 from baselines.wave_index import WaveRetriever, attend_with_estimate
 from kvoffload.errors import ConfigError
@@ -54,7 +54,6 @@ from kvoffload.offload.retrieval import (
 SELECTIONS = ("block", "token")
 # on: the decode step's GPU work in per-layer CUDA graphs between the sync points (baselines/retroinfer_graphs.py);
 # off: eager; auto: on where it applies (CUDA, block selection, hash or exact retriever, uva transfer)
-GRAPH_MODES = ("auto", "on", "off")
 # the graph path's LRU, per layer and step: inline, the whole step (decision and state change) between the sync and
 # the fetch; deferred, the decision there and the state change in a worker thread beside the GPU's fetch and
 # attention, as RetroInfer's thread pool updates its cache (cache_hub/retroinfer_cache.py: batch_access, then sync)

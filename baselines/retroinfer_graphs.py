@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from baselines.offloaded import replay_graph
 from kvoffload.kernels.decode_attention import hybrid_attention
 from kvoffload.kernels.uva_gather import uva_copy_blocks
 from kvoffload.kv.interface import host_work
@@ -116,13 +117,7 @@ class LayerGraphs:
         )
 
     def _replay(self, name: str, fn) -> None:
-        g = self.graphs.get(name)
-        if g is None:  # once eagerly (kernels compiled, library state made), then captured
-            fn()
-            g = self.graphs[name] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                fn()
-        g.replay()
+        replay_graph(self.graphs, name, fn, self.pool)
 
     # ---- one step -------------------------------------------------------------------------------------
     def step(self, q: torch.Tensor, n_win: int) -> torch.Tensor:

@@ -399,6 +399,8 @@ def test_budget_rule_is_clos():
         (lambda: InfiniGen(channel_fraction=0.0), "channel_fraction"),
         (lambda: InfiniGen(fetch_chunk_rows=0), "fetch_chunk_rows"),
         (lambda: InfiniGen(dense_layers=L + 1).allocate(spec()), "dense_layers"),
+        (lambda: InfiniGen(graphs="always"), "graphs"),
+        (lambda: InfiniGen(graphs="on").allocate(spec()), "graphs=on needs a CUDA device"),
     ],
 )
 def test_bad_input_is_a_config_error(make_bad, match):

@@ -217,9 +217,11 @@ def test_retroinfer_graph_step_equals_its_eager_step(t0, topk_ratio):
         assert torch.equal(systems[1].lru[layer].order(), systems[2].lru[layer].order())
 
 
-def test_infinigen_worker_fetch_equals_the_gpu_gather():
+def test_infinigen_worker_fetch_equals_the_gpu_gather_and_its_graphs_the_eager_step():
     """InfiniGen-style's overlapped CPU fetch (worker thread, chunked gather + copy) fetches exactly the rows the
-    GPU's own gather does: the same attention output, step after step, with a speculative query each layer."""
+    GPU's own gather does: the same attention output, step after step, with a speculative query each layer. Its
+    per-layer graphs (speculation; split attention over window + fetched rows) give that output to bf16 rounding,
+    with the same syncs and bytes; the first sparse layer, which no layer speculates for, included."""
     from baselines.infinigen import InfiniGen
 
     layers, b, h, hkv, d, t0, n = 3, 2, 8, 2, 64, 3000, 6
@@ -227,28 +229,36 @@ def test_infinigen_worker_fetch_equals_the_gpu_gather():
     k = torch.randn(layers, b, hkv, t0 + n, d, device=CUDA, dtype=torch.bfloat16, generator=g)
     v = torch.randn_like(k)
     q = torch.randn(n, layers, b, h, d, device=CUDA, dtype=torch.bfloat16, generator=g)
-    systems = [InfiniGen(dense_layers=1, transfer=t, fetch_chunk_rows=100) for t in ("cpu_gather", "uva")]
+    modes = (("cpu_gather", "off"), ("uva", "auto"), ("cpu_gather", "on"))
+    systems = [InfiniGen(dense_layers=1, transfer=t, graphs=m, fetch_chunk_rows=100) for t, m in modes]
     for kv in systems:
         kv.allocate(cuda_spec(layers, b, t0 + n, h, hkv, d, torch.bfloat16), PhaseTimer(CUDA))
         for layer in range(layers):
             kv.prefill(layer, k[layer, :, :, :t0], v[layer, :, :, :t0])
         kv.end_prefill(t0)
-    assert systems[0].fetcher is not None and systems[1].fetcher is None
+    assert [kv.fetcher is not None for kv in systems] == [True, False, True]
+    assert [kv.use_graphs for kv in systems] == [False, False, True]
     for i in range(n):
-        outs = []
+        outs, stats = [], []
         for kv in systems:
             kv.begin_step()
             out = []
             for lay in range(layers):
-                if lay + 1 < layers:
+                if lay + 1 < layers and (i % 2 or lay > 0):  # even steps: layer 1 not speculated for
                     kv.prepare(lay + 1, q[i, lay + 1])
                 out.append(kv.decode(lay, q[i, lay], k[lay, :, :, t0 + i], v[lay, :, :, t0 + i]))
-            kv.end_step()
+            stats.append(kv.end_step())
             outs.append(out)
-        for a, c in zip(*outs):
+        for a, c, e in zip(*outs):
             assert torch.equal(a, c)
-    gather = systems[0].describe()["cpu_gather_gb_s"]  # the floor's host part: the gather measured alone
-    assert gather["alone"] > 0 and gather["in_steps"] > 0
+            rel = (a.float() - e.float()).norm() / a.float().norm()
+            assert rel < 2e-2, (i, rel)
+        for f in ("host_syncs", "bytes_h2d", "bytes_d2h"):
+            assert getattr(stats[0], f) == getattr(stats[2], f), f
+    assert set(systems[2].layer_graphs[2].graphs) == {"speculate", "attend"}
+    for kv in (systems[0], systems[2]):  # the floor's host part: the gather measured alone
+        gather = kv.describe()["cpu_gather_gb_s"]
+        assert gather["alone"] > 0 and gather["in_steps"] > 0
 
 
 def test_uva_copy_blocks_and_negative_indices_match_their_references():
