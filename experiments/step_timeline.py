@@ -100,20 +100,32 @@ def summary(ks: list[dict], n_gaps: int) -> dict:
     }
 
 
+BULK_BYTES = 64 << 10  # a copy of at least this many bytes moves data; smaller ones move indices and lengths
+
+
+def copy_stats(cs: list[dict]) -> dict:
+    rates = [e["bytes"] / (e["end"] - e["start"]) / 1e3 for e in cs if e["bytes"] and e["end"] > e["start"]]
+    return {
+        "copies": len(cs),
+        "median_bytes": median([e["bytes"] or 0 for e in cs]),
+        "median_us": round(median([e["end"] - e["start"] for e in cs]), 1),
+        "median_gb_s": round(median(rates), 2) if rates else None,
+    }
+
+
 def copies(events: list[dict]) -> dict:
-    """Per direction (the trace's `Memcpy HtoD/DtoH/DtoD`): how many, their median bytes, duration and GB/s; and after
-    each device-to-host copy the GPU's idle time until its next event on any stream (median and sum, us)."""
+    """Per direction (the trace's `Memcpy HtoD/DtoH/DtoD`): how many, their median bytes, duration and GB/s, and the
+    same for its copies of BULK_BYTES or more ("bulk") where it also has smaller ones (a median over both sizes is
+    neither); and after each device-to-host copy the GPU's idle time until its next event on any stream (median and
+    sum, us)."""
     out = {}
     for kind in ("HtoD", "DtoH", "DtoD"):
         cs = [e for e in events if e["name"].startswith(f"Memcpy {kind}")]
         if cs:
-            rates = [e["bytes"] / (e["end"] - e["start"]) / 1e3 for e in cs if e["bytes"] and e["end"] > e["start"]]
-            out[kind] = {
-                "copies": len(cs),
-                "median_bytes": median([e["bytes"] or 0 for e in cs]),
-                "median_us": round(median([e["end"] - e["start"] for e in cs]), 1),
-                "median_gb_s": round(median(rates), 2) if rates else None,
-            }
+            out[kind] = copy_stats(cs)
+            bulk = [e for e in cs if (e["bytes"] or 0) >= BULK_BYTES]
+            if bulk and len(bulk) < len(cs):
+                out[kind]["bulk"] = copy_stats(bulk)
     waits, busy_until = [], 0.0
     for i, e in enumerate(events):
         busy_until = max(busy_until, e["end"])  # the GPU is busy until every event begun so far has ended

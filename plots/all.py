@@ -41,6 +41,12 @@ class Figure:
 FIGURES = (
     Figure("fig2_breakdown", "fig2_breakdown_128k", fig2_breakdown.plot, "paper Fig. 2: per-layer latency by phase"),
     Figure(
+        "fig2_breakdown_qwen25",
+        "fig2_breakdown_128k_qwen25",
+        fig2_breakdown.plot,
+        "paper Fig. 2 at Qwen2.5-14B shapes (paper Fig. 11's model)",
+    ),
+    Figure(
         "fig2_breakdown_fitted_queries",
         "synthetic_workload_check/fig2_128k_de575a6",
         fig2_breakdown.plot,
@@ -70,6 +76,7 @@ FIGURES = (
         "fig10_throughput_qwen25",
         fig10_throughput.plot,
         "paper Fig. 10: throughput, Qwen2.5-14B shapes",
+        {"allow_mixed": True},
     ),
     Figure("tab5_accuracy", "tab5_accuracy", tab5_accuracy.plot, "paper Tab. 5: accuracy"),
     Figure("tab5_ablation", "tab5_ablation", tab5_ablation.plot, "Tab. 5 ablations: CLO's retriever and eta"),
