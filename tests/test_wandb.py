@@ -138,6 +138,28 @@ def test_a_run_logs_offline_with_group_job_type_flat_config_summary_and_phase_ta
     }
 
 
+def test_committed_records_are_logged_after_the_fact_grouped_by_their_folder(tmp_path, monkeypatch, capsys):
+    """The GPU machine runs without wandb: experiments.wandb_records logs a results folder's decode records as
+    experiments.run would have, the folder's name as the group; refusals are skipped, an empty folder refused."""
+    from experiments.wandb_records import main
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    folder = tmp_path / "fig_x"
+    folder.mkdir()
+    ok = {**record(), "status": "ok", "overrides": ["system=clo", "+experiment=fig2_breakdown"]}
+    (folder / "record_clo.json").write_text(json.dumps(ok))
+    refusal = {"status": "failed", "error_kind": "config", "error": "needs about 80 GB", "overrides": ["system=x"]}
+    (folder / "record_fullattn.json").write_text(json.dumps(refusal))
+    assert main([str(folder), "--mode", "offline", "--dir", str(tmp_path / "w"), "--project", "test"]) == 0
+    assert "1 of 1 records logged to group 'fig_x' (1 skipped" in capsys.readouterr().out
+    got = offline_run(tmp_path / "w")
+    assert got["run"] == {"group": "fig_x", "job_type": "clo", "name": "record_clo", "project": "test"}
+    assert got["config"]["experiment"] == "fig2_breakdown" and got["summary"]["decode_ms_per_step"] == 4.1
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "no finished decode records" in capsys.readouterr().err
+
+
 def test_group_is_the_setting_else_the_bundle_else_model_and_workload(tmp_path):
     rec = record()
     assert run_group(wandb_cfg(tmp_path, group="mine"), rec, {"experiment": "ablation"}) == "mine"
