@@ -5,7 +5,9 @@ the CPU's cache manager at native speed, attention in the same split kernel as C
 Per sparse layer and step:
   retrieve (graph)  hash (or exact) scores, each block scored by its best token, the top blocks, sorted; the block
                     ids copied into this layer's pinned buffer
-  sync              the host waits for that copy: the step's one host sync per layer (RetroInfer's too)
+  sync              the host waits for that copy: the step's one host sync per layer (RetroInfer's too: its
+                    cache_hub/retroinfer_cache.py copies the cluster ids to pinned memory without non_blocking,
+                    then its thread pool looks them up; the LRU's update runs beside attention, our deferred mode)
   manage (CPU)      the LRU decides, for each selected block, its cache slot (a hit, or the slot a miss is admitted
                     into: block selection retrieves at most the cache's capacity, so every miss is admitted) and,
                     for a miss, its block in the host store; written into pinned buffers (lru_native.access_into).
