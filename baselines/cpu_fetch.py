@@ -39,7 +39,7 @@ class PipelinedFetcher:
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch")
         self.gather_ms = 0.0  # the worker's time in the CPU gathers since take_gathers
         self.gather_bytes = 0  # and the bytes they gathered
-        self.last: tuple[int, torch.Tensor] | None = None  # the last fetch's parity and host rows
+        self.last_parity: int | None = None  # the last fetch's (its indices are calibrate's)
 
     @property
     def nbytes(self) -> int:
@@ -52,7 +52,7 @@ class PipelinedFetcher:
         ready = torch.cuda.Event()
         ready.record()
         self.stream.wait_stream(torch.cuda.current_stream())  # out_rows may still be read by an earlier layer
-        self.last = (parity, host_rows)
+        self.last_parity = parity
         return self.worker.submit(self._gather, parity, ready, host_rows, out_rows)
 
     def _gather(self, parity: int, ready: torch.cuda.Event, host_rows: torch.Tensor, out_rows: torch.Tensor):
@@ -82,13 +82,14 @@ class PipelinedFetcher:
         self.gather_ms, self.gather_bytes = 0.0, 0
         return out
 
-    def calibrate(self) -> float:
-        """This machine's CPU gather bandwidth (GB/s) for the last fetch's own gather (its host rows and indices),
-        measured alone: see gather_gb_s. Call it when no fetch is in flight, after at least one."""
-        parity, host_rows = self.last
+    def calibrate(self, stores: list[torch.Tensor]) -> float:
+        """This machine's CPU gather bandwidth (GB/s) for the last fetch's indices gathered from each of `stores`
+        (every sparse layer's host rows [N, row_elems], in layer order), measured alone: see gather_gb_s. Call it
+        when no fetch is in flight, after at least one."""
+        parity = self.last_parity
         if self.copied[parity] is not None:
             self.copied[parity].synchronize()  # the staging it overwrites is no longer being copied
-        return gather_gb_s(host_rows, self.staging[parity], self.threads, self.idx[parity], self.chunk_rows, repeats=10)
+        return gather_gb_s(stores, self.staging[parity], self.threads, self.idx[parity], self.chunk_rows)
 
     @staticmethod
     def wait(fetch: Future) -> None:
@@ -96,21 +97,25 @@ class PipelinedFetcher:
 
 
 def gather_gb_s(
-    host_rows: torch.Tensor,
+    pools: torch.Tensor | list[torch.Tensor],
     staging: torch.Tensor,
     threads: int,
     idx: torch.Tensor | None = None,
     chunk_rows: int = CHUNK_ROWS,
     repeats: int = 3,
 ) -> float:
-    """The best of `repeats` gathers of the rows idx (default: staging's row count of random rows) of host_rows
-    [N, row_elems] into staging, chunk_rows at a time on `threads` threads, as PipelinedFetcher's worker gathers but
-    with nothing beside it (no copy, no decode step): the bandwidth that bounds the technique on this machine, the
-    host part of InfiniGen's own floor. A step's own indices are its access pattern (each head's top-k lies in that
-    head's rows, which random rows over the whole store are not). Reads host_rows, writes staging only."""
+    """The best of `repeats` passes, each gathering the rows idx (default: staging's row count of random rows) of
+    every pool [N, row_elems] in turn into staging, chunk_rows at a time on `threads` threads, as PipelinedFetcher's
+    worker gathers but with nothing beside it (no copy, no decode step): the bandwidth that bounds the technique on
+    this machine, the host part of InfiniGen's own floor. With a step's layers as the pools a pass reads what a step
+    reads, layer after layer; repeating one layer's gather would read its rows from the CPU's cache from the second
+    time on, faster than any step can (a layer's rows are a few MB at small batches). A step's own indices are its
+    access pattern (each head's top-k lies in that head's rows, which random rows over the whole store are not).
+    Reads the pools, writes staging only."""
+    pools = [pools] if isinstance(pools, torch.Tensor) else pools
     if idx is None:
-        rows = min(staging.shape[0], host_rows.shape[0])
-        idx = torch.randint(host_rows.shape[0], (rows,), generator=torch.Generator().manual_seed(0))
+        n = min(p.shape[0] for p in pools)
+        idx = torch.randint(n, (min(staging.shape[0], n),), generator=torch.Generator().manual_seed(0))
     rows = idx.shape[0]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -119,10 +124,11 @@ def gather_gb_s(
         with torch.inference_mode():
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                for a in range(0, rows, chunk_rows):
-                    b = min(a + chunk_rows, rows)
-                    torch.index_select(host_rows, 0, idx[a:b], out=staging[a:b])
+                for pool in pools:
+                    for a in range(0, rows, chunk_rows):
+                        b = min(a + chunk_rows, rows)
+                        torch.index_select(pool, 0, idx[a:b], out=staging[a:b])
                 best = min(best, time.perf_counter() - t0)
     finally:
         torch.set_num_threads(before)
-    return rows * host_rows.stride(0) * host_rows.element_size() / best / 1e9
+    return len(pools) * rows * pools[0].stride(0) * pools[0].element_size() / best / 1e9

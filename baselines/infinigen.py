@@ -121,7 +121,7 @@ class InfiniGen(OffloadedBaseline):
         self.fill_miss = torch.ones(spec.batch, spec.num_kv_heads, dtype=torch.bool, device=self.fill_heads.device)
         self.offline = self._load_skew(spec)
         self.fetcher: PipelinedFetcher | None = None  # made with the buffers, at prefill
-        self.gather_gb_s = 0.0  # the fetcher's CPU gather measured alone (after the first step, on its indices)
+        self.gather_gb_s = 0.0  # the fetcher's CPU gather alone: its last indices over every layer's store
         self.gathered_ms, self.gathered_bytes = 0.0, 0  # the decode steps' gathers
         if self.graphs == "on" and not self.pipelined(spec):
             raise ConfigError(
@@ -280,8 +280,9 @@ class InfiniGen(OffloadedBaseline):
 
     def end_step(self) -> StepStats:
         if self.fetcher is not None:  # every fetch of the step has been waited for: its gathers are done
-            if not self.gather_gb_s and self.fetcher.last is not None:  # once, on the first step's own rows
-                self.gather_gb_s = self.fetcher.calibrate()
+            if not self.gather_gb_s and self.fetcher.last_parity is not None:  # once, on the first step's own rows
+                d = self.spec.head_dim
+                self.gather_gb_s = self.fetcher.calibrate([h.view(-1, 2 * d) for h in self.host if h is not None])
             ms, nbytes = self.fetcher.take_gathers()
             self.gathered_ms += ms
             self.gathered_bytes += nbytes

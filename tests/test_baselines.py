@@ -584,6 +584,9 @@ def test_the_cpu_gather_calibration_gathers_whole_rows_and_reports_a_bandwidth()
     idx = torch.tensor([4999, 7, 7, 0])  # a step's own indices: exactly those rows, in order
     assert gather_gb_s(host, staging, threads=1, idx=idx) > 0
     assert torch.equal(staging[:4], host[idx])
+    layers = [host, host + 1.0, host + 2.0]  # a pass reads every layer's store in turn: the last one's rows remain
+    assert gather_gb_s(layers, staging, threads=1, idx=idx, repeats=1) > 0
+    assert torch.equal(staging[:4], layers[2][idx])
 
 
 def test_infinigen_prefill_in_chunks_keeps_the_partial_keys(monkeypatch):
