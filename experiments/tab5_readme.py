@@ -36,9 +36,11 @@ threads oversubscribed, ran several times slower: the cost table below splits by
 with the paper's Table 5 (Llama-3-8B and Qwen2.5-14B at 16K-128K): SmolLM2-135M solves the single needle and little
 else, so most cells are near the floor for every system, FullAttn included. At 20 samples one sample is 5 points
 of a cell, at 40 2.5 (ruler_cwe and ruler_vt score partial credit). A cell rerun with more samples scored its
-first 20 as before (`../LEDGER.md`). `ruler_cwe`: up to 900f4ca each evaluation in a
-process continued lm-eval's module-level cwe generator, so the systems of a cell saw different haystacks; those
-records are void (`../LEDGER.md`), and its cells here ran after the fix.
+first 20 as before (`../LEDGER.md`). The 4K cells at 47bc3f7 ran in a sweep stopped (SIGSTOP) for 11 minutes
+while a CI run used the cores, during one `niah_single_1` prompt's prefill: that prefill's 799 s, shared by the
+cell's four records, holds the pause (the cost below is about 0.2 h too high). `ruler_cwe`: up to 900f4ca each
+evaluation in a process continued lm-eval's module-level cwe generator, so the systems of a cell saw different
+haystacks; those records are void (`../LEDGER.md`), and its cells here ran after the fix.
 """
 
 ABLATION_HEAD = """# Table 5's ablations: CLO's retriever and eta on the table's samples (SmolLM2, CPU)
