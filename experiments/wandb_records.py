@@ -13,7 +13,6 @@ logs new runs: calling it twice on a folder logs its records twice."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,20 +20,13 @@ from omegaconf import OmegaConf
 
 from experiments.wandb_log import log_wandb
 from kvoffload.paths import repo_path
+from plots.records import RecordError, find
 
 CONFIG = repo_path("conf/config.yaml")  # the run command's wandb defaults (project, entity, dir)
 
 
-def decode_records(folder: Path) -> tuple[list[tuple[Path, dict]], int]:
-    """([(path, record)] of the folder's finished decode records, by path; how many other records it holds)."""
-    found, skipped = [], 0
-    for path in sorted(folder.rglob("record*.json")):
-        rec = json.loads(path.read_text())
-        if isinstance(rec, dict) and rec.get("status") == "ok" and "metrics" in rec and "steps" in rec:
-            found.append((path, rec))
-        else:
-            skipped += 1
-    return found, skipped
+def is_decode_record(rec: dict) -> bool:
+    return rec.get("status") == "ok" and "metrics" in rec and "steps" in rec
 
 
 def choices_of(rec: dict) -> dict[str, str]:
@@ -56,19 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="auto", choices=("auto", "online", "offline"))
     ap.add_argument("--dir", default=".", help="where wandb writes its ./wandb folder")
     args = ap.parse_args(argv)
-    if not args.folder.is_dir():
-        print(f"error: {args.folder} is not a folder", file=sys.stderr)
+    try:
+        found = find(args.folder, "record*.json", is_decode_record, "finished decode records")
+    except RecordError as e:  # NoRecords too: a folder with none
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    found, skipped = decode_records(args.folder)
-    if not found:
-        print(f"error: no finished decode records under {args.folder} ({skipped} other records)", file=sys.stderr)
-        return 2
+    skipped = sum(1 for _ in args.folder.rglob("record*.json")) - len(found)
     wandb = OmegaConf.load(CONFIG).wandb
     wandb.update(group=args.group or args.folder.resolve().name, mode=args.mode, dir=args.dir)
     if args.project:
         wandb.project = args.project
     cfg = OmegaConf.create({"wandb": wandb})
-    logged = sum(log_wandb(cfg, rec, path.stem, choices_of(rec)) for path, rec in found)
+    logged = sum(log_wandb(cfg, r["record"], Path(r["path"]).stem, choices_of(r["record"])) for r in found)
     group = wandb.group
     print(f"[wandb] {logged} of {len(found)} records logged to group {group!r} ({skipped} skipped: no decode metrics)")
     return 0 if logged == len(found) else 1
