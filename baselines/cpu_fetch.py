@@ -4,10 +4,10 @@ copied to the device while the device computes layer l-1.
   submit(l) on the launch thread, after the device work that copies the flat row indices into a pinned buffer
             (an async copy, in or out of a graph): an event; a worker thread takes it from there, so the launch
             thread goes on launching layer l-1's attention and dense work
-  worker    waits for the indices (the CPU-centric sync), then gathers the rows with every core
-            (torch.index_select on `threads` OpenMP threads) into pinned staging, chunk_rows rows at a time,
-            each chunk's async copy to the device buffer issued as soon as it is gathered: the copy of one chunk
-            overlaps the gather of the next
+  worker    waits for the indices (the CPU-centric sync), then gathers the rows (torch.index_select on `threads`
+            OpenMP threads, half the cores by default: gather_threads) into pinned staging, chunk_rows rows at a
+            time, each chunk's async copy to the device buffer issued as soon as it is gathered: the copy of one
+            chunk overlaps the gather of the next
   wait(l)   the launch thread waits for the worker and makes the compute stream wait for the last copy (no
             device sync)
 
@@ -25,6 +25,15 @@ import torch
 # needs the GIL that the launch thread holds between launches, and an OpenMP fork/join: in a step, smaller chunks
 # gather slower (which of the two costs more is not isolated); results/infinigen_cpu_fetch/ compares sizes
 CHUNK_ROWS = 32768
+
+
+def gather_threads(cores: int) -> int:
+    """The gather's threads for cpu_threads=auto: half the cores. The gather is bound by host memory, which fewer
+    threads than cores already saturate, and a core left to the launch thread and the driver keeps them from
+    preempting a gather thread, which stalls the whole parallel gather at its join. On the GPU machine, half its
+    cores stepped fastest at every Figure 10 point compared, all of them among the slowest
+    (results/infinigen_threads/)."""
+    return max(1, cores // 2)
 
 
 class PipelinedFetcher:
@@ -60,7 +69,7 @@ class PipelinedFetcher:
         if self.copied[parity] is not None:
             self.copied[parity].synchronize()  # this parity's staging is free again (long done, in practice)
         idx, staging = self.idx[parity], self.staging[parity]
-        torch.set_num_threads(self.threads)  # this worker's gathers use every core
+        torch.set_num_threads(self.threads)  # this worker's gathers
         # inference mode is per thread: the decode step's buffers are inference tensors
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             for a in range(0, idx.shape[0], self.chunk_rows):

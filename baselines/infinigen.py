@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from baselines.cpu_fetch import CHUNK_ROWS, PipelinedFetcher
+from baselines.cpu_fetch import CHUNK_ROWS, PipelinedFetcher, gather_threads
 from baselines.infinigen_graphs import InfiniGenLayerGraphs
 from baselines.offloaded import GRAPH_MODES, OffloadedBaseline
 from kvoffload.errors import ConfigError
@@ -65,6 +65,8 @@ class InfiniGen(OffloadedBaseline):
         graphs: str = "auto",
     ) -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, topk=topk)
+        if cpu_threads == "auto":
+            self.cpu_threads = gather_threads(self.cpu_threads)
         if not 0.0 < channel_fraction <= 1.0:
             raise ConfigError(f"channel_fraction={channel_fraction} must lie in (0, 1]")
         if fetch_chunk_rows < 1:

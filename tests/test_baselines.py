@@ -682,3 +682,10 @@ def test_host_stores_are_allocated_before_prefill_and_copied_while_the_next_laye
     for a, b in zip(sync.host[1:], late.host[1:]):
         assert torch.equal(a, b)
     assert_outputs(got, want)
+
+
+def test_infinigen_gathers_on_half_the_cores_by_default():
+    # the gather is memory-bound: half the cores stepped fastest on the GPU machine (results/infinigen_threads/)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert InfiniGen().cpu_threads == max(1, cores // 2)
+    assert InfiniGen(cpu_threads=1).cpu_threads == 1  # an explicit count is kept
