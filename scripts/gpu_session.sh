@@ -61,7 +61,7 @@ stage trace_128k 240 $run +experiment=clo_synthetic system=clo system.persist_qu
   system.layer_time_ms=${LAYER_MS:-null} \
   system.link_gb_s=${LINK_GB_S:-null} seqlen=128k workload.gen_tokens=12 \
   'trace_dir='"$out"'/trace_${system.persist_query}'
-# FIG2 adds overrides, e.g. FIG2=workload.kv_fill=key_process: the workload whose top-k reuse is real SmolLM2's
+# FIG2 adds overrides, e.g. FIG2=model=qwen25 (the experiment fills the KV by the key process, Figure 10's workload)
 # each run traces one steady step: a graph step's phases come from its kernels (record's trace_phase_ms)
 stage fig2 ${FIG2_SECS:-300} $run +experiment=fig2_breakdown workload.gen_tokens=16 ${FIG2:-} \
   'trace_dir='"$out"'/trace_fig2/${hydra:runtime.choices.system}'
