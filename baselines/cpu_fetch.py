@@ -5,7 +5,7 @@ copied to the device while the device computes layer l-1.
             (an async copy, in or out of a graph): an event; a worker thread takes it from there, so the launch
             thread goes on launching layer l-1's attention and dense work
   worker    waits for the indices (the CPU-centric sync), then gathers the rows (torch.index_select on `threads`
-            OpenMP threads, half the cores by default: gather_threads) into pinned staging, chunk_rows rows at a
+            OpenMP threads; by default by the fetch's size: gather_threads) into pinned staging, chunk_rows rows at a
             time, each chunk's async copy to the device buffer issued as soon as it is gathered: the copy of one
             chunk overlaps the gather of the next
   wait(l)   the launch thread waits for the worker and makes the compute stream wait for the last copy (no
@@ -27,13 +27,18 @@ import torch
 CHUNK_ROWS = 32768
 
 
-def gather_threads(cores: int) -> int:
-    """The gather's threads for cpu_threads=auto: half the cores. The gather is bound by host memory, which fewer
-    threads than cores already saturate, and a core left to the launch thread and the driver keeps them from
-    preempting a gather thread, which stalls the whole parallel gather at its join. On the GPU machine, half its
-    cores stepped fastest at every Figure 10 point compared, all of them among the slowest
-    (results/infinigen_threads/)."""
-    return max(1, cores // 2)
+# a layer's fetch above which the gather uses every core: between the largest fetch where half the cores stepped
+# fastest (Llama-3-8B 128K BSZ 1, results/infinigen_threads/) and the smallest where every core did (32K BSZ 16,
+# results/infinigen_cpu_fetch/); the fetches in between are not measured
+ALL_CORES_FETCH_BYTES = 128 << 20
+
+
+def gather_threads(cores: int, layer_bytes: int) -> int:
+    """The gather's threads for cpu_threads=auto, by the bytes one layer fetches. The gather is bound by host memory:
+    a small one saturates it on half the cores, and leaving the other half to the launch thread and the driver keeps
+    them from preempting a gather thread, which stalls the whole parallel gather at its join. A large one keeps
+    every thread busy long enough that more threads gather faster."""
+    return cores if layer_bytes > ALL_CORES_FETCH_BYTES else max(1, cores // 2)
 
 
 class PipelinedFetcher:

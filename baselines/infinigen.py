@@ -65,8 +65,7 @@ class InfiniGen(OffloadedBaseline):
         graphs: str = "auto",
     ) -> None:
         super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, topk=topk)
-        if cpu_threads == "auto":
-            self.cpu_threads = gather_threads(self.cpu_threads)
+        self.auto_threads = cpu_threads == "auto"  # the gather's count then follows its size (gather_threads)
         if not 0.0 < channel_fraction <= 1.0:
             raise ConfigError(f"channel_fraction={channel_fraction} must lie in (0, 1]")
         if fetch_chunk_rows < 1:
@@ -157,6 +156,8 @@ class InfiniGen(OffloadedBaseline):
             self.buffers = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(2)]
             if self.pipelined(spec):
                 rows = spec.batch * spec.num_kv_heads * k_sel
+                if self.auto_threads:
+                    self.cpu_threads = gather_threads(self.cpu_threads, rows * 2 * spec.head_dim * spec.dtype_bytes)
                 self.fetcher = PipelinedFetcher(
                     rows, 2 * spec.head_dim, spec.dtype, spec.device, self.cpu_threads, self.fetch_chunk_rows
                 )

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import baselines.lru
+from baselines.cpu_fetch import ALL_CORES_FETCH_BYTES, gather_threads
 from baselines.infinigen import InfiniGen
 from baselines.lru import BlockLRU
 from baselines.retroinfer import RetroInfer
@@ -684,8 +685,9 @@ def test_host_stores_are_allocated_before_prefill_and_copied_while_the_next_laye
     assert_outputs(got, want)
 
 
-def test_infinigen_gathers_on_half_the_cores_by_default():
-    # the gather is memory-bound: half the cores stepped fastest on the GPU machine (results/infinigen_threads/)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert InfiniGen().cpu_threads == max(1, cores // 2)
-    assert InfiniGen(cpu_threads=1).cpu_threads == 1  # an explicit count is kept
+def test_infinigen_gather_threads_follow_the_fetch_size():
+    # the gather is memory-bound: half the cores stepped fastest for small fetches, every core for the largest
+    assert gather_threads(16, 50 << 20) == 8 and gather_threads(16, ALL_CORES_FETCH_BYTES + 1) == 16
+    assert gather_threads(1, 1) == 1
+    ig = InfiniGen(cpu_threads=1)
+    assert ig.cpu_threads == 1 and not ig.auto_threads  # an explicit count is kept
