@@ -24,7 +24,7 @@ BASELINES = ("retroinfer", "infinigen")  # the offloading baselines CLO is compa
 
 
 def data(root: Path, allow_mixed: bool = False) -> dict:
-    """{"points": {(system, seqlen, batch): {"decode_tokens_per_s", "prefill_tokens_per_s", "file"}},
+    """{"points": {(system, seqlen, batch): {"decode_tokens_per_s", "prefill_tokens_per_s", "file", "metrics"}},
     "speedup": {(seqlen, batch): CLO / best baseline}, "model", "records"}."""
     recs = load_records(root, allow_mixed=allow_mixed)
     points: dict[tuple, dict] = {}
@@ -35,6 +35,7 @@ def data(root: Path, allow_mixed: bool = False) -> dict:
             "decode_tokens_per_s": m["decode_tokens_per_s"],
             "prefill_tokens_per_s": m.get("prefill_tokens_per_s"),
             "file": r["file"],
+            "metrics": m,
         }
         if key not in points or row["decode_tokens_per_s"] > points[key]["decode_tokens_per_s"]:
             points[key] = row

@@ -245,7 +245,59 @@ def fig10_table(root: Path, folder: str) -> str:
         if lo
         else ""
     )
-    return md(head, rows) + f"\n\n{ref} " + source(folder, d["records"])
+    return md(head, rows) + f"\n\n{ref} " + source(folder, d["records"]) + "\n\n" + fig10_floor_table(d)
+
+
+def over_floor(m: dict, hit: str | None) -> str | None:
+    """'step / floor = x (MB/step, hit rate)' of one run's metrics (None for a run with no floor: FullAttn)."""
+    if not m.get("system_floor_ms_per_step"):
+        return None
+    step, floor = m["decode_ms_per_step"], m["system_floor_ms_per_step"]
+    extra = [f"{m['bytes_h2d_per_step'] / 1e6:.0f} MB"]
+    if hit == "clo" and m.get("hit_rate") is not None:  # its prefetch heads are fetched every step by design
+        extra.append(f"hit {m['hit_rate']:.3f} / {m['hit_rate_with_refreshes']:.3f}")
+    elif hit and m.get("hit_rate") is not None:
+        extra.append(f"hit {m['hit_rate']:.3f}")
+    return f"{step:.2f} / {floor:.2f} = {step / floor:.2f}x ({', '.join(extra)})"
+
+
+def fig10_floor_table(d: dict) -> str:
+    """Each system's step against its own floor at every Figure 10 point (the run plotted: the point's fastest),
+    and CLO's device KV over RetroInfer-style's."""
+    pts = d["points"]
+    rows = []
+    for n, b in sorted({(n, b) for _, n, b in pts}):
+        m = {s: pts[(s, n, b)]["metrics"] for s in SYSTEMS if (s, n, b) in pts}
+        kv = (
+            f"{m['clo']['kv_device_gb'] / m['retroinfer']['kv_device_gb']:.2f}x"
+            if {"clo", "retroinfer"} <= set(m) and m["retroinfer"].get("kv_device_gb")
+            else None
+        )
+        rows.append(
+            [
+                f"{tokens(n)} b{b}",
+                f"{m['fullattn']['decode_ms_per_step']:.2f}" if "fullattn" in m else "OOM",
+                *(
+                    over_floor(m[s], s if s != "infinigen" else None) if s in m else None
+                    for s in SYSTEMS
+                    if s != "fullattn"
+                ),
+                kv,
+            ]
+        )
+    head = [
+        "point",
+        "FullAttn ms/step",
+        "CLO step / floor (MB/step, hit: lookups / with prefetch heads)",
+        "RetroInfer-style step / floor (MB/step, hit)",
+        "InfiniGen-style step / floor (MB/step)",
+        "CLO / RetroInfer-style device KV",
+    ]
+    return (
+        "Each system against its own floor (`system_floor_ms_per_step`: device bytes / HBM + link bytes / link + its "
+        "measured host work, each from the same run, summed: a system that overlaps them can step below it), ms per "
+        "step, at the run plotted:\n\n" + md(head, rows)
+    )
 
 
 def tab5_table(root: Path, folder: str) -> str:

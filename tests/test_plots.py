@@ -14,6 +14,7 @@ from plots import (
     fig2_breakdown,
     fig3_13_link,
     fig10_throughput,
+    paper_tables,
     tab4_hit_rate,
     tab5_ablation,
     tab5_accuracy,
@@ -195,6 +196,9 @@ def test_throughput_from_run_records(tmp_path):
         for b in (1, 4):
             rec = run_record(s, batch=b)
             rec["metrics"]["decode_tokens_per_s"] = tps * b
+            rec["metrics"]["decode_ms_per_step"] = 1000 * b / rec["metrics"]["decode_tokens_per_s"]
+            if s != "fullattn":
+                rec["metrics"] |= {"system_floor_ms_per_step": 4.0, "hit_rate_with_refreshes": 0.5, "kv_device_gb": 2.0}
             recs[f"{s}_{b}/record.json"] = rec
     recs["fullattn_16/record.json"] = {  # the preflight's refusal, as experiments.run records it
         "status": "failed",
@@ -213,6 +217,9 @@ def test_throughput_from_run_records(tmp_path):
     d = fig10_throughput.plot(write(tmp_path, recs), tmp_path / "fig10.png")
     assert d["speedup"] == {(131072, 1): pytest.approx(1.2), (131072, 4): pytest.approx(1.2)}
     assert d["refused"] == [("clo", 131072, 64, "RAM"), ("fullattn", 131072, 16, "OOM")]
+    table = paper_tables.fig10_table(tmp_path, "fig10")  # each system against its own floor, at the run plotted
+    assert "| 128K b1 | 6.67 | 8.33 / 4.00 = 2.08x (100 MB, hit 0.800 / 0.500) | 10.00 / 4.00 = 2.50x" in table
+    assert "12.50 / 4.00 = 3.12x (100 MB) | 1.00x |" in table
 
 
 def test_accuracy_records_against_table_5(tmp_path):
