@@ -96,14 +96,18 @@ class PipelinedFetcher:
         self.gather_ms, self.gather_bytes = 0.0, 0
         return out
 
-    def calibrate(self, stores: list[torch.Tensor]) -> float:
+    def calibrate(self, stores: list[torch.Tensor], cores: int) -> dict[int, float]:
         """This machine's CPU gather bandwidth (GB/s) for the last fetch's indices gathered from each of `stores`
-        (every sparse layer's host rows [N, row_elems], in layer order), measured alone: see gather_gb_s. Call it
-        when no fetch is in flight, after at least one."""
+        (every sparse layer's host rows [N, row_elems], in layer order), measured alone (see gather_gb_s) on the
+        worker's threads and on every core: {threads: GB/s}. Alone, the count that is slower in a step can be the
+        faster; the floor takes the best. Call it when no fetch is in flight, after at least one."""
         parity = self.last_parity
         if self.copied[parity] is not None:
             self.copied[parity].synchronize()  # the staging it overwrites is no longer being copied
-        return gather_gb_s(stores, self.staging[parity], self.threads, self.idx[parity], self.chunk_rows)
+        return {
+            t: gather_gb_s(stores, self.staging[parity], t, self.idx[parity], self.chunk_rows)
+            for t in sorted({self.threads, cores})
+        }
 
     @staticmethod
     def wait(fetch: Future) -> None:

@@ -41,6 +41,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, StepStats
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import ExactRetriever, select_topk
+from kvoffload.offload.transfer import cpu_threads as resolve_threads
 from kvoffload.paths import repo_path
 
 PREFILL_CHUNK_BYTES = 64 << 20  # the fp32 keys of one chunk of the prefill's partial-key work
@@ -122,7 +123,8 @@ class InfiniGen(OffloadedBaseline):
         self.fill_miss = torch.ones(spec.batch, spec.num_kv_heads, dtype=torch.bool, device=self.fill_heads.device)
         self.offline = self._load_skew(spec)
         self.fetcher: PipelinedFetcher | None = None  # made with the buffers, at prefill
-        self.gather_gb_s = 0.0  # the fetcher's CPU gather alone: its last indices over every layer's store
+        self.gather_gb_s = 0.0  # the CPU gather alone, the floor's host rate: the best of gather_alone
+        self.gather_alone: dict[int, float] = {}  # GB/s by thread count, the last indices over every layer's store
         self.gathered_ms, self.gathered_bytes = 0.0, 0  # the decode steps' gathers
         if self.graphs == "on" and not self.pipelined(spec):
             raise ConfigError(
@@ -285,7 +287,9 @@ class InfiniGen(OffloadedBaseline):
         if self.fetcher is not None:  # every fetch of the step has been waited for: its gathers are done
             if not self.gather_gb_s and self.fetcher.last_parity is not None:  # once, on the first step's own rows
                 d = self.spec.head_dim
-                self.gather_gb_s = self.fetcher.calibrate([h.view(-1, 2 * d) for h in self.host if h is not None])
+                stores = [h.view(-1, 2 * d) for h in self.host if h is not None]
+                self.gather_alone = self.fetcher.calibrate(stores, resolve_threads("auto"))
+                self.gather_gb_s = max(self.gather_alone.values())
             ms, nbytes = self.fetcher.take_gathers()
             self.gathered_ms += ms
             self.gathered_bytes += nbytes
@@ -332,6 +336,7 @@ class InfiniGen(OffloadedBaseline):
             else "none: eager speculation, attention over the window and fetched rows concatenated",
             "cpu_gather_gb_s": {
                 "alone": round(self.gather_gb_s, 2),  # what the floor's host part divides the gathered bytes by
+                "alone_by_threads": {t: round(x, 2) for t, x in self.gather_alone.items()},
                 "in_steps": round(self.gathered_bytes / self.gathered_ms / 1e6, 2) if self.gathered_ms else None,
             }
             if self.fetcher is not None

@@ -259,6 +259,8 @@ def test_infinigen_worker_fetch_equals_the_gpu_gather_and_its_graphs_the_eager_s
     for kv in (systems[0], systems[2]):  # the floor's host part: the gather measured alone
         gather = kv.describe()["cpu_gather_gb_s"]
         assert gather["alone"] > 0 and gather["in_steps"] > 0
+        assert gather["alone"] == max(gather["alone_by_threads"].values())  # the best of its threads and all cores
+        assert kv.cpu_threads in gather["alone_by_threads"]
 
 
 def test_uva_copy_blocks_and_negative_indices_match_their_references():
