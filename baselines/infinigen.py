@@ -17,7 +17,7 @@ Per sparse layer l of a step:
   prepare(l, q_spec)  retrieval         partial scores (one batched matmul in the model's dtype) and top-k on
                                         the device, during layer l-1
                       (overlapped)      on CUDA with transfer=cpu_gather: a worker thread waits for the indices
-                                        (the CPU-centric sync), gathers the rows with every core and copies them
+                                        (the CPU-centric sync), gathers the rows (gather_threads) and copies them
                                         to a device buffer chunk by chunk while the device runs layer l-1
                                         (baselines/cpu_fetch.py); transfer=uva: the GPU gathers them itself on a
                                         copy stream; on a CPU run the gather is done here
