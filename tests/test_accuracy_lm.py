@@ -121,19 +121,38 @@ def test_model_args_are_hydra_overrides():
 def test_the_prefill_cache_evicts_the_least_recently_used():
     """A cell-major sweep meets a cell's prompts again right away and an older cell's never: the cache keeps the
     recent ones, and a prefill larger than the cache is not kept."""
-    from experiments.accuracy.backbone import Prefill, PrefillCache
-
-    def prefill(n):  # n float32 K/V rows of 4 values: 2 * n * 16 bytes
-        return Prefill(torch.zeros(1, 2), [torch.zeros(1, 1, n, 4)], [torch.zeros(1, 1, n, 4)], 0.0)
+    from experiments.accuracy.backbone import PrefillCache
 
     cache = PrefillCache(max_bytes=3 * 2 * 16)
     for key in ((1,), (2,), (3,)):
-        cache.put(key, prefill(1))
+        cache.put(key, prefill_rows(1))
+    cache.begin_job()
     assert cache.get((1,)) is not None  # (2,) is now the least recently used
-    cache.put((4,), prefill(1))
+    cache.put((4,), prefill_rows(1))
     assert list(cache.entries) == [(3,), (1,), (4,)] and cache.used == 96
-    cache.put((5,), prefill(4))  # larger than the whole cache: not kept, nothing evicted
+    cache.put((5,), prefill_rows(4))  # larger than the whole cache: not kept, nothing evicted
     assert list(cache.entries) == [(3,), (1,), (4,)] and (cache.hits, cache.misses) == (1, 0)
+
+
+def test_the_prefill_cache_keeps_what_the_job_used_when_a_cell_does_not_fit():
+    """Four systems over five prompts that three fit: LRU would evict each prompt just before the next system asks
+    for it (no hit at all); keeping the job's own entries gives each later system the first three."""
+    from experiments.accuracy.backbone import PrefillCache
+
+    cache = PrefillCache(max_bytes=3 * 2 * 16)
+    for _ in range(4):
+        cache.begin_job()
+        for key in [(i,) for i in range(5)]:
+            if cache.get(key) is None:
+                cache.put(key, prefill_rows(1))
+    assert list(cache.entries) == [(0,), (1,), (2,)]
+    assert (cache.hits, cache.misses) == (9, 11)
+
+
+def prefill_rows(n):  # n float32 K/V rows of 4 values: 2 * n * 16 bytes
+    from experiments.accuracy.backbone import Prefill
+
+    return Prefill(torch.zeros(1, 2), [torch.zeros(1, 1, n, 4)], [torch.zeros(1, 1, n, 4)], 0.0)
 
 
 CHURN = """
@@ -145,6 +164,7 @@ assert fix_mmap_threshold()
 torch.set_num_threads(1)
 cache, g, base = PrefillCache(max_bytes=400 << 20), torch.Generator().manual_seed(0), rss()
 for prompt in range(40):  # prompts of 3K-8K tokens, 8 layers of SmolLM2's K/V shape, projections beside them
+    cache.begin_job()  # a job a prompt: each put evicts the oldest
     t = int(torch.randint(3000, 8000, (1,), generator=g))
     k, v = [], []
     for _ in range(8):

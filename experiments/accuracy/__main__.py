@@ -53,6 +53,7 @@ def run(cfg: DictConfig, system_name: str) -> dict:
         print(f"[accuracy] {line}", file=sys.stderr)
     load_at_start = _load_average()
     lm = CLOLM(config=cfg, system_name=system_name)  # loads the weights (or reuses the previous job's)
+    lm.backbone.cache.begin_job()
     tokenizer = lm.tokenizer.name_or_path
     if max(lengths) > lm.max_length and any(is_ruler(tm, t) for t in runnable):
         raise ConfigError(f"workload.lengths: {max(lengths)} tokens exceed the model's max_length={lm.max_length}")

@@ -77,21 +77,29 @@ class PrefillRecorder(KVOffloadSystem):
 
 @dataclass
 class PrefillCache:
-    """Prefills by prompt, up to max_bytes of K/V, the least recently used evicted first. The accuracy bundles run
-    a cell's systems one after another (cell-major), so a cell's prompts are met again right away and an older
-    cell's never: keeping the first prompts instead would fill the cache with the first cells and miss on every
-    later one."""
+    """Prefills by prompt, up to max_bytes of K/V, the least recently used evicted first, but never one the current
+    job (begin_job) has used. The accuracy bundles run a cell's systems one after another (cell-major), each system
+    over the cell's prompts in order, so a cell's prompts are met again right away and an older cell's never:
+    keeping the first prompts instead would fill the cache with the first cells and miss on every later one. When a
+    cell's prompts do not all fit, plain LRU would evict each prompt just before the next system asks for it; keeping
+    what this job used and passing the rest by leaves the next system the first ones."""
 
     max_bytes: int
     entries: dict[tuple[int, ...], Prefill] = field(default_factory=dict)  # least recently used first
     used: int = 0
     hits: int = 0
     misses: int = 0
+    job: int = 0
+    last_job: dict[tuple[int, ...], int] = field(default_factory=dict)  # the job that last used each entry
+
+    def begin_job(self) -> None:
+        self.job += 1
 
     def get(self, ids: tuple[int, ...]) -> Prefill | None:
         p = self.entries.pop(ids, None)
         if p is not None:
             self.entries[ids] = p  # now the most recently used
+            self.last_job[ids] = self.job
         self.hits += p is not None
         self.misses += p is None
         return p
@@ -100,8 +108,13 @@ class PrefillCache:
         if p.nbytes > self.max_bytes:
             return
         while self.used + p.nbytes > self.max_bytes:
-            self.used -= self.entries.pop(next(iter(self.entries))).nbytes
+            oldest = next(iter(self.entries))
+            if self.last_job[oldest] == self.job:
+                return  # every entry serves this job: this prefill passes the cache by
+            self.used -= self.entries.pop(oldest).nbytes
+            del self.last_job[oldest]
         self.entries[ids] = p
+        self.last_job[ids] = self.job
         self.used += p.nbytes
 
 
