@@ -248,15 +248,15 @@ def fig10_table(root: Path, folder: str) -> str:
     return md(head, rows) + f"\n\n{ref} " + source(folder, d["records"]) + "\n\n" + fig10_floor_table(d)
 
 
-def over_floor(m: dict, hit: str | None) -> str | None:
+def over_floor(m: dict, system: str) -> str | None:
     """'step / floor = x (MB/step, hit rate)' of one run's metrics (None for a run with no floor: FullAttn)."""
     if not m.get("system_floor_ms_per_step"):
         return None
     step, floor = m["decode_ms_per_step"], m["system_floor_ms_per_step"]
     extra = [f"{m['bytes_h2d_per_step'] / 1e6:.0f} MB"]
-    if hit == "clo" and m.get("hit_rate") is not None:  # its prefetch heads are fetched every step by design
+    if system == "clo" and m.get("hit_rate") is not None:  # its prefetch heads are fetched every step by design
         extra.append(f"hit {m['hit_rate']:.3f} / {m['hit_rate_with_refreshes']:.3f}")
-    elif hit and m.get("hit_rate") is not None:
+    elif m.get("hit_rate") is not None:
         extra.append(f"hit {m['hit_rate']:.3f}")
     return f"{step:.2f} / {floor:.2f} = {step / floor:.2f}x ({', '.join(extra)})"
 
@@ -277,11 +277,7 @@ def fig10_floor_table(d: dict) -> str:
             [
                 f"{tokens(n)} b{b}",
                 f"{m['fullattn']['decode_ms_per_step']:.2f}" if "fullattn" in m else "OOM",
-                *(
-                    over_floor(m[s], s if s != "infinigen" else None) if s in m else None
-                    for s in SYSTEMS
-                    if s != "fullattn"
-                ),
+                *(over_floor(m[s], s) if s in m else None for s in SYSTEMS if s != "fullattn"),
                 kv,
             ]
         )
