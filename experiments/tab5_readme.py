@@ -175,8 +175,8 @@ def table_readme(folder: Path) -> str:
 
 def ablation_readme(folder: Path, table: Path) -> str:
     d = tab5_ablation.data(folder)
-    lines = [ABLATION_HEAD, f"Commit {d['records'].commit}; cells scored by every variant: "]
-    lines[-1] += ", ".join(cell_name(c) for c in d["cells"]) + "."
+    lines = [ABLATION_HEAD, "Cells scored by every variant, each at the commit its variants ran at: "]
+    lines[-1] += ", ".join(f"{cell_name(c)} ({d['commits'][c]})" for c in d["cells"]) + "."
     try:
         t = tab5_accuracy.data(table)
         full, samples = t["scores"].get(("smollm2", "fullattn"), {}), sample_scores(t["records"])

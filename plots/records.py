@@ -101,6 +101,22 @@ def find(root: Path, pattern: str, accept: Callable[[Any], bool], what: str) -> 
     return Records(root, rows)
 
 
+def commit_per_cell(rows, root: Path, what: str, name: Callable[[Any], str] = str) -> dict:
+    """{cell: commit} of (cell, file, commit) rows. Records filled in over sessions may come from several commits,
+    but the records of one cell, which are compared with each other, must share one (an error names the cell by
+    name(cell))."""
+    by_cell: dict = {}
+    for cell, file, commit in rows:
+        by_cell.setdefault(cell, {})[file] = commit
+    for cell, by_file in by_cell.items():
+        if len(set(by_file.values())) > 1:
+            raise RecordError(
+                f"the {what} of {name(cell)} ran at different commits under {root}: "
+                + ", ".join(f"{f} ({c})" for f, c in sorted(by_file.items()))
+            )
+    return {cell: next(iter(by_file.values())) for cell, by_file in by_cell.items()}
+
+
 def check_commits(recs: Records, allow_mixed: bool = False) -> None:
     """Refuses records whose environment names no commit, and (unless allow_mixed) records of several."""
     unknown = [r["file"] for r in recs if commit_of(r["record"]) is None]

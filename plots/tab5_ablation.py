@@ -15,7 +15,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from plots.records import RecordError, cli, load_files, names, plot_arguments, save  # noqa: E402
+from plots.records import (  # noqa: E402
+    RecordError,
+    cli,
+    commit_of,
+    commit_per_cell,
+    load_files,
+    names,
+    plot_arguments,
+    save,
+)
 from plots.tab5_accuracy import is_accuracy, scores_of  # noqa: E402
 
 VARIANTS = ("simhash", "nocache", "learned", "exact", "eta0.6", "eta0.7", "eta0.9")  # conf/clo_ablation, drawing order
@@ -29,13 +38,15 @@ def variant_of(rec: dict) -> str | None:
 
 def data(root: Path) -> dict:
     """{"scores": {variant: {cell: score}}, "hit_rate": {variant: mean over the cells}, "cells", "means",
-    "missing": {variant: [cells it lacks]}, "records"}."""
-    recs = load_files(root, "record*.json", is_accuracy, "accuracy records")
+    "missing": {variant: [cells it lacks]}, "records", "commits": {cell: commit}}. The cells may come from several
+    commits, the variants of one cell (which it compares) from one."""
+    recs = load_files(root, "record*.json", is_accuracy, "accuracy records", allow_mixed=True)
     unnamed = [r["file"] for r in recs if variant_of(r["record"]) not in VARIANTS or r["record"]["system"] != "clo"]
     if unnamed:
         raise RecordError(f"not a CLO record of a known +clo_ablation ({', '.join(VARIANTS)}): {names(unnamed)}")
     scores: dict[str, dict[str, float]] = {}
     hits: dict[str, dict[str, float]] = {}
+    rows = []
     for r in recs:
         rec, v = r["record"], variant_of(r["record"])
         mine = scores_of(rec)
@@ -43,6 +54,7 @@ def data(root: Path) -> dict:
         if twice:
             raise RecordError(f"{v} scores {', '.join(twice)} twice under {root} (one is {r['file']})")
         scores.setdefault(v, {}).update(mine)
+        rows += [(cell, r["file"], commit_of(rec)) for cell in mine]
         hit = rec["cost_per_sample"].get("hit_rate")
         hits.setdefault(v, {}).update({cell: hit for cell in mine if hit is not None})
     variants = [v for v in VARIANTS if v in scores]
@@ -52,7 +64,16 @@ def data(root: Path) -> dict:
     means = {v: sum(scores[v][c] for c in cells) / len(cells) for v in variants}
     hit_rate = {v: sum(hits[v][c] for c in cells) / len(cells) for v in variants if all(c in hits[v] for c in cells)}
     missing = {v: sorted(set().union(*map(set, scores.values())) - set(scores[v])) for v in variants}
-    return {"scores": scores, "hit_rate": hit_rate, "cells": cells, "means": means, "missing": missing, "records": recs}
+    commits = commit_per_cell(rows, root, "variants")
+    return {
+        "scores": scores,
+        "hit_rate": hit_rate,
+        "cells": cells,
+        "means": means,
+        "missing": missing,
+        "records": recs,
+        "commits": commits,
+    }
 
 
 def plot(root: Path, out: Path) -> dict:
@@ -66,7 +87,10 @@ def plot(root: Path, out: Path) -> dict:
     b.set_ylabel("real hit rate (mean over the cells)")
     b.set_ylim(0, 1)
     b.set_title("CLO's hit rate", fontsize=9)
-    fig.suptitle(f"Tab. 5 ablations, SmolLM2-135M, commit {d['records'].commit}", fontsize=9)
+    commits = d["records"].commits
+    fig.suptitle(
+        f"Tab. 5 ablations, SmolLM2-135M, commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}", fontsize=9
+    )
     save(fig, out)
     return d
 

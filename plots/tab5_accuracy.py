@@ -29,6 +29,7 @@ from plots.records import (  # noqa: E402
     check_systems,
     cli,
     commit_of,
+    commit_per_cell,
     load_files,
     names,
     plot_arguments,
@@ -42,7 +43,7 @@ def data(root: Path) -> dict:
     sessions), but the systems of one cell, which it compares, must share one."""
     recs = load_files(root, "record*.json", is_accuracy, "accuracy records", allow_mixed=True)
     check_systems([(r["record"].get("system"), r["file"]) for r in recs], recs.root)
-    scores, files, cell_file, commits = {}, {}, {}, {}
+    scores, files, cell_file, rows = {}, {}, {}, []
     for r in recs:
         rec = r["record"]
         key = (rec["model"], rec["system"])
@@ -57,20 +58,14 @@ def data(root: Path) -> dict:
                     f"{cell_file[key, task]}, {r['file']}"
                 )
             cell_file[key, task] = r["file"]
-            commits.setdefault((key[0], task), {})[r["file"]] = commit_of(rec)
+            rows.append(((key[0], task), r["file"], commit_of(rec)))
         scores.setdefault(key, {}).update(mine)
         files.setdefault(key, r["file"])
-    for (model, task), by_file in commits.items():
-        if len(set(by_file.values())) > 1:
-            raise RecordError(
-                f"the systems of {task} on {model} ran at different commits under {root}: "
-                + ", ".join(f"{f} ({c})" for f, c in sorted(by_file.items()))
-            )
+    commits = commit_per_cell(rows, root, "systems", lambda cell: f"{cell[1]} on {cell[0]}")
     seen = {t for s in scores.values() for t in s}
     tasks = [t for t in paper.TAB5_TASKS if t in seen] + sorted(seen - set(paper.TAB5_TASKS))
     if not tasks:
         raise RecordError(f"no scores in {names(recs.files)} under {root}")
-    commits = {cell: next(iter(by_file.values())) for cell, by_file in commits.items()}
     return {"scores": scores, "files": files, "tasks": tasks, "records": recs, "commits": commits}
 
 

@@ -282,6 +282,18 @@ def test_table_5_ablation_averages_only_the_cells_every_variant_scored(tmp_path)
         tab5_ablation.data(tmp_path / "abl")
 
 
+def test_table_5_ablation_cells_may_differ_in_commit_but_not_their_variants(tmp_path):
+    recs = {f"record_{v}_vt.json": ablation_record(v, "ruler_vt", 0.2, 0.7) for v in ("simhash", "exact")}
+    for v in ("simhash", "exact"):  # another cell, run later at another commit
+        recs[f"record_{v}_niah.json"] = ablation_record(v, "niah", 1.0, 0.8)
+        recs[f"record_{v}_niah.json"]["environment"]["git"]["commit"] = "def5678"
+    d = tab5_ablation.data(write(tmp_path / "abl", recs))
+    assert d["commits"] == {"niah@2048": "def5678", "ruler_vt@2048": "abc1234"}
+    recs["record_exact_vt.json"]["environment"]["git"]["commit"] = "fff0000"  # one variant of a cell elsewhere
+    with pytest.raises(RecordError, match="variants of ruler_vt@2048 ran at different commits.*fff0000"):
+        tab5_ablation.data(write(tmp_path / "abl", recs))
+
+
 def test_link_record_drawn_and_checked(tmp_path):
     rows = [
         {"path": p, "threads": n, "tokens": t, "bytes": 1, "ms": 1.0, "gb_s": g, "of_bulk": 1.0}
