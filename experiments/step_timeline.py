@@ -51,6 +51,14 @@ def kernels(path: Path) -> list[dict]:
     return load_events(path, ("kernel",))
 
 
+def idle_by_next(gaps: list[dict]) -> list[dict]:
+    by = defaultdict(lambda: [0.0, 0])
+    for g in gaps:
+        by[g["next_family"]][0] += g["idle_us"]
+        by[g["next_family"]][1] += 1
+    return [{"next": n, "us": round(t, 1), "gaps": c} for n, (t, c) in sorted(by.items(), key=lambda kv: -kv[1][0])]
+
+
 def summary(ks: list[dict], n_gaps: int) -> dict:
     if not ks:
         raise SystemExit("no GPU kernels in the trace (a CPU run records operators, not kernels)")
@@ -71,6 +79,7 @@ def summary(ks: list[dict], n_gaps: int) -> dict:
                     "at_us": round(a["end"] - ks[0]["start"], 1),
                     "idle_us": round(b["start"] - a["end"], 1),
                     "next": b["name"][:40],
+                    "next_family": family(b["name"]),
                     "after_other_stream": waited,
                 }
             )
@@ -95,6 +104,8 @@ def summary(ks: list[dict], n_gaps: int) -> dict:
         "busy_us_by_stream": busy,
         "compute_stream": compute,
         "compute_idle_us": round(sum(g["idle_us"] for g in gaps), 1),
+        # what the compute stream waited to start: the kernel family after each idle gap, summed
+        "compute_idle_us_by_next": idle_by_next(gaps),
         "largest_gaps": sorted(gaps, key=lambda g: -g["idle_us"])[:n_gaps],
         "top_kernels_us": [{"stream": s, "name": n, "us": round(t, 1)} for (s, n), t in top],
     }

@@ -420,7 +420,9 @@ def test_step_timeline_finds_the_compute_streams_gaps():
     out = summary(ks, 5)
     assert out["compute_stream"] == 1 and out["span_us"] == 80.0
     assert out["busy_us_by_stream"] == {1: 74.0, 2: 60.0} and out["compute_idle_us"] == 6.0
-    assert out["largest_gaps"] == [{"at_us": 65.0, "idle_us": 6.0, "next": "attention", "after_other_stream": "topk"}]
+    gap = {"at_us": 65.0, "idle_us": 6.0, "next": "attention", "next_family": "attention", "after_other_stream": "topk"}
+    assert out["largest_gaps"] == [gap]
+    assert out["compute_idle_us_by_next"] == [{"next": "attention", "us": 6.0, "gaps": 1}]
 
 
 def test_sweep_summary_table_counts_every_outcome():
