@@ -27,18 +27,19 @@ import torch
 CHUNK_ROWS = 32768
 
 
-# a layer's fetch above which the gather uses every core: between the largest fetch where half the cores stepped
-# fastest (Llama-3-8B 128K BSZ 1, results/infinigen_threads/) and the smallest where every core did (32K BSZ 16,
-# results/infinigen_cpu_fetch/); the fetches in between are not measured
-ALL_CORES_FETCH_BYTES = 128 << 20
+# a layer's fetch above which the gather uses every core, at BSZ > 1: fitted to the pairs of runs (half the cores
+# against every core, in one device call) of results/infinigen_threads/. It lies between the largest fetch where
+# half the cores stepped fastest at BSZ > 1 and the smallest where every core did. At BSZ 1 half the cores stepped
+# fastest at every length measured, the largest fetch there included (above this one): not explained
+ALL_CORES_FETCH_BYTES = 32 << 20
 
 
-def gather_threads(cores: int, layer_bytes: int) -> int:
-    """The gather's threads for cpu_threads=auto, by the bytes one layer fetches. The gather is bound by host memory:
-    a small one saturates it on half the cores, and leaving the other half to the launch thread and the driver keeps
-    them from preempting a gather thread, which stalls the whole parallel gather at its join. A large one keeps
-    every thread busy long enough that more threads gather faster."""
-    return cores if layer_bytes > ALL_CORES_FETCH_BYTES else max(1, cores // 2)
+def gather_threads(cores: int, layer_bytes: int, batch: int) -> int:
+    """The gather's threads for cpu_threads=auto, by the bytes one layer fetches and the batch. The gather is bound by
+    host memory: a small one saturates it on half the cores, and leaving the other half to the launch thread and the
+    driver keeps them from preempting a gather thread, which stalls the whole parallel gather at its join. A large
+    one keeps every thread busy long enough that more threads gather faster."""
+    return cores if batch > 1 and layer_bytes > ALL_CORES_FETCH_BYTES else max(1, cores // 2)
 
 
 class PipelinedFetcher:

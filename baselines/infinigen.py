@@ -159,7 +159,9 @@ class InfiniGen(OffloadedBaseline):
             if self.pipelined(spec):
                 rows = spec.batch * spec.num_kv_heads * k_sel
                 if self.auto_threads:
-                    self.cpu_threads = gather_threads(self.cpu_threads, rows * 2 * spec.head_dim * spec.dtype_bytes)
+                    self.cpu_threads = gather_threads(
+                        self.cpu_threads, rows * 2 * spec.head_dim * spec.dtype_bytes, spec.batch
+                    )
                 self.fetcher = PipelinedFetcher(
                     rows, 2 * spec.head_dim, spec.dtype, spec.device, self.cpu_threads, self.fetch_chunk_rows
                 )

@@ -686,8 +686,11 @@ def test_host_stores_are_allocated_before_prefill_and_copied_while_the_next_laye
 
 
 def test_infinigen_gather_threads_follow_the_fetch_size():
-    # the gather is memory-bound: half the cores stepped fastest for small fetches, every core for the largest
-    assert gather_threads(16, 50 << 20) == 8 and gather_threads(16, ALL_CORES_FETCH_BYTES + 1) == 16
-    assert gather_threads(1, 1) == 1
+    # the gather is memory-bound: half the cores stepped fastest for small fetches and at BSZ 1, every core for the
+    # larger fetches of BSZ > 1
+    big = ALL_CORES_FETCH_BYTES + 1
+    assert gather_threads(16, ALL_CORES_FETCH_BYTES, 8) == 8 and gather_threads(16, big, 2) == 16
+    assert gather_threads(16, 4 * big, 1) == 8
+    assert gather_threads(1, 1, 1) == 1
     ig = InfiniGen(cpu_threads=1)
     assert ig.cpu_threads == 1 and not ig.auto_threads  # an explicit count is kept
