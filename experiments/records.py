@@ -136,6 +136,9 @@ def git_commit(repo: Path) -> dict[str, Any]:
     return {"commit": commit, "dirty": dirty}
 
 
+THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "NUMBA_")
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
@@ -150,6 +153,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "pid": os.getpid(),  # jobs of a job_process=fresh sweep each have their own
         "git": git_commit(ROOT),
+        # the thread runtimes' settings (OpenMP, numba, MKL): host-bound steps change with them
+        "thread_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(THREAD_ENV_PREFIXES)},
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)

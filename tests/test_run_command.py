@@ -472,3 +472,15 @@ def test_fresh_job_processes_see_the_sweeps_config_dir(tmp_path):
     p = run("--multirun", f"--config-dir={conf.parent}", "+experiment=mine", "job_process=fresh", *FAST, tmp=tmp_path)
     (rec,) = records(tmp_path).values()
     assert rec["status"] == "ok" and rec["config"]["seqlen"] == 80, p.stderr[-3000:]
+
+
+def test_the_record_names_the_thread_runtimes_settings(monkeypatch):
+    """OMP_*/NUMBA_* change a host-bound step: the environment a record keeps holds them, and nothing else of env."""
+    import torch
+
+    from experiments.records import environment
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.setenv("SECRET_TOKEN", "x")
+    got = environment(torch.device("cpu"))["thread_env"]
+    assert got["OMP_WAIT_POLICY"] == "ACTIVE" and "SECRET_TOKEN" not in got
