@@ -3,7 +3,7 @@
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
 # Stages: host_warmup (before host-bound runs) pytest_gpu (~4 min) fig3_13 bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
 # bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
-# memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather lru (~1 min) fig2 (~3.5 min) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
+# memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather lru (~1 min) fig2 fig2_untimed (~3.5 min each) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
 # It installs the carried wheels (hardware.md), runs the GPU tests, the kernel benchmarks and the system runs,
 # and packs every record and log into $OUT/gpu_session.tgz (one file: the device returns at most 8).
@@ -68,6 +68,9 @@ stage trace_128k 240 $run +experiment=clo_synthetic system=clo system.persist_qu
 # each run traces one steady step: a graph step's phases come from its kernels (record's trace_phase_ms)
 stage fig2 ${FIG2_SECS:-300} $run +experiment=fig2_breakdown workload.gen_tokens=16 ${FIG2:-} \
   'trace_dir='"$out"'/trace_fig2/${hydra:runtime.choices.system}'
+# the same steps neither traced nor phase-timed (an event pair a phase and layer slows a piecewise step): the
+# figure's step times come from these, split as the traced runs split (plots.fig2_breakdown)
+stage fig2_untimed ${FIG2_SECS:-300} $run +experiment=fig2_breakdown workload.gen_tokens=16 profile_phases=false ${FIG2:-}
 # one steady decode step of each offloading baseline at 128K as a Chrome trace (experiments.step_timeline)
 stage trace_baselines 240 $run +experiment=fig2_breakdown system=retroinfer,infinigen workload.gen_tokens=8 \
   'trace_dir='"$out"'/trace_${hydra:runtime.choices.system}'

@@ -115,6 +115,20 @@ def test_fig2_against_committed_records_and_the_paper(tmp_path):
     assert rows["retroinfer"]["mgmt_percent"] == pytest.approx(15.3, abs=0.05)
 
 
+def test_fig2_steps_come_from_the_untimed_runs_split_as_the_timed_ones(tmp_path):
+    """Phase timing slows a piecewise step: its bar is the untimed run's step, split as the timed run's phases."""
+    folder = fig2_folder(tmp_path)  # retroinfer timed at 100 ms, its phases equal
+    untimed = run_record("retroinfer", ms=80.0, phases_timed=False)
+    untimed["metrics"]["phase_ms_per_step"] = {p: 0.0 for p in PHASES} | {"other": 80.0, "total": 80.0}
+    write(folder, {"record_retroinfer_untimed.json": untimed})
+    row = fig2_breakdown.data(folder)["systems"]["retroinfer"]
+    assert row["ms_per_step"] == 80.0 and row["file"] == "record_retroinfer_untimed.json"
+    assert row["split_file"] == "record_retroinfer.json" and row["split_ms_per_step"] == 100.0
+    assert row["cache_mgmt"] == pytest.approx(80.0 / len(PHASES) / 32) and row["mgmt_percent"] == pytest.approx(
+        100 / len(PHASES)
+    )
+
+
 def test_full_and_short_commits_are_one_commit(tmp_path):
     fig2_folder(tmp_path)
     rec = run_record("clo", "abc1234" + "0" * 33, 8.0)
