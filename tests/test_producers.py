@@ -67,6 +67,23 @@ def test_link_bench_on_the_cpu(tmp_path, capsys):
         assert e.value.code == 2 and why in capsys.readouterr().err
 
 
+def test_block_copy_bench_on_the_cpu(tmp_path, capsys):
+    from experiments import bench_block_copy
+
+    out = tmp_path / "block_copy.json"
+    bench_block_copy.main(["--out", str(out), "--seqlens", "256", "--batches", "1,2", "--iters", "2"])
+    rec = json.loads(out.read_text())
+    assert [(r["path"], r["batch"]) for r in rec["rows"]] == [
+        (p, b) for b in (1, 2) for p in ("bulk", "blocks", "rows")
+    ]
+    assert all(r["exact"] for r in rec["rows"] if r["path"] != "bulk")
+    row = rec["rows"][0]  # 256 tokens, 8-token blocks, top-k 10 %: 4 lookups a row, 8 rows; 15 % of them miss
+    assert (row["lookups"], row["misses"], row["bytes"]) == (32, 5, 5 * 8 * 512)
+    with pytest.raises(SystemExit) as e:
+        bench_block_copy.main(["--out", str(tmp_path / "x.json"), "--hit", "1"])
+    assert e.value.code == 2 and "[0, 1)" in capsys.readouterr().err
+
+
 def test_host_gather_bench_on_the_cpu(tmp_path, capsys):
     """experiments.bench_host_gather: a row per (pool, memory kind, index pattern, threads, chunk), every gather
     exact; bad input refused with one line and exit status 2."""
