@@ -6,7 +6,8 @@ of the middle, `block_size` tokens a block); `--hit` of the lookups hit the cach
 come from pinned host memory. Paths, each moving the misses' bytes:
 
   bulk        one contiguous pinned copy of those bytes (the link's ceiling)
-  blocks      uva_copy_blocks as RetroInfer-style's layer graph calls it: one entry per lookup, hits skipped
+  blocks      uva_copy_blocks as RetroInfer-style's layer graph calls it: one entry per lookup, hits skipped; with
+              --grids, also on other grids (programs x warps), to tell the kernel's grid from the link
   rows        CLO's UVA row gather (TransferEngine "uva") of the same rows, as one flat run
 
 On a CPU device there is no link: the paths are the kernels' torch references, and only the command, the record
@@ -35,7 +36,7 @@ from kvoffload.offload.transfer import TransferEngine
 from kvoffload.paths import write_json_atomic
 
 
-def point(device, seqlen, batch, hit, block_size, topk, kv_heads, head_dim, iters, uva_programs) -> list[dict]:
+def point(device, seqlen, batch, hit, block_size, topk, kv_heads, head_dim, iters, uva_programs, grids) -> list[dict]:
     cuda = device.type == "cuda"
     rows = batch * kv_heads
     n_blocks = math.ceil(seqlen / block_size)
@@ -61,21 +62,22 @@ def point(device, seqlen, batch, hit, block_size, topk, kv_heads, head_dim, iter
     bulk_src = host.view(-1)[: slots.numel()]
     bulk_dst = torch.empty(slots.numel(), dtype=torch.bfloat16, device=device)
     engine = TransferEngine("uva" if cuda else "cpu_gather", 1, device, uva_programs)
-    blocks = (
-        (lambda: uva_copy_blocks(host, src_d, cache, dst_d))
-        if cuda
-        else (lambda: copy_blocks_ref(host, src, cache, dst))
-    )
-    timed = [
-        ("bulk", lambda: bulk_dst.copy_(bulk_src, non_blocking=True)),
-        ("blocks", blocks),
-        ("rows", lambda: engine.fill(flat, heads, idx, miss, slots)),
-    ]
+
+    def blocks(grid: tuple[int, int] | None):
+        if not cuda:
+            return lambda: copy_blocks_ref(host, src, cache, dst)
+        return lambda: uva_copy_blocks(host, src_d, cache, dst_d, *(grid or ()))
+
+    timed = [("bulk", None, lambda: bulk_dst.copy_(bulk_src, non_blocking=True)), ("blocks", None, blocks(None))]
+    timed += [("blocks", g, blocks(g)) for g in (grids if cuda else [])]
+    timed += [("rows", None, lambda: engine.fill(flat, heads, idx, miss, slots))]
     out, bulk_ms = [], None
-    for path, fn in timed:
+    for path, grid, fn in timed:
+        cache.zero_()
         ms = median_ms(fn, device, iters, warmup=1)
         bulk_ms = ms if path == "bulk" else bulk_ms
         row = {"path": path, "seqlen": seqlen, "batch": batch, "lookups": lookups, "misses": n_miss}
+        row["grid"] = list(grid) if grid else None  # (programs, warps); None: the default the step runs
         row |= {
             "bytes": nbytes,
             "ms": round(ms, 4),
@@ -88,8 +90,8 @@ def point(device, seqlen, batch, hit, block_size, topk, kv_heads, head_dim, iter
             row["exact"] = torch.equal(slots.cpu().view(-1, block_size, 2, head_dim), want[src >= 0])
         out.append(row)
         print(
-            f"{seqlen:>7} x {batch:<3} {path:<7} {row['gb_s']:8.2f} GB/s = {row['of_bulk']:.2f} of bulk "
-            f"({nbytes / 1e6:.1f} MB)"
+            f"{seqlen:>7} x {batch:<3} {path:<7} {str(grid or ''):<10} {row['gb_s']:8.2f} GB/s "
+            f"= {row['of_bulk']:.2f} of bulk ({nbytes / 1e6:.1f} MB)"
         )
     return out
 
@@ -104,11 +106,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--topk", type=float, default=0.1)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--uva-programs", type=int, default=None, help="the row gather's grid cap (RetroInfer: null)")
+    ap.add_argument(
+        "--grids", default="256x4,4096x4,1024x8", help="block copy grids besides the default: programs x warps"
+    )
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     args = ap.parse_args(argv)
     try:
         seqlens = counts(args.seqlens, "seqlens", parse_tokens)
         batches = counts(args.batches, "batches")
+        grids = [tuple(counts(g.replace("x", ","), "grids")) for g in args.grids.split(",") if g]
+        if any(len(g) != 2 for g in grids):
+            raise ConfigError(f"--grids {args.grids!r}: each is programs x warps, e.g. 1024x4")
         if not 0 <= args.hit < 1:
             raise ConfigError(f"--hit {args.hit}: must be in [0, 1)")
         if not 0 < args.topk <= 1 or args.block_size < 1:
@@ -133,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                 LLAMA3.head_dim,
                 args.iters,
                 args.uva_programs,
+                grids,
             )
     record = {
         "bench": "block_copy",
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         "hit": args.hit,
         "topk": args.topk,
         "iters": args.iters,
-        "uva_programs": args.uva_programs,  # the row gather's; the block copy runs its default grid, as in the step
+        "uva_programs": args.uva_programs,  # the row gather's; the block copy's default grid is the step's
         "command": "python -m experiments.bench_block_copy " + shlex.join(sys.argv[1:] if argv is None else argv),
         "rows": rows,
         "environment": environment(device),

@@ -230,7 +230,12 @@ if triton is not None:
 
 
 def uva_copy_blocks(
-    host: torch.Tensor, src: torch.Tensor, dst_buf: torch.Tensor, dst: torch.Tensor, programs: int = 1024
+    host: torch.Tensor,
+    src: torch.Tensor,
+    dst_buf: torch.Tensor,
+    dst: torch.Tensor,
+    programs: int = 1024,
+    num_warps: int = 4,
 ) -> None:
     """copy_blocks_ref on the GPU, reading the pinned host blocks through their device mapping (UVA): no CPU
     gather, no staging, no host sync, a grid that depends only on M (capturable in a CUDA graph). host and
@@ -242,4 +247,4 @@ def uva_copy_blocks(
     if not m:
         return
     chunk = min(4096, triton.next_power_of_2(size))
-    _copy_blocks_kernel[(min(m, programs),)](host, src, dst_buf, dst, m, SIZE=size, CHUNK=chunk, num_warps=4)
+    _copy_blocks_kernel[(min(m, programs),)](host, src, dst_buf, dst, m, SIZE=size, CHUNK=chunk, num_warps=num_warps)
