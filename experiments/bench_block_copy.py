@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 from pathlib import Path
 
 import torch
 
-from experiments.bench_link import LLAMA3, counts
+from experiments.bench_link import LLAMA3, bench_record, counts, rate, resolve_device
 from experiments.preflight import parse_tokens
-from experiments.records import environment
 from experiments.timing import median_ms
 from kvoffload.errors import ConfigError
 from kvoffload.kernels.uva_gather import copy_blocks_ref, uva_copy_blocks
@@ -78,12 +76,7 @@ def point(device, seqlen, batch, hit, block_size, topk, kv_heads, head_dim, iter
         bulk_ms = ms if path == "bulk" else bulk_ms
         row = {"path": path, "seqlen": seqlen, "batch": batch, "lookups": lookups, "misses": n_miss}
         row["grid"] = list(grid) if grid else None  # (programs, warps); None: the default the step runs
-        row |= {
-            "bytes": nbytes,
-            "ms": round(ms, 4),
-            "gb_s": round(nbytes / ms / 1e6, 3),
-            "of_bulk": round(bulk_ms / ms, 3),
-        }
+        row |= rate(nbytes, ms, bulk_ms)
         if path == "blocks":
             row["exact"] = torch.equal(cache.cpu(), want)
         elif path == "rows":
@@ -121,12 +114,10 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"--hit {args.hit}: must be in [0, 1)")
         if not 0 < args.topk <= 1 or args.block_size < 1:
             raise ConfigError(f"--topk {args.topk} must be in (0, 1] and --block-size {args.block_size} at least 1")
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda: no CUDA device here")
+        device = resolve_device(args.device)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     rows = []
     for n in seqlens:
         for b in batches:
@@ -143,18 +134,18 @@ def main(argv: list[str] | None = None) -> None:
                 args.uva_programs,
                 grids,
             )
-    record = {
-        "bench": "block_copy",
-        "device": device.type,
-        "shape": {"kv_heads": LLAMA3.num_kv_heads, "head_dim": LLAMA3.head_dim, "block_size": args.block_size},
-        "hit": args.hit,
-        "topk": args.topk,
-        "iters": args.iters,
-        "uva_programs": args.uva_programs,  # the row gather's; the block copy's default grid is the step's
-        "command": "python -m experiments.bench_block_copy " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "rows": rows,
-        "environment": environment(device),
-    }
+    record = bench_record(
+        "block_copy",
+        "experiments.bench_block_copy",
+        argv,
+        device,
+        rows,
+        shape={"kv_heads": LLAMA3.num_kv_heads, "head_dim": LLAMA3.head_dim, "block_size": args.block_size},
+        hit=args.hit,
+        topk=args.topk,
+        iters=args.iters,
+        uva_programs=args.uva_programs,  # the row gather's; the block copy's default grid is the step's
+    )
     write_json_atomic(args.out, record)
     print(f"{len(rows)} rows -> {args.out}")
 

@@ -48,6 +48,31 @@ def counts(text: str, what: str, parse=int) -> list[int]:
     return values
 
 
+def resolve_device(name: str) -> torch.device:
+    """--device auto | cuda | cpu; cuda refused where there is none."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device here")
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+
+
+def rate(nbytes: int, ms: float, bulk_ms: float) -> dict:
+    """A timed copy's row fields: its bytes and time, GB/s and its share of the bulk copy's rate."""
+    return {"bytes": nbytes, "ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 3), "of_bulk": round(bulk_ms / ms, 3)}
+
+
+def bench_record(bench: str, module: str, argv: list[str] | None, device: torch.device, rows: list, **fields) -> dict:
+    """A bench's record: what it measured, the command that ran it, its rows and the environment."""
+    command = f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return {
+        "bench": bench,
+        "device": device.type,
+        **fields,
+        "command": command,
+        "rows": rows,
+        "environment": environment(device),
+    }
+
+
 def sweep(device, tokens, threads, kv_heads, head_dim, fraction, iters, uva_programs) -> list[dict]:
     pool = math.ceil(max(tokens) / fraction)
     cuda = device.type == "cuda"
@@ -72,8 +97,7 @@ def sweep(device, tokens, threads, kv_heads, head_dim, fraction, iters, uva_prog
             slots.zero_()
             ms = median_ms(fn, device, iters, warmup=1)
             bulk_ms = ms if path == "bulk" else bulk_ms
-            row = {"path": path, "threads": n if cuda else None, "tokens": t, "bytes": nbytes, "ms": round(ms, 4)}
-            row |= {"gb_s": round(nbytes / ms / 1e6, 3), "of_bulk": round(bulk_ms / ms, 3)}
+            row = {"path": path, "threads": n if cuda else None, "tokens": t} | rate(nbytes, ms, bulk_ms)
             if path != "bulk":
                 want = gather_rows_ref(host, heads.cpu(), idx.cpu())
                 row["exact_rows"] = torch.equal(slots.cpu(), want)
@@ -99,26 +123,22 @@ def main(argv: list[str] | None = None) -> None:
         threads = counts(args.threads, "threads")
         if not 0 < args.fraction <= 1:
             raise ConfigError(f"--fraction {args.fraction}: must be in (0, 1]")
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda: no CUDA device here")
+        device = resolve_device(args.device)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
     rows = sweep(device, tokens, threads, args.kv_heads, args.head_dim, args.fraction, args.iters, args.uva_programs)
-    record = {
-        "bench": "link_bandwidth",
-        "device": device.type,
-        "shape": {"kv_heads": args.kv_heads, "head_dim": args.head_dim, "row_bytes": 2 * args.head_dim * 2},
-        "fraction": args.fraction,
-        "iters": args.iters,
-        "uva_programs": args.uva_programs,
-        "command": "python -m experiments.bench_link " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "rows": rows,
-        "environment": environment(device),
-    }
+    record = bench_record(
+        "link_bandwidth",
+        "experiments.bench_link",
+        argv,
+        device,
+        rows,
+        shape={"kv_heads": args.kv_heads, "head_dim": args.head_dim, "row_bytes": 2 * args.head_dim * 2},
+        fraction=args.fraction,
+        iters=args.iters,
+        uva_programs=args.uva_programs,
+    )
     write_json_atomic(args.out, record)
     print(f"{len(rows)} rows -> {args.out}")
 
