@@ -30,8 +30,10 @@ CHUNK_ROWS = 32768
 # a layer's fetch above which the gather uses every core, at BSZ > 1: fitted to the pairs of runs (half the cores
 # against every core, in one device call) of results/infinigen_threads/. It lies between the largest fetch where
 # half the cores stepped fastest at BSZ > 1 and the smallest where every core did. At BSZ 1 half the cores stepped
-# fastest at every length measured, the largest fetch there included (above this one): not explained
+# fastest at every length measured up to 128K (not explained); the one BSZ 1 fetch above ALL_CORES_FETCH_BYTES_BSZ1
+# measured (512K) ran fastest on every core, in a run of its own, not a pair (results/fig10_throughput_512k/)
 ALL_CORES_FETCH_BYTES = 32 << 20
+ALL_CORES_FETCH_BYTES_BSZ1 = 128 << 20
 
 
 def gather_threads(cores: int, layer_bytes: int, batch: int) -> int:
@@ -39,7 +41,8 @@ def gather_threads(cores: int, layer_bytes: int, batch: int) -> int:
     host memory: a small one saturates it on half the cores, and leaving the other half to the launch thread and the
     driver keeps them from preempting a gather thread, which stalls the whole parallel gather at its join. A large
     one keeps every thread busy long enough that more threads gather faster."""
-    return cores if batch > 1 and layer_bytes > ALL_CORES_FETCH_BYTES else max(1, cores // 2)
+    threshold = ALL_CORES_FETCH_BYTES if batch > 1 else ALL_CORES_FETCH_BYTES_BSZ1
+    return cores if layer_bytes > threshold else max(1, cores // 2)
 
 
 class PipelinedFetcher:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import baselines.lru
-from baselines.cpu_fetch import ALL_CORES_FETCH_BYTES, gather_threads
+from baselines.cpu_fetch import ALL_CORES_FETCH_BYTES, ALL_CORES_FETCH_BYTES_BSZ1, gather_threads
 from baselines.infinigen import InfiniGen
 from baselines.lru import BlockLRU
 from baselines.retroinfer import RetroInfer
@@ -687,10 +687,11 @@ def test_host_stores_are_allocated_before_prefill_and_copied_while_the_next_laye
 
 def test_infinigen_gather_threads_follow_the_fetch_size():
     # the gather is memory-bound: half the cores stepped fastest for small fetches and at BSZ 1, every core for the
-    # larger fetches of BSZ > 1
+    # larger fetches of BSZ > 1 and for BSZ 1's largest
     big = ALL_CORES_FETCH_BYTES + 1
     assert gather_threads(16, ALL_CORES_FETCH_BYTES, 8) == 8 and gather_threads(16, big, 2) == 16
-    assert gather_threads(16, 4 * big, 1) == 8
+    assert gather_threads(16, ALL_CORES_FETCH_BYTES_BSZ1, 1) == 8
+    assert gather_threads(16, ALL_CORES_FETCH_BYTES_BSZ1 + 1, 1) == 16
     assert gather_threads(1, 1, 1) == 1
     ig = InfiniGen(cpu_threads=1)
     assert ig.cpu_threads == 1 and not ig.auto_threads  # an explicit count is kept
