@@ -18,7 +18,7 @@ Per sparse layer and step:
                     read from pinned host memory straight into their cache slots (uva_copy_blocks: zero-copy, no
                     staging), then attention over the window + the selected blocks' rows, read where they lie in
                     the cache (hybrid_attention with every head indexed; a partial last block's padding rows are
-                    index -1: never attended)
+                    index -1: never attended); the slots' rows and flat addresses in one launch (block_rows)
 A layer replays two graphs: nothing on the host separates the fetch from the attention, and each graph launch
 after the sync is time the GPU waits (a trace of the step showed it idle for each launch).
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from baselines.offloaded import replay_graph
+from kvoffload.kernels.block_rows import block_rows
 from kvoffload.kernels.decode_attention import hybrid_attention
 from kvoffload.kernels.uva_gather import uva_copy_blocks
 from kvoffload.kv.interface import host_work
@@ -69,7 +70,7 @@ class LayerGraphs:
         self.counts = torch.zeros(3, dtype=torch.int64)
         self.dest = torch.zeros(self.rows, self.nsel, dtype=torch.int32, device=dev)
         self.src = torch.zeros_like(self.dest)
-        self.row_base = (torch.arange(self.rows, device=dev, dtype=torch.int32) * self.cap)[:, None]
+        self.n2 = torch.full((b,), self.nsel * self.bs, dtype=torch.int32, device=dev)  # rows each head attends
         self.win_len = torch.zeros(b, dtype=torch.int32, device=dev)
         self.win_len_host = torch.zeros(b, **pinned)
         # numpy views of the pinned buffers, made once: the host's work between the sync and the launch is the
@@ -89,32 +90,31 @@ class LayerGraphs:
         self.blocks_host.copy_(self.blocks, non_blocking=True)
 
     def _fetch_attend(self) -> None:
-        self._fetch()
-        self._attend()
+        self._attend(self._fetch())
 
-    def _fetch(self) -> None:
+    def _fetch(self) -> torch.Tensor:
+        """Copies the LRU's decision in, the missed blocks into their slots; returns the cache rows to attend."""
         s = self.system
         self.dest.copy_(self.dest_host, non_blocking=True)
         self.src.copy_(self.src_host, non_blocking=True)
         self.win_len.copy_(self.win_len_host, non_blocking=True)
+        # [rows, nsel * bs] rows of the cache (a partial last block's padding -1), and each block's flat slot
+        idx, flat = block_rows(self.dest, self.blocks, self.bs, self.n_mid, self.cap)
         host = s.host[self.layer].view(-1, self.bs, 2, self.d)  # [rows * n_blocks, bs, 2, D] pinned
         cache = s.cache[self.layer].view(-1, self.bs, 2, self.d)  # [rows * cap, bs, 2, D]
-        uva_copy_blocks(host, self.src.view(-1), cache, (self.dest + self.row_base).view(-1))
+        uva_copy_blocks(host, self.src.view(-1), cache, flat.view(-1))
+        return idx
 
-    def _attend(self) -> None:
+    def _attend(self, idx: torch.Tensor) -> None:
         s, bs, b, hkv, d = self.system, self.bs, self.b, self.hkv, self.d
-        off = torch.arange(bs, device=self.dest.device, dtype=torch.int32)
-        idx = self.dest[..., None] * bs + off  # [rows, nsel, bs] rows of the cache
-        token = self.blocks[..., None] * bs + off
-        idx = torch.where(token < self.n_mid, idx, -1).view(b, hkv, -1)
+        idx = idx.view(b, hkv, -1)
         win = s.window[self.layer]  # [B, Hkv, W, 2, D]
         cache = s.cache[self.layer].view(b, hkv, self.cap * bs, 2, d)
         k2 = cache.new_empty(b, idx.shape[2], 0, d)  # every head's second-buffer rows are indexed
-        n2 = torch.full((b,), idx.shape[2], dtype=torch.int32, device=idx.device)
         self.out = hybrid_attention(
             self.q,
             (win[:, :, :, 0].transpose(1, 2), win[:, :, :, 1].transpose(1, 2), self.win_len),
-            (k2, k2, n2),
+            (k2, k2, self.n2),
             (cache[:, :, :, 0].transpose(1, 2), cache[:, :, :, 1].transpose(1, 2), idx),
         )
 

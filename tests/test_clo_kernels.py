@@ -220,7 +220,7 @@ def test_uva_gather_interpreted(d, block, programs):
     check_uva_gather("cpu", 2, 4, 40, d, 3, 7, torch.bfloat16, block, programs)
 
 
-def check_radix_topk(device, r, t, k, kind, block):
+def check_radix_topk(device, r, t, k, kind, block, ordered=False):
     from kvoffload.kernels.radix_topk import radix_topk, topk_ref
 
     gen = torch.Generator().manual_seed(r * t + k)
@@ -240,7 +240,13 @@ def check_radix_topk(device, r, t, k, kind, block):
     for m, work in ((None, None), (miss, None), (None, counted.clone()), (miss, counted)):
         got = (
             radix_topk(
-                scores.to(device), k, offset=5, miss=None if m is None else m.to(device), work=work, **launch
+                scores.to(device),
+                k,
+                offset=5,
+                miss=None if m is None else m.to(device),
+                work=work,
+                ordered=ordered,
+                **launch,
             ).cpu()
             - 5
         )
@@ -249,6 +255,7 @@ def check_radix_topk(device, r, t, k, kind, block):
             if m is not None and row < r - 1 and not m[0, row]:
                 continue
             assert idx.unique().numel() == k and 0 <= idx.min() and idx.max() < t  # k distinct positions
+            assert not ordered or bool((idx[1:] > idx[:-1]).all())  # ascending, as the select wrote them
             want = scores[row, topk_ref(scores[row], k)]
             assert torch.equal(scores[row, idx].sort().values, want.sort().values)  # the k largest values
 
@@ -265,9 +272,10 @@ def check_radix_topk(device, r, t, k, kind, block):
         (2, 900, 333, "ulps"),
     ],
 )
-def test_radix_topk_interpreted(r, t, k, kind):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_radix_topk_interpreted(r, t, k, kind, ordered):
     pytest.importorskip("triton")
-    check_radix_topk("cpu", r, t, k, kind, block=128)
+    check_radix_topk("cpu", r, t, k, kind, block=128, ordered=ordered)
 
 
 @pytest.mark.gpu
@@ -282,9 +290,10 @@ def test_radix_topk_interpreted(r, t, k, kind):
     ],
 )
 @pytest.mark.parametrize("block", [None, 4096])  # None: radix_topk's default (2048 keys, 4 warps)
-def test_radix_topk_triton_matches_ref(r, t, k, kind, block):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_radix_topk_triton_matches_ref(r, t, k, kind, block, ordered):
     pytest.importorskip("triton")
-    check_radix_topk("cuda", r, t, k, kind, block=block)
+    check_radix_topk("cuda", r, t, k, kind, block=block, ordered=ordered)
 
 
 def check_encode_query(device, b, hkv, g_, d, rbit, dtype, chunk=None):
@@ -429,3 +438,39 @@ def test_append_kv_interpreted():
 def test_append_kv_triton_matches_ref(dtype):
     pytest.importorskip("triton")
     check_append_kv("cuda", 2, 8, 50, 128, dtype)
+
+
+def check_block_rows(device, r, n, bs, n_tokens, cap):
+    from kvoffload.kernels.block_rows import block_rows, block_rows_ref
+
+    gen = torch.Generator().manual_seed(r * n + bs)
+    slots = torch.stack([torch.randperm(cap, generator=gen)[:n] for _ in range(r)]).int()
+    n_blocks = -(-n_tokens // bs)
+    blocks = torch.stack([torch.randperm(n_blocks, generator=gen)[:n] for _ in range(r)]).int()
+    blocks[:, 0] = n_blocks - 1  # every row holds the partial last block, where there is one
+    want = block_rows_ref(slots, blocks, bs, n_tokens, cap)
+    got = block_rows(slots.to(device), blocks.to(device), bs, n_tokens, cap, block=64)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+    rows = want[0].view(r, n, bs)
+    assert (rows[:, 0, n_tokens % bs :] == -1).all() if n_tokens % bs else (rows >= 0).all()
+
+
+@interpreter
+@pytest.mark.parametrize("r,n,bs,n_tokens,cap", [(3, 10, 8, 101, 30), (2, 7, 8, 96, 9), (1, 33, 4, 999, 40)])
+def test_block_rows_interpreted(r, n, bs, n_tokens, cap):
+    pytest.importorskip("triton")
+    check_block_rows("cpu", r, n, bs, n_tokens, cap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r,n,bs,n_tokens,cap", [(8, 1628, 8, 130_000, 4884), (32, 204, 8, 16_379, 612)])
+def test_block_rows_triton_matches_ref(r, n, bs, n_tokens, cap):
+    pytest.importorskip("triton")
+    check_block_rows("cuda", r, n, bs, n_tokens, cap)
+
+
+def test_block_rows_ref_marks_the_partial_block():
+    from kvoffload.kernels.block_rows import block_rows_ref
+
+    rows, flat = block_rows_ref(torch.tensor([[2, 0]]).int(), torch.tensor([[0, 1]]).int(), 4, 6, 3)
+    assert rows.tolist() == [[8, 9, 10, 11, 0, 1, -1, -1]] and flat.tolist() == [[2, 0]]

@@ -1,4 +1,5 @@
-"""Exact top-k of fp32 scores by radix select: the indices of the k largest scores of each row, in no order.
+"""Exact top-k of fp32 scores by radix select: the indices of the k largest scores of each row, in no order, or
+ascending (ordered=True).
 
   scores [R, T] fp32 -> offset + idx [R, k] int64
 
@@ -8,6 +9,9 @@ results/bench/README.md times both selects. Radix select needs no sort. Each sco
 32-bit key; four histogram passes over the key's bytes, high to low, each counting only the keys that match the
 bytes fixed so far, find the k-th largest key exactly; one last pass writes every index whose key is above it and
 as many equal to it as k still needs. Five kernels, a fixed grid and no host sync: CUDA-graph capturable.
+Ordered, that last pass is one program a row walking its keys in order (a running count instead of atomics):
+the indices come out ascending with no sort, for a caller whose consumer wants them so (RetroInfer-style's LRU
+takes its blocks in ascending order; a sort after an unordered select cost more than the select in its step).
 Which of several equal scores at the boundary are taken is unspecified, as in torch.topk (so a CPU and a GPU
 run may select different tied tokens). NaN scores are not supported (torch.topk ranks every NaN highest; here
 a NaN with its sign bit set ranks lowest); retrieval scores are finite.
@@ -107,6 +111,45 @@ if triton is not None:
         tl.store(out + at_above, pos, mask=above != 0)
         tl.store(out + (K - need) + at_equal, pos, mask=(equal != 0) & (at_equal < need))
 
+    @triton.jit
+    def _compact_ordered_kernel(
+        Scores,
+        Hist,
+        Out,
+        T,
+        K,
+        R,
+        offset,
+        stride_r,
+        stride_o,
+        Miss,
+        NC,
+        H,
+        BLOCK: tl.constexpr,
+        HAS_MISS: tl.constexpr,
+    ):
+        """_compact_kernel's selection, in position order: one program a row, its keys BLOCK at a time; the
+        first `need` keys equal to the k-th are taken, in order."""
+        row = tl.program_id(0)
+        live = True
+        if HAS_MISS:
+            live = needed(Miss, row // H, row % H, NC)
+        kth, need = _descend(Hist, row, R, K, 4)
+        out = Out + row.to(tl.int64) * stride_o
+        taken = tl.zeros([], tl.int32)  # indices written so far
+        equal_seen = tl.zeros([], tl.int32)  # keys equal to the k-th met so far
+        for start in range(0, T, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            mask = (t < T) & live
+            key = _keys(Scores, row, t, mask, stride_r)
+            equal = (mask & (key == kth)).to(tl.int32)
+            first = (equal_seen + tl.cumsum(equal, 0) - equal) < need  # among the first `need` equal keys
+            sel = (mask & (key > kth)) | ((equal != 0) & first)
+            at = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(out + at, t.to(tl.int64) + offset, mask=sel)
+            taken += tl.sum(sel.to(tl.int32), 0)
+            equal_seen += tl.sum(equal, 0)
+
 
 def radix_topk(
     scores: torch.Tensor,
@@ -116,11 +159,13 @@ def radix_topk(
     num_warps: int = 4,
     miss: torch.Tensor | None = None,
     work: torch.Tensor | None = None,
+    ordered: bool = False,
 ) -> torch.Tensor:
     """2048 keys per program, 4 warps: the fastest for 6 rows of 128K in experiments/tune_retrieval_kernels.py's
     sweep (results/bench/README.md). miss [B, nc] bool (hash_scores's): the rows are B sequences of h heads
     each, and the first nc heads of a sequence are selected only where they missed (the others' indices are
-    left unset). work: radix_work(R) with the first pass already counted; three passes then remain."""
+    left unset). work: radix_work(R) with the first pass already counted; three passes then remain. ordered: each
+    row's indices ascending (the last pass one program a row)."""
     r, t = scores.shape
     assert scores.dtype == torch.float32 and 0 <= k <= t, (scores.dtype, k, t)
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
@@ -151,6 +196,25 @@ def radix_topk(
             HAS_MISS=miss is not None,
             num_warps=num_warps,
         )
+    if ordered:
+        _compact_ordered_kernel[(r,)](
+            scores,
+            hist,
+            out,
+            t,
+            k,
+            r,
+            offset,
+            scores.stride(0),
+            out.stride(0),
+            miss_u8,
+            nc,
+            heads,
+            BLOCK=block,
+            HAS_MISS=miss is not None,
+            num_warps=num_warps,
+        )
+        return out
     _compact_kernel[grid](
         scores,
         hist,
@@ -178,12 +242,18 @@ def radix_runs(device: torch.device) -> bool:
 
 
 def topk_indices(
-    scores: torch.Tensor, k: int, offset: int = 0, miss: torch.Tensor | None = None, work: torch.Tensor | None = None
+    scores: torch.Tensor,
+    k: int,
+    offset: int = 0,
+    miss: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
+    ordered: bool = False,
 ) -> torch.Tensor:
-    """scores [..., T] -> offset + indices [..., k] of the k largest along the last dim, in no order. miss, work:
-    as radix_topk's, for scores [B, h, T] (the reference selects every row and needs no work)."""
+    """scores [..., T] -> offset + indices [..., k] of the k largest along the last dim, in no order (ascending
+    with ordered=True). miss, work: as radix_topk's, for scores [B, h, T] (the reference selects every row and
+    needs no work)."""
     if radix_runs(scores.device) and scores.dtype == torch.float32:
-        return radix_topk(scores.reshape(-1, scores.shape[-1]), k, offset, miss=miss, work=work).view(
-            *scores.shape[:-1], k
-        )
-    return topk_ref(scores, k, offset)
+        rows = scores.reshape(-1, scores.shape[-1])
+        return radix_topk(rows, k, offset, miss=miss, work=work, ordered=ordered).view(*scores.shape[:-1], k)
+    idx = topk_ref(scores, k, offset)
+    return idx.sort(dim=-1).values if ordered else idx

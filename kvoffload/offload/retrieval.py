@@ -253,5 +253,7 @@ def select_topk(
     (HashRetriever.scores). work: topk_work's, its first pass counted by the retriever's scores(hist=)."""
     from kvoffload.kernels.radix_topk import topk_indices, topk_ref
 
-    idx = topk_indices(scores, k, offset, miss, work) if method == "radix" else topk_ref(scores, k, offset)
+    if method == "radix":  # ascending from the select itself, with no sort (radix_topk's ordered pass)
+        return topk_indices(scores, k, offset, miss, work, ordered=ascending)
+    idx = topk_ref(scores, k, offset)
     return idx.sort(dim=-1).values if ascending else idx
