@@ -1,6 +1,7 @@
 """Launch parameters of the retrieval kernels on the critical path of a CLO layer, timed at Llama-3-8B shape,
 128K (BSZ 1): the query encoding (CHUNK of head_dim per step), the hash scores (tokens per program, warps) and
-the radix top-k (keys per program, warps), each for the 6 cached and 2 persistent KV heads of a median layer.
+the radix top-k (keys per program, warps), each for the 6 cached and 2 persistent KV heads of a median layer;
+an ascending select (a sort after it, or its ordered last pass) at RetroInfer-style's block and token counts.
 The scores and the select are also timed together, with the select's first pass counted by the scores' kernel or
 by a pass of its own. The defaults in kvoffload/kernels/ are chosen from this table; the kernels' correctness is
 tests/test_clo_kernels.py's.
@@ -88,6 +89,23 @@ def main() -> None:
                     h,
                     h * t * 4 * 5 + h * k * 8,  # five reads of the scores, the indices written
                     lambda: radix_topk(scores, k, block=block, num_warps=warps),
+                    block=block,
+                    num_warps=warps,
+                )
+    # an ascending select (RetroInfer-style's LRU takes its ids ascending): the select then a sort, against the
+    # select's ordered last pass, for its block selection (a block per 8 tokens) and its token selection
+    for label, n, kk in (("blocks", t // 8, k // 8), ("tokens", t, k)):
+        s8 = torch.randn(hkv, n, device=DEV, generator=gen)
+        floor = hkv * n * 4 * 5 + hkv * kk * 8
+        timed("radix_topk + sort", hkv, floor, lambda: radix_topk(s8, kk).sort(-1).values, select=label)
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8):
+                timed(
+                    "radix_topk ordered",
+                    hkv,
+                    floor,
+                    lambda: radix_topk(s8, kk, block=block, num_warps=warps, ordered=True),
+                    select=label,
                     block=block,
                     num_warps=warps,
                 )

@@ -51,7 +51,7 @@ stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
 stage pytest_clo_gpu 120 python3 -m pytest -m gpu -q tests/test_gpu.py -k clo
 stage pytest_gemv 120 python3 -m pytest -m gpu -q tests/test_gemv.py
 stage tune_gemv 240 python3 -m experiments.tune_gemv --out "$out/gemv_tuning.json"
-stage tune 120 python3 -m experiments.tune_retrieval_kernels --out "$out/retrieval_tuning.json"
+stage tune 180 python3 -m experiments.tune_retrieval_kernels --out "$out/retrieval_tuning.json"
 stage bench_clo_layer 150 python3 -m experiments.bench_clo_layer --out "$out/clo_layer.json" --trace "$out/traces"
 stage bench_clo_layer_speculative 300 python3 -m experiments.bench_clo_layer --persist-query speculative \
   --out "$out/clo_layer_speculative.json" --trace "$out/traces_speculative" --uva-programs \
