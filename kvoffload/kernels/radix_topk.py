@@ -196,29 +196,13 @@ def radix_topk(
             HAS_MISS=miss is not None,
             num_warps=num_warps,
         )
-    if ordered:
-        _compact_ordered_kernel[(r,)](
-            scores,
-            hist,
-            out,
-            t,
-            k,
-            r,
-            offset,
-            scores.stride(0),
-            out.stride(0),
-            miss_u8,
-            nc,
-            heads,
-            BLOCK=block,
-            HAS_MISS=miss is not None,
-            num_warps=num_warps,
-        )
-        return out
-    _compact_kernel[grid](
+    # the last pass: unordered, every block of keys a program claiming output places by atomics (with `count`);
+    # ordered, a program a row walking its keys in order
+    compact, last_grid, counter = (_compact_ordered_kernel, (r,), ()) if ordered else (_compact_kernel, grid, (count,))
+    compact[last_grid](
         scores,
         hist,
-        count,
+        *counter,
         out,
         t,
         k,
