@@ -132,21 +132,22 @@ class LayerGraphs:
             self.q.copy_(q)
             self._replay("retrieve", self._retrieve)
             self.retrieved.record()
+        self.win_len_host.fill_(n_win)  # while the GPU retrieves: between the sync and the fetch only the LRU runs
         with s.phase("launch_sync"):
             self.retrieved.synchronize()  # the block ids are on the host
-        s.step.host_syncs += 1
-        s.step.bytes_d2h += self.blocks_host.nbytes
         lru, (blocks, dest, src, counts) = s.lru[self.layer], self.host_views
         with s.phase("cache_mgmt"), host_work(s.step):
             if s.lru_worker is None:
                 lru.access_into(blocks, dest, src, counts)
             else:
                 lru.decide_into(blocks, dest, src, counts)
-                self.updating = s.lru_worker.submit(lru.update, blocks)
-        lookups, hits, evictions = counts.tolist()
-        self.win_len_host.fill_(n_win)
         with s.phase("attention"):  # the fetch's kernels too: one graph (a trace splits them by kernel)
             self._replay("fetch_attend", self._fetch_attend)
+        if s.lru_worker is not None:  # the state change beside the fetch and attention, once they are launched
+            self.updating = s.lru_worker.submit(lru.update, blocks)
+        s.step.host_syncs += 1
+        s.step.bytes_d2h += self.blocks_host.nbytes
+        lookups, hits, evictions = counts.tolist()
         s.step.lookups += lookups
         s.step.hits += hits
         s.step.bytes_h2d += (lookups - hits) * self.bs * s.spec.row_bytes
