@@ -56,4 +56,4 @@ if triton is not None:
     def order_key(x):
         """fp32 -> uint32 whose unsigned order is the float order (negatives flipped, positives above them)."""
         u = x.to(tl.uint32, bitcast=True)
-        return tl.where((u >> 31) != 0, ~u, u | 0x80000000)
+        return tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)  # xor, not ~: the interpreter under numpy 2
