@@ -3,7 +3,7 @@
 The references run everywhere; the Triton kernels run on the GPU (`-m gpu`) and, on a CPU machine with
 triton installed, in the Triton interpreter: TRITON_INTERPRET=1 python -m pytest tests/test_clo_kernels.py
 (the variable must be set before triton is imported, hence not set here). Triton 3.6's interpreter needs numpy < 2
-for a kernel that loops to a bound it is passed (the UVA gather, the ordered radix pass): with numpy 2 it cannot
+for a kernel that loops to a bound it is passed (the UVA gather): with numpy 2 it cannot
 turn that argument into a Python int.
 """
 

@@ -9,9 +9,10 @@ results/bench/README.md times both selects. Radix select needs no sort. Each sco
 32-bit key; four histogram passes over the key's bytes, high to low, each counting only the keys that match the
 bytes fixed so far, find the k-th largest key exactly; one last pass writes every index whose key is above it and
 as many equal to it as k still needs. Five kernels, a fixed grid and no host sync: CUDA-graph capturable.
-Ordered, that last pass is one program a row walking its keys in order (a running count instead of atomics):
-the indices come out ascending with no sort, for a caller whose consumer wants them so (RetroInfer-style's LRU
-takes its blocks in ascending order; a sort after an unordered select cost more than the select in its step).
+Ordered, the last pass is two: each block of keys counts its selected keys, then writes them after those of the
+blocks before it (a prefix of the counts instead of atomics): the indices come out ascending with no sort, for a
+caller whose consumer wants them so (RetroInfer-style's LRU takes its blocks in ascending order; a sort after an
+unordered select cost more than the select in its step).
 Which of several equal scores at the boundary are taken is unspecified, as in torch.topk (so a CPU and a GPU
 run may select different tied tokens). NaN scores are not supported (torch.topk ranks every NaN highest; here
 a NaN with its sign bit set ranks lowest); retrieval scores are finite.
@@ -77,6 +78,17 @@ if triton is not None:
         tl.atomic_add(Hist + (P * R + row) * 256 + tl.arange(0, 256), counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
+    def _last_pass(Scores, Hist, row, t, T, K, R, stride_r, Miss, NC, H, HAS_MISS: tl.constexpr):
+        """The last pass's view of keys t of a row: (above, equal) int32 flags of the keys above the k-th largest
+        and equal to it, and how many of the equal ones the top k takes (need)."""
+        mask = t < T
+        if HAS_MISS:
+            mask = tl.where(needed(Miss, row // H, row % H, NC), mask, False)
+        key = _keys(Scores, row, t, mask, stride_r)
+        kth, need = _descend(Hist, row, R, K, 4)  # kth: the k-th largest key itself
+        return (mask & (key > kth)).to(tl.int32), (mask & (key == kth)).to(tl.int32), need
+
+    @triton.jit
     def _compact_kernel(
         Scores,
         Hist,
@@ -96,13 +108,7 @@ if triton is not None:
     ):
         row = tl.program_id(0)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = t < T
-        if HAS_MISS:
-            mask = tl.where(needed(Miss, row // H, row % H, NC), mask, False)
-        key = _keys(Scores, row, t, mask, stride_r)
-        kth, need = _descend(Hist, row, R, K, 4)  # kth: the k-th largest key itself
-        above = (mask & (key > kth)).to(tl.int32)
-        equal = (mask & (key == kth)).to(tl.int32)
+        above, equal, need = _last_pass(Scores, Hist, row, t, T, K, R, stride_r, Miss, NC, H, HAS_MISS)
         # a block claims a run of output places per kind with one atomic, then fills it in order
         at_above = tl.atomic_add(Count + row * 2, tl.sum(above, 0), sem="relaxed") + tl.cumsum(above, 0) - 1
         at_equal = tl.atomic_add(Count + row * 2 + 1, tl.sum(equal, 0), sem="relaxed") + tl.cumsum(equal, 0) - 1
@@ -112,9 +118,22 @@ if triton is not None:
         tl.store(out + (K - need) + at_equal, pos, mask=(equal != 0) & (at_equal < need))
 
     @triton.jit
+    def _block_counts_kernel(
+        Scores, Hist, Counts, T, K, R, stride_r, Miss, NC, H, NB, BLOCK: tl.constexpr, HAS_MISS: tl.constexpr
+    ):
+        """Ordered, first: how many keys of each block are above the k-th largest, and how many equal to it."""
+        row, blk = tl.program_id(0), tl.program_id(1)
+        t = blk * BLOCK + tl.arange(0, BLOCK)
+        above, equal, _ = _last_pass(Scores, Hist, row, t, T, K, R, stride_r, Miss, NC, H, HAS_MISS)
+        at = Counts + (row * NB + blk) * 2
+        tl.store(at, tl.sum(above, 0))
+        tl.store(at + 1, tl.sum(equal, 0))
+
+    @triton.jit
     def _compact_ordered_kernel(
         Scores,
         Hist,
+        Counts,
         Out,
         T,
         K,
@@ -125,30 +144,24 @@ if triton is not None:
         Miss,
         NC,
         H,
+        NB,
         BLOCK: tl.constexpr,
+        NB_P2: tl.constexpr,
         HAS_MISS: tl.constexpr,
     ):
-        """_compact_kernel's selection, in position order: one program a row, its keys BLOCK at a time; the
-        first `need` keys equal to the k-th are taken, in order."""
-        row = tl.program_id(0)
-        live = True
-        if HAS_MISS:
-            live = needed(Miss, row // H, row % H, NC)
-        kth, need = _descend(Hist, row, R, K, 4)
-        out = Out + row.to(tl.int64) * stride_o
-        taken = tl.zeros([], tl.int32)  # indices written so far
-        equal_seen = tl.zeros([], tl.int32)  # keys equal to the k-th met so far
-        for start in range(0, T, BLOCK):
-            t = start + tl.arange(0, BLOCK)
-            mask = (t < T) & live
-            key = _keys(Scores, row, t, mask, stride_r)
-            equal = (mask & (key == kth)).to(tl.int32)
-            first = (equal_seen + tl.cumsum(equal, 0) - equal) < need  # among the first `need` equal keys
-            sel = (mask & (key > kth)) | ((equal != 0) & first)
-            at = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
-            tl.store(out + at, t.to(tl.int64) + offset, mask=sel)
-            taken += tl.sum(sel.to(tl.int32), 0)
-            equal_seen += tl.sum(equal, 0)
+        """Ordered, then: each block writes its selected keys after those of the blocks before it (their counts
+        summed), so the indices come out in position order; the first `need` equal keys of the row are taken."""
+        row, blk = tl.program_id(0), tl.program_id(1)
+        t = blk * BLOCK + tl.arange(0, BLOCK)
+        above, equal, need = _last_pass(Scores, Hist, row, t, T, K, R, stride_r, Miss, NC, H, HAS_MISS)
+        j = tl.arange(0, NB_P2)
+        before = Counts + (row * NB + j) * 2
+        above_before = tl.sum(tl.load(before, mask=j < blk, other=0), 0)
+        equal_before = tl.sum(tl.load(before + 1, mask=j < blk, other=0), 0)
+        first = (equal_before + tl.cumsum(equal, 0) - equal) < need  # among the row's first `need` equal keys
+        sel = ((above != 0) | ((equal != 0) & first)).to(tl.int32)
+        at = above_before + tl.minimum(equal_before, need) + tl.cumsum(sel, 0) - 1
+        tl.store(Out + row.to(tl.int64) * stride_o + at, t.to(tl.int64) + offset, mask=sel != 0)
 
 
 def radix_topk(
@@ -165,7 +178,7 @@ def radix_topk(
     sweep (results/bench/README.md). miss [B, nc] bool (hash_scores's): the rows are B sequences of h heads
     each, and the first nc heads of a sequence are selected only where they missed (the others' indices are
     left unset). work: radix_work(R) with the first pass already counted; three passes then remain. ordered: each
-    row's indices ascending (the last pass one program a row)."""
+    row's indices ascending (one kernel more)."""
     r, t = scores.shape
     assert scores.dtype == torch.float32 and 0 <= k <= t, (scores.dtype, k, t)
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
@@ -196,24 +209,40 @@ def radix_topk(
             HAS_MISS=miss is not None,
             num_warps=num_warps,
         )
-    # the last pass: unordered, every block of keys a program claiming output places by atomics (with `count`);
-    # ordered, a program a row walking its keys in order
-    compact, last_grid, counter = (_compact_ordered_kernel, (r,), ()) if ordered else (_compact_kernel, grid, (count,))
-    compact[last_grid](
+    args = (t, k, r, offset, scores.stride(0), out.stride(0), miss_u8, nc, heads)
+    if not ordered:  # every block of keys claims its output places by atomics
+        _compact_kernel[grid](
+            scores, hist, count, out, *args, BLOCK=block, HAS_MISS=miss is not None, num_warps=num_warps
+        )
+        return out
+    # ordered: each block's counts, then each block writes after the blocks before it
+    nb = grid[1]
+    counts = torch.empty(r * nb * 2, dtype=torch.int32, device=scores.device)
+    _block_counts_kernel[grid](
         scores,
         hist,
-        *counter,
-        out,
+        counts,
         t,
         k,
         r,
-        offset,
         scores.stride(0),
-        out.stride(0),
         miss_u8,
         nc,
         heads,
+        nb,
         BLOCK=block,
+        HAS_MISS=miss is not None,
+        num_warps=num_warps,
+    )
+    _compact_ordered_kernel[grid](
+        scores,
+        hist,
+        counts,
+        out,
+        *args,
+        nb,
+        BLOCK=block,
+        NB_P2=triton.next_power_of_2(nb),
         HAS_MISS=miss is not None,
         num_warps=num_warps,
     )
