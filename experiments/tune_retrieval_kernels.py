@@ -1,7 +1,8 @@
 """Launch parameters of the retrieval kernels on the critical path of a CLO layer, timed at Llama-3-8B shape,
 128K (BSZ 1): the query encoding (CHUNK of head_dim per step), the hash scores (tokens per program, warps) and
 the radix top-k (keys per program, warps), each for the 6 cached and 2 persistent KV heads of a median layer;
-an ascending select (a sort after it, or its ordered last pass) at RetroInfer-style's block and token counts.
+an ascending select (a sort after it, or its ordered last pass) at RetroInfer-style's block and token counts, and
+at InfiniGen-style's (bf16 scores: torch.topk and a sort, or the radix select of the widened scores).
 The scores and the select are also timed together, with the select's first pass counted by the scores' kernel or
 by a pass of its own. The defaults in kvoffload/kernels/ are chosen from this table; the kernels' correctness is
 tests/test_clo_kernels.py's.
@@ -21,7 +22,7 @@ from experiments.records import environment
 from experiments.timing import copy_bandwidth_gb_s, replay_ms
 from kvoffload.kernels.hash_score import encode_query_triton, hash_scores_triton
 from kvoffload.kernels.radix_keys import radix_work
-from kvoffload.kernels.radix_topk import radix_topk
+from kvoffload.kernels.radix_topk import radix_topk, topk_indices
 from kvoffload.paths import write_json_atomic
 
 
@@ -109,6 +110,12 @@ def main() -> None:
                     block=block,
                     num_warps=warps,
                 )
+    # InfiniGen-style's select: bf16 partial scores over the tokens, ascending for its CPU gather; torch.topk and a
+    # sort (its default) against the radix select of the widened scores
+    s16 = torch.randn(hkv, t, device=DEV, generator=gen).to(torch.bfloat16)
+    floor = hkv * t * 2 + hkv * k * 8
+    timed("torch.topk + sort (bf16)", hkv, floor, lambda: s16.topk(k, dim=-1, sorted=False).indices.sort(-1).values)
+    timed("topk_indices ordered (bf16)", hkv, floor, lambda: topk_indices(s16, k, ordered=True))
     write_json_atomic(
         args.out,
         {

@@ -476,3 +476,16 @@ def test_block_rows_ref_marks_the_partial_block():
 
     rows, flat = block_rows_ref(torch.tensor([[2, 0]]).int(), torch.tensor([[0, 1]]).int(), 4, 6, 3)
     assert rows.tolist() == [[8, 9, 10, 11, 0, 1, -1, -1]] and flat.tolist() == [[2, 0]]
+
+
+@pytest.mark.gpu
+def test_radix_selects_bf16_scores_ascending():
+    """InfiniGen-style's partial scores are bf16: with topk=radix they are widened and selected by the radix
+    kernels (not torch.topk), ascending as its gather wants them; the values are torch.topk's (bf16 ties many)."""
+    from kvoffload.kernels.radix_topk import topk_indices
+
+    scores = torch.randn(8, 131072, device="cuda").to(torch.bfloat16)
+    got = topk_indices(scores, 13108, ordered=True)
+    assert bool((got[:, 1:] > got[:, :-1]).all())
+    want = scores.topk(13108, dim=-1).values.sort(-1).values
+    assert torch.equal(scores.gather(1, got).sort(-1).values, want)
