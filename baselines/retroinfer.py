@@ -33,9 +33,10 @@ import torch
 
 from baselines.lru import BlockLRU, distinct_sorted
 from baselines.offloaded import GRAPH_MODES, OffloadedBaseline
-from baselines.retroinfer_graphs import LayerGraphs, block_scores
+from baselines.retroinfer_graphs import LayerGraphs
 from baselines.wave_index import WaveRetriever, attend_with_estimate
 from kvoffload.errors import ConfigError
+from kvoffload.kernels.hash_score import block_max
 from kvoffload.kv.interface import KVSpec, host_work, split_host
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import (
@@ -289,7 +290,7 @@ class RetroInfer(OffloadedBaseline):
             n_mid = scores.shape[-1]
             real = None  # token selection, or whole blocks only: every gathered row is a token
             if self.selection == "block":  # the best token of each block scores the block
-                blocks = select_topk(block_scores(scores, bs), k_sel // bs, 0, method=self.topk)
+                blocks = select_topk(block_max(scores, bs), k_sel // bs, 0, method=self.topk)
                 idx = (blocks[..., None] * bs + torch.arange(bs, device=dev)).view(rows, k_sel)
                 if n_mid % bs:  # rows past the middle are the last block's padding: masked out of attention
                     real = (idx < n_mid).view(spec.batch, spec.num_kv_heads, k_sel)

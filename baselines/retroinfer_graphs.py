@@ -36,17 +36,6 @@ from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import select_topk
 
 
-def block_scores(scores: torch.Tensor, block_size: int) -> torch.Tensor:
-    """scores [..., n_mid] per token -> [..., ceil(n_mid / block_size)] per block: a block scores its best token;
-    a partial last block by its real tokens (its padding is no candidate)."""
-    n_mid = scores.shape[-1]
-    full = n_mid // block_size
-    best = scores[..., : full * block_size].unflatten(-1, (full, block_size)).amax(-1)
-    if n_mid % block_size:
-        best = torch.cat([best, scores[..., full * block_size :].amax(-1, keepdim=True)], dim=-1)
-    return best
-
-
 class LayerGraphs:
     """One sparse layer's graphs and buffers. `system` is the RetroInfer instance (its retriever, cache, host
     store and LRU); made at the layer's first decode step, after the prompt is stored."""
@@ -84,8 +73,8 @@ class LayerGraphs:
     # ---- the captured parts --------------------------------------------------------------------------
     def _retrieve(self) -> None:
         s, bs = self.system, self.bs
-        scores = s.retriever.scores(self.layer, self.q, s.heads)  # [B, Hkv, n_mid]
-        blocks = select_topk(block_scores(scores, bs), self.nsel, 0, method=s.topk)  # ascending
+        scores = s.retriever.scores(self.layer, self.q, s.heads, pool=bs)  # [B, Hkv, n_blocks]: each its best token
+        blocks = select_topk(scores, self.nsel, 0, method=s.topk)  # ascending
         self.blocks.copy_(blocks.view(self.rows, self.nsel))
         self.blocks_host.copy_(self.blocks, non_blocking=True)
 

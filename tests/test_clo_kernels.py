@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from kvoffload.kernels.hash_score import hash_scores_ref, pack_signs
+from kvoffload.kernels.hash_score import block_max, hash_scores_ref, pack_signs
 from kvoffload.kernels.head_cache import lookup_and_update_ref
 from kvoffload.kernels.radix_keys import count_first_pass_ref, radix_work
 from kvoffload.kernels.uva_gather import uva_gather_ref
@@ -199,6 +199,15 @@ def check_hash_scores(device, b, hk, h, t, g_, rbit, use_heads, block_t=256):
     first = lambda w: w[: rows.numel() * 256].view(-1, 256)
     assert torch.equal(first(hist.cpu())[rows], first(counted)[rows]) and first(hist.cpu())[rows].sum() > 0
     assert not hist.cpu()[rows.numel() * 256 :].any()  # the later passes' histograms and the counters untouched
+    # pooled: each block of 8 tokens by its best (a partial last block by its real tokens), counted as such
+    hist = radix_work(b * got.shape[1], device)
+    pooled = hash_scores_triton(
+        codes, norms, qcodes, rbit, heads, block_t=block_t, miss=miss.to(device), hist=hist, pool=8
+    ).cpu()
+    torch.testing.assert_close(pooled[need], block_max(want, 8)[need], rtol=1e-6, atol=1e-5)
+    counted = radix_work(b * got.shape[1], "cpu")
+    count_first_pass_ref(pooled, counted)
+    assert torch.equal(first(hist.cpu())[rows], first(counted)[rows])
 
 
 def check_lookup(device, b, hc, g_, d, dtype, aggregation):
@@ -489,3 +498,8 @@ def test_radix_selects_bf16_scores_ascending():
     assert bool((got[:, 1:] > got[:, :-1]).all())
     want = scores.topk(13108, dim=-1).values.sort(-1).values
     assert torch.equal(scores.gather(1, got).sort(-1).values, want)
+
+
+def test_block_max_scores_a_partial_block_by_its_real_tokens():
+    scores = torch.tensor([[1.0, 5.0, 2.0, -1.0, 3.0, -4.0, 0.5]])
+    assert block_max(scores, 3).tolist() == [[5.0, 3.0, 0.5]] and block_max(scores, 1) is scores

@@ -9,7 +9,7 @@ import torch
 from clo.policy.persistent import heads_per_layer_time, load_profile, plan_persistent_heads
 from clo.policy.thresholds import load_importance, thresholds
 from kvoffload.errors import ConfigError
-from kvoffload.kernels.hash_score import hamming, pack_signs
+from kvoffload.kernels.hash_score import block_max, hamming, pack_signs
 from kvoffload.kernels.head_cache import aggregate_similarity
 from kvoffload.offload.retrieval import ExactRetriever, HashRetriever, select_topk
 
@@ -115,6 +115,9 @@ def test_first_radix_pass_counted_beside_the_scores():
         got, want = radix_work(4, torch.device("cpu")), radix_work(4, torch.device("cpu"))
         count_first_pass_ref(retriever.scores(0, q, heads, hist=got), want)
         assert torch.equal(got, want) and got.sum() == 4 * 50
+        # pooled (RetroInfer-style's blocks): the block maxima of the same scores, 50 tokens in 7 blocks of 8
+        pooled = retriever.scores(0, q, heads, pool=8)
+        assert pooled.shape == (2, 2, 7) and torch.equal(pooled, block_max(retriever.scores(0, q, heads), 8))
 
 
 def test_hash_ranking_tracks_exact_ranking():

@@ -65,6 +65,19 @@ def hash_scores_ref(
     return (qcodes.shape[2] - 2.0 * ham.float() / rbit) * norms
 
 
+def block_max(scores: torch.Tensor, pool: int) -> torch.Tensor:
+    """scores [..., T] per token -> [..., ceil(T / pool)]: each block of `pool` tokens scores its best token; a
+    partial last block by its real tokens (its padding is no candidate). hash_scores(pool=)'s reference."""
+    if pool == 1:
+        return scores
+    n = scores.shape[-1]
+    full = n // pool
+    best = scores[..., : full * pool].unflatten(-1, (full, pool)).amax(-1)
+    if n % pool:
+        best = torch.cat([best, scores[..., full * pool :].amax(-1, keepdim=True)], dim=-1)
+    return best
+
+
 if triton is not None:
 
     @triton.jit
@@ -89,6 +102,7 @@ if triton is not None:
         Out,
         Hist,
         T,
+        TB,
         inv_rbit,
         stride_cb,
         stride_ch,
@@ -108,6 +122,7 @@ if triton is not None:
         NATIVE: tl.constexpr,
         HAS_MISS: tl.constexpr,
         COUNT: tl.constexpr,
+        POOL: tl.constexpr,
     ):
         bj = tl.program_id(0)
         b = (bj // H).to(tl.int64)
@@ -131,6 +146,13 @@ if triton is not None:
         ham = tl.sum(ham, 1)  # one reduction over the words, not one per query head
         norm = tl.load(Norms + b * stride_nb + head * stride_nh + t, mask=tmask, other=0.0)
         score = (G - 2.0 * ham.to(tl.float32) * inv_rbit) * norm
+        if POOL > 1:  # each block of POOL tokens scores its best real token (block_max)
+            score = tl.max(tl.reshape(tl.where(tmask, score, float("-inf")), (BLOCK_T // POOL, POOL)), 1)
+            t = tl.program_id(1) * (BLOCK_T // POOL) + tl.arange(0, BLOCK_T // POOL)
+            live = t < TB
+            if HAS_MISS:
+                live = tl.where(needed(Miss, b, j, NC), live, False)
+            tmask = live
         tl.store(Out + b * stride_ob + j * stride_oh + t, score, mask=tmask)
         if COUNT:  # the radix select's first pass (_histogram_kernel with P = 0), from the scores in registers
             counts = tl.histogram((order_key(score) >> 24).to(tl.int32), 256, mask=tmask)
@@ -233,7 +255,9 @@ def hash_scores_triton(
     num_warps: int = 4,
     miss: torch.Tensor | None = None,
     hist: torch.Tensor | None = None,
+    pool: int = 1,
 ) -> torch.Tensor:
+    """[B, h, T] scores, or with pool > 1 [B, h, ceil(T / pool)] block maxima (block_max), in one launch."""
     b, hk, t, nbytes = codes.shape
     g = qcodes.shape[2]
     assert rbit % 32 == 0 and nbytes * 8 == rbit == qcodes.shape[3] * 8, "the kernel reads 32-bit words"
@@ -243,7 +267,9 @@ def hash_scores_triton(
     assert qcodes.shape[:2] == (b, h) and norms.shape == (b, hk, t)
     kw, qw = _words(codes), _words(qcodes)
     norms = norms if norms.stride(2) == 1 else norms.contiguous()
-    out = torch.empty(b, h, t, dtype=torch.float32, device=codes.device)
+    assert block_t % pool == 0, (block_t, pool)
+    tb = triton.cdiv(t, pool)
+    out = torch.empty(b, h, tb, dtype=torch.float32, device=codes.device)
     if not (b and h and t):
         return out
     nw = rbit // 32
@@ -260,6 +286,7 @@ def hash_scores_triton(
         out,
         hist if hist is not None else out,
         t,
+        tb,
         1.0 / rbit,
         kw.stride(0),
         kw.stride(1),
@@ -279,6 +306,7 @@ def hash_scores_triton(
         NATIVE=os.environ.get("TRITON_INTERPRET") != "1",
         HAS_MISS=miss is not None,
         COUNT=hist is not None,
+        POOL=pool,
         num_warps=num_warps,
     )
     return out
@@ -292,12 +320,15 @@ def hash_scores(
     heads: torch.Tensor | None = None,
     miss: torch.Tensor | None = None,
     hist: torch.Tensor | None = None,
+    pool: int = 1,
 ) -> torch.Tensor:
     """miss: the kernel's (rows of hit heads left unset); the reference scores every row. hist: the kernel's (the
-    reference counts it in torch). On the CPU the distances are compiled (hash_score_cpu: the reference's scores,
-    bit for bit)."""
+    reference counts it in torch). pool: block maxima of `pool` tokens (block_max). On the CPU the distances are
+    compiled (hash_score_cpu: the reference's scores, bit for bit)."""
     if codes.is_cuda and triton is not None and rbit % 32 == 0:
-        return hash_scores_triton(codes, norms, qcodes, rbit, heads, miss=miss, hist=hist)
+        return hash_scores_triton(codes, norms, qcodes, rbit, heads, miss=miss, hist=hist, pool=pool)
     if hash_score_cpu.runs(codes, rbit):
-        return count_first_pass_ref(hash_score_cpu.hash_scores_cpu(codes, norms, qcodes, rbit, heads), hist)
-    return count_first_pass_ref(hash_scores_ref(codes, norms, qcodes, rbit, heads), hist)
+        scores = hash_score_cpu.hash_scores_cpu(codes, norms, qcodes, rbit, heads)
+    else:
+        scores = hash_scores_ref(codes, norms, qcodes, rbit, heads)
+    return count_first_pass_ref(block_max(scores, pool), hist)

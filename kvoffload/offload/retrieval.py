@@ -96,13 +96,16 @@ class ExactRetriever:
         heads: torch.Tensor,
         miss: torch.Tensor | None = None,
         hist: torch.Tensor | None = None,
+        pool: int = 1,
     ):
-        """q [B, H, D], heads [h] (KV heads to score) -> [B, h, T] float32. miss, hist: HashRetriever's (every
-        row is scored here; the radix select's first pass is counted in torch)."""
+        """q [B, H, D], heads [h] (KV heads to score) -> [B, h, T] float32. miss, hist, pool: HashRetriever's
+        (every row is scored here; the radix select's first pass is counted in torch)."""
+        from kvoffload.kernels.hash_score import block_max
+
         keys = self.keys[layer][:, heads]
         b, hkv, t, d = self.keys[layer].shape
         qg = q.view(b, hkv, -1, d)[:, heads].float()
-        return count_first_pass_ref(torch.einsum("bkgd,bktd->bkt", qg, keys.float()), hist)
+        return count_first_pass_ref(block_max(torch.einsum("bkgd,bktd->bkt", qg, keys.float()), pool), hist)
 
     def metadata_bytes(self) -> int:
         return sum(k.nbytes for k in self.keys if k is not None)  # the oracle keeps every candidate key
@@ -181,14 +184,16 @@ class HashRetriever:
         heads: torch.Tensor,
         miss: torch.Tensor | None = None,
         hist: torch.Tensor | None = None,
+        pool: int = 1,
     ):
         """miss [B, nc]: on CUDA the first nc heads are scored only where they missed (a hit reuses its cached
         rows), their other rows left unset. hist: topk_work's; the scores' kernel also counts the radix select's
-        first pass into it."""
+        first pass into it. pool > 1: each block of `pool` tokens scored by its best token, [B, h, ceil(T /
+        pool)] (block_max), in the same launch on CUDA."""
         from kvoffload.kernels.hash_score import hash_scores  # Triton on CUDA, the torch reference elsewhere
 
         qc = self.encode_query(layer, q, heads)
-        return hash_scores(self.codes[layer], self.norms[layer], qc, self.rbit, heads, miss, hist)
+        return hash_scores(self.codes[layer], self.norms[layer], qc, self.rbit, heads, miss, hist, pool)
 
     def metadata_bytes(self) -> int:
         return sum(c.nbytes + n.nbytes for c, n in zip(self.codes, self.norms) if c is not None)
