@@ -33,7 +33,7 @@ from kvoffload.kernels.decode_attention import hybrid_attention
 from kvoffload.kernels.uva_gather import uva_copy_blocks
 from kvoffload.kv.interface import host_work
 from kvoffload.offload.budget import split_prompt
-from kvoffload.offload.retrieval import select_topk
+from kvoffload.offload.retrieval import select_topk, topk_work
 
 
 class LayerGraphs:
@@ -73,8 +73,11 @@ class LayerGraphs:
     # ---- the captured parts --------------------------------------------------------------------------
     def _retrieve(self) -> None:
         s, bs = self.system, self.bs
-        scores = s.retriever.scores(self.layer, self.q, s.heads, pool=bs)  # [B, Hkv, n_blocks]: each its best token
-        blocks = select_topk(scores, self.nsel, 0, method=s.topk)  # ascending
+        # the hash kernel counts the select's first pass while it writes the scores (in torch the exact one would:
+        # slower than the pass)
+        work = topk_work(s.topk, self.rows, self.q.device) if s.retriever_kind == "hash" else None
+        scores = s.retriever.scores(self.layer, self.q, s.heads, hist=work, pool=bs)  # [B, Hkv, n_blocks]: best tokens
+        blocks = select_topk(scores, self.nsel, 0, method=s.topk, work=work)  # ascending
         self.blocks.copy_(blocks.view(self.rows, self.nsel))
         self.blocks_host.copy_(self.blocks, non_blocking=True)
 
