@@ -55,13 +55,18 @@ class LayerGraphs:
         self.blocks = torch.zeros(self.rows, self.nsel, dtype=torch.int32, device=dev)
         pinned = dict(dtype=torch.int32, pin_memory=True)
         self.blocks_host = torch.zeros(self.rows, self.nsel, **pinned)
-        self.dest_host, self.src_host = (torch.zeros(self.rows, self.nsel, **pinned) for _ in range(2))
         self.counts = torch.zeros(3, dtype=torch.int64)
-        self.dest = torch.zeros(self.rows, self.nsel, dtype=torch.int32, device=dev)
-        self.src = torch.zeros_like(self.dest)
+        # what the host decides for the fetch, in one pinned buffer and its device twin (one copy after the sync):
+        # each selected block's cache slot (dest) and, for a miss, its block in the host store (src; -1 for a hit),
+        # then the window's length per sequence
+        n = self.rows * self.nsel
+        self.plan_host = torch.zeros(2 * n + b, **pinned)
+        self.plan = torch.zeros(2 * n + b, dtype=torch.int32, device=dev)
+        self.dest_host, self.src_host, self.win_len_host = self.plan_host.split((n, n, b))
+        self.dest, self.src, self.win_len = self.plan.split((n, n, b))
+        self.dest_host, self.src_host = self.dest_host.view(self.rows, -1), self.src_host.view(self.rows, -1)
+        self.dest, self.src = self.dest.view(self.rows, -1), self.src.view(self.rows, -1)
         self.n2 = torch.full((b,), self.nsel * self.bs, dtype=torch.int32, device=dev)  # rows each head attends
-        self.win_len = torch.zeros(b, dtype=torch.int32, device=dev)
-        self.win_len_host = torch.zeros(b, **pinned)
         # numpy views of the pinned buffers, made once: the host's work between the sync and the launch is the
         # step's critical path
         self.host_views = tuple(t.numpy() for t in (self.blocks_host, self.dest_host, self.src_host, self.counts))
@@ -87,9 +92,7 @@ class LayerGraphs:
     def _fetch(self) -> torch.Tensor:
         """Copies the LRU's decision in, the missed blocks into their slots; returns the cache rows to attend."""
         s = self.system
-        self.dest.copy_(self.dest_host, non_blocking=True)
-        self.src.copy_(self.src_host, non_blocking=True)
-        self.win_len.copy_(self.win_len_host, non_blocking=True)
+        self.plan.copy_(self.plan_host, non_blocking=True)  # dest, src and the window's length
         # [rows, nsel * bs] rows of the cache (a partial last block's padding -1), and each block's flat slot
         idx, flat = block_rows(self.dest, self.blocks, self.bs, self.n_mid, self.cap)
         host = s.host[self.layer].view(-1, self.bs, 2, self.d)  # [rows * n_blocks, bs, 2, D] pinned
