@@ -127,9 +127,10 @@ class LayerGraphs:
             self.q.copy_(q)
             self._replay("retrieve", self._retrieve)
             self.retrieved.record()
-        self.win_len_host.fill_(n_win)  # while the GPU retrieves: between the sync and the fetch only the LRU runs
         with s.phase("launch_sync"):
             self.retrieved.synchronize()  # the block ids are on the host
+        # after the sync: this layer's last fetch graph, which copied the plan, has run before this retrieve
+        self.win_len_host.fill_(n_win)
         lru, (blocks, dest, src, counts) = s.lru[self.layer], self.host_views
         with s.phase("cache_mgmt"), host_work(s.step):
             if s.lru_worker is None:

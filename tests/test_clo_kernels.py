@@ -503,3 +503,18 @@ def test_radix_selects_bf16_scores_ascending():
 def test_block_max_scores_a_partial_block_by_its_real_tokens():
     scores = torch.tensor([[1.0, 5.0, 2.0, -1.0, 3.0, -4.0, 0.5]])
     assert block_max(scores, 3).tolist() == [[5.0, 3.0, 0.5]] and block_max(scores, 1) is scores
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool", [8, 12])  # 12 does not divide the kernel's tile: pooled in torch
+def test_hash_scores_pooled_on_the_gpu_equal_block_max(pool):
+    from kvoffload.kernels.hash_score import hash_scores
+
+    codes, norms, qcodes, heads = hash_case(1, 8, 8, 10_003, 4, 256, "cuda")
+    want = block_max(hash_scores(codes, norms, qcodes, 256, heads), pool)
+    work = radix_work(8, torch.device("cuda"))
+    got = hash_scores(codes, norms, qcodes, 256, heads, hist=work, pool=pool)
+    assert torch.equal(got, want)
+    counted = radix_work(8, torch.device("cpu"))
+    count_first_pass_ref(want.cpu(), counted)
+    assert torch.equal(work.cpu(), counted)

@@ -245,13 +245,16 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32)
 
 
+POOL_TILE = 256  # hash_scores_triton's default tokens per program; hash_scores pools in the kernel where it divides
+
+
 def hash_scores_triton(
     codes: torch.Tensor,
     norms: torch.Tensor,
     qcodes: torch.Tensor,
     rbit: int,
     heads: torch.Tensor | None = None,
-    block_t: int = 256,
+    block_t: int = POOL_TILE,
     num_warps: int = 4,
     miss: torch.Tensor | None = None,
     hist: torch.Tensor | None = None,
@@ -326,8 +329,11 @@ def hash_scores(
     reference counts it in torch). pool: block maxima of `pool` tokens (block_max). On the CPU the distances are
     compiled (hash_score_cpu: the reference's scores, bit for bit)."""
     if codes.is_cuda and triton is not None and rbit % 32 == 0:
-        return hash_scores_triton(codes, norms, qcodes, rbit, heads, miss=miss, hist=hist, pool=pool)
-    if hash_score_cpu.runs(codes, rbit):
+        if POOL_TILE % pool == 0:  # the kernel pools within its tiles of tokens
+            return hash_scores_triton(codes, norms, qcodes, rbit, heads, miss=miss, hist=hist, pool=pool)
+        assert miss is None, "pool does not divide the kernel's tile: the rows are pooled in torch, all of them"
+        scores = hash_scores_triton(codes, norms, qcodes, rbit, heads)
+    elif hash_score_cpu.runs(codes, rbit):
         scores = hash_score_cpu.hash_scores_cpu(codes, norms, qcodes, rbit, heads)
     else:
         scores = hash_scores_ref(codes, norms, qcodes, rbit, heads)

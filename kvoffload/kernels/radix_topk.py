@@ -250,7 +250,7 @@ def radix_topk(
 
 
 def radix_runs(device: torch.device) -> bool:
-    """Whether topk_indices selects floating-point scores on `device` with the radix kernels (else torch.topk)."""
+    """Whether topk_indices selects fp32, bf16 or fp16 scores on `device` with the radix kernels (else torch.topk)."""
     return device.type == "cuda" and triton is not None
 
 
@@ -265,7 +265,7 @@ def topk_indices(
     """scores [..., T] -> offset + indices [..., k] of the k largest along the last dim, in no order (ascending
     with ordered=True). miss, work: as radix_topk's, for scores [B, h, T] (the reference selects every row and
     needs no work)."""
-    if radix_runs(scores.device) and scores.is_floating_point():
+    if radix_runs(scores.device) and scores.dtype in (torch.float32, torch.bfloat16, torch.float16):
         rows = scores.reshape(-1, scores.shape[-1]).float()  # bf16 / fp16 scores widen exactly to the keys' fp32
         return radix_topk(rows, k, offset, miss=miss, work=work, ordered=ordered).view(*scores.shape[:-1], k)
     idx = topk_ref(scores, k, offset)
