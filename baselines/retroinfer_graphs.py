@@ -62,10 +62,13 @@ class LayerGraphs:
         n = self.rows * self.nsel
         self.plan_host = torch.zeros(2 * n + b, **pinned)
         self.plan = torch.zeros(2 * n + b, dtype=torch.int32, device=dev)
-        self.dest_host, self.src_host, self.win_len_host = self.plan_host.split((n, n, b))
-        self.dest, self.src, self.win_len = self.plan.split((n, n, b))
-        self.dest_host, self.src_host = self.dest_host.view(self.rows, -1), self.src_host.view(self.rows, -1)
-        self.dest, self.src = self.dest.view(self.rows, -1), self.src.view(self.rows, -1)
+
+        def views(plan):  # dest [rows, nsel], src [rows, nsel], window length [B]
+            dest, src, win_len = plan.split((n, n, b))
+            return dest.view(self.rows, -1), src.view(self.rows, -1), win_len
+
+        self.dest_host, self.src_host, self.win_len_host = views(self.plan_host)
+        self.dest, self.src, self.win_len = views(self.plan)
         self.n2 = torch.full((b,), self.nsel * self.bs, dtype=torch.int32, device=dev)  # rows each head attends
         # numpy views of the pinned buffers, made once: the host's work between the sync and the launch is the
         # step's critical path

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from kvoffload.errors import ConfigError
-from kvoffload.kernels.hash_score import pack_signs
+from kvoffload.kernels.hash_score import block_max, pack_signs
 from kvoffload.kernels.radix_keys import count_first_pass_ref
 from kvoffload.paths import repo_path
 
@@ -100,8 +100,6 @@ class ExactRetriever:
     ):
         """q [B, H, D], heads [h] (KV heads to score) -> [B, h, T] float32. miss, hist, pool: HashRetriever's
         (every row is scored here; the radix select's first pass is counted in torch)."""
-        from kvoffload.kernels.hash_score import block_max
-
         keys = self.keys[layer][:, heads]
         b, hkv, t, d = self.keys[layer].shape
         qg = q.view(b, hkv, -1, d)[:, heads].float()
