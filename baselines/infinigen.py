@@ -61,7 +61,7 @@ class InfiniGen(OffloadedBaseline):
         transfer: str = "cpu_gather",
         cpu_threads: int | str = "auto",
         skew: str = "prefill",
-        topk: str = "torch",
+        topk: str = "radix",
         fetch_chunk_rows: int = CHUNK_ROWS,
         graphs: str = "auto",
     ) -> None:
