@@ -44,7 +44,7 @@ from kvoffload.offload.retrieval import (
     check_hash_weights,
     load_hash_weights,
     make_retriever,
-    metadata_bytes_per_token,
+    metadata_bytes_per_head,
     select_topk,
     topk_work,
 )
@@ -172,10 +172,8 @@ class RetroInfer(OffloadedBaseline):
         if self.retriever_kind == "wave":
             meta = self.wave.estimate_bytes(heads, n_mid, spec.head_dim, spec.dtype_bytes)
         else:
-            meta = (
-                heads
-                * n_mid
-                * metadata_bytes_per_token(self.retriever_kind, self.rbit, spec.head_dim, spec.dtype_bytes)
+            meta = heads * metadata_bytes_per_head(
+                self.retriever_kind, self.rbit, spec.head_dim, spec.dtype_bytes, n_mid
             )
         return {
             **self.common_estimate(spec),
@@ -208,7 +206,7 @@ class RetroInfer(OffloadedBaseline):
             for reason, bad in (
                 ("a CUDA device", spec.device.type != "cuda"),
                 ("selection=block", self.selection != "block"),
-                ("retriever=hash or exact", self.retriever_kind == "wave"),
+                ("retriever=hash or exact", self.retriever_kind not in ("hash", "exact")),  # pq: not yet run in a graph
                 ("transfer=uva", self.transfer_kind != "uva"),
             )
             if bad

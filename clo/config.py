@@ -32,7 +32,7 @@ class CLOConfig:
     sink: int = 16
     recent: int = 64
     dense_layers: int = 2  # leading layers kept dense
-    retriever: str = "hash"  # hash (HATA) | exact (oracle)
+    retriever: str = "hash"  # hash (HATA) | exact (oracle) | pq (product quantisation)
     rbit: int = 256  # hash bits per key
     seed: int = 0  # of the hash projections (SimHash)
     hash_weights: str | None = None  # learned projections (experiments.train_hata); None: SimHash

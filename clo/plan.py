@@ -22,7 +22,7 @@ from clo.policy.thresholds import load_importance, thresholds
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, split_host
 from kvoffload.offload.budget import select_budget, split_prompt
-from kvoffload.offload.retrieval import load_hash_weights, metadata_bytes_per_token
+from kvoffload.offload.retrieval import load_hash_weights, metadata_bytes_per_head
 
 # T_comp when neither the setting nor the runner gives one (unit tests that build a KVSpec by hand)
 UNMEASURED_LAYER_S = 1e-4
@@ -101,7 +101,6 @@ def estimate_parts(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> dict[str, int
     row, t0, b, hkv = spec.row_bytes, spec.prompt_tokens, spec.batch, spec.num_kv_heads
     sink, recent, n_mid = split_prompt(t0, cfg.sink, cfg.recent)
     k, g = k_select(cfg, t0), spec.group_size
-    meta_per_token = metadata_bytes_per_token(cfg.retriever, cfg.rbit, spec.head_dim, spec.dtype_bytes)
     dense = min(cfg.dense_layers, spec.num_layers)
     parts = {
         "slots": 0,
@@ -118,6 +117,8 @@ def estimate_parts(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> dict[str, int
         parts["labels"] += b * nc * (g * spec.head_dim * 4 + 1)  # fp32 labels + valid flag
         parts["persistent"] += b * (hkv - nc) * t0 * row
         parts["window"] += b * hkv * (sink + recent + spec.max_len - t0) * row
-        parts["metadata"] += b * hkv * n_mid * meta_per_token
+        parts["metadata"] += (
+            b * hkv * metadata_bytes_per_head(cfg.retriever, cfg.rbit, spec.head_dim, spec.dtype_bytes, n_mid)
+        )
         parts["host"] += b * hkv * t0 * row
     return parts

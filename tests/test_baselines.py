@@ -348,6 +348,7 @@ def test_retroinfer_statistics_match_an_independent_trace():
         (RetroInfer, {"selection": "token"}),
         (RetroInfer, {"retriever": "exact", "block_size": 5, "selection": "token"}),
         (RetroInfer, {"retriever": "wave", "wave_segment": 40, "wave_estimate": 0}),  # tests/test_wave_estimate.py
+        (RetroInfer, {"retriever": "pq"}),
         (InfiniGen, {}),
         (InfiniGen, {"oracle_query": True}),
     ],

@@ -196,6 +196,7 @@ def test_persistent_heads_select_with_the_configured_query(tmp_path, persist_que
     [
         dict(),
         dict(retriever="hash"),
+        dict(retriever="pq"),
         dict(persistent=True, speculative=True),
         dict(dense_layers=1, retriever="hash", persistent=True, speculative=True),
     ],

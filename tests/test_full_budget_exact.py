@@ -1,7 +1,7 @@
 """Correctness first (issue 15, item 6), at every prompt length: middles (prompt - sink - recent) that are and are
 not a multiple of the block size, shorter than a block, and empty.
   (a) top-k 100 % is FullAttn, for every offloading baseline (RetroInfer-style, block and token selection, with
-      the hash, exact and wave retrievers; InfiniGen-style, speculative and oracle), on random inputs through the
+      the hash, exact, wave and pq retrievers; InfiniGen-style, speculative and oracle), on random inputs through the
       KVOffloadSystem API and on real SmolLM2 weights through the decoder;
   (b) RetroInfer-style with the exact retriever attends exactly the top-k tokens (token selection) or the top
       blocks, a partial last block included (block selection), of the same budget, with a cache as large as
@@ -35,6 +35,8 @@ SYSTEMS = {
     "retro-token-hash": (RetroInfer, {"selection": "token"}),
     "retro-token-exact": (RetroInfer, {"selection": "token", "retriever": "exact"}),
     "retro-token-wave": (RetroInfer, {"selection": "token", "retriever": "wave", "wave_segment": 40}),
+    "retro-block-pq": (RetroInfer, {"retriever": "pq"}),
+    "retro-token-pq": (RetroInfer, {"selection": "token", "retriever": "pq"}),
     "infinigen": (InfiniGen, {}),
     "infinigen-oracle": (InfiniGen, {"oracle_query": True}),
 }

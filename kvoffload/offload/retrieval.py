@@ -4,8 +4,8 @@ HashRetriever (HATA): keys and queries become sign bits of x @ W (W: head_dim x 
 score(k) = sum over the query group of (1 - 2 * hamming(q_j, k) / rbit) * |k|. Codes and key norms are made
 once at prefill and stay on the device. W is a seeded random projection (SimHash) unless learned weights are
 given (`load_hash_weights`: a file of experiments.train_hata): the record says which. ExactRetriever scores
-sum_j q_j . k: the oracle for tests and ablations.
-Both return absolute token indices [B, Hkv, k] of the candidates [lo, hi)."""
+sum_j q_j . k: the oracle for tests and ablations. PQRetriever (PQCache's product quantisation) is in pq_index.py.
+Each returns absolute token indices [B, Hkv, k] of the candidates [lo, hi)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import torch
 from kvoffload.errors import ConfigError
 from kvoffload.kernels.hash_score import block_max, pack_signs
 from kvoffload.kernels.radix_keys import count_first_pass_ref
+from kvoffload.offload import pq_index
 from kvoffload.paths import repo_path
 
-RETRIEVERS = ("hash", "exact")
+RETRIEVERS = ("hash", "exact", "pq")
 TOPK_METHODS = ("radix", "torch")  # select_topk's: the radix select on CUDA | torch.topk everywhere
 
 
@@ -197,10 +198,15 @@ class HashRetriever:
         return sum(c.nbytes + n.nbytes for c, n in zip(self.codes, self.norms) if c is not None)
 
 
-def metadata_bytes_per_token(kind: str, rbit: int, head_dim: int, dtype_bytes: int) -> int:
-    """Device bytes a retriever keeps per candidate token and KV head: the hash codes and the key norm, or the
-    oracle's keys (what metadata_bytes() counts once allocated)."""
-    return rbit // 8 + 4 if kind == "hash" else head_dim * dtype_bytes
+def metadata_bytes_per_head(kind: str, rbit: int, head_dim: int, dtype_bytes: int, tokens: int) -> int:
+    """Device bytes a retriever keeps for one sequence's KV head of `tokens` candidates (what metadata_bytes()
+    counts once allocated): the hash codes and key norms, PQ's codes and its sub-spaces' centroids, or the oracle's
+    keys."""
+    if kind == "hash":
+        return tokens * (rbit // 8 + 4)
+    if kind == "pq":
+        return tokens * pq_index.SUBVECTORS + min(1 << pq_index.BITS, tokens) * head_dim * 4
+    return tokens * head_dim * dtype_bytes
 
 
 def make_retriever(
@@ -221,6 +227,8 @@ def make_retriever(
         return HashRetriever(num_layers, num_kv_heads, head_dim, device, rbit, seed, w, source)
     if kind == "exact":
         return ExactRetriever(num_layers, num_kv_heads, head_dim, device)
+    if kind == "pq":
+        return pq_index.PQRetriever(num_layers, num_kv_heads, head_dim, device, seed=seed)
     raise ConfigError(f"retriever={kind!r}; valid: {', '.join(RETRIEVERS)}")
 
 
