@@ -7,6 +7,9 @@ split, sum_j q_j . k over the query group, as ExactRetriever):
   recall  |S & S*| / k     S = the hash retriever's top-k (HashRetriever itself: sign codes, packed, popcount)
   mass    the softmax attention over the middle that S covers (group mean); the exact top-k's is the ceiling
 
+and the same of PQCache's product quantisation (`pq`: kvoffload/offload/pq_index.py, its default 2 sub-vectors x 64
+centroids; its top-k ranks by the group's summed softmax, not by sum_j q_j . k, so its recall is of another order).
+
 Writes results/hata_<model>/record.json (or +recall_out=PATH).
 
     python -m experiments.hata_recall model=smollm2 seqlen=3k workload.gen_tokens=32 workload.stop_at_eos=false \\
@@ -29,6 +32,7 @@ from experiments.records import environment, git_commit, refuse
 from experiments.train_hata import capture, command_line, layer_data, settings
 from kvoffload.errors import ConfigError
 from kvoffload.offload.budget import select_budget
+from kvoffload.offload.pq_index import PQRetriever
 from kvoffload.offload.retrieval import ExactRetriever, HashRetriever, load_hash_weights, select_topk, simhash_weights
 from kvoffload.paths import ROOT, repo_path, write_json_atomic
 
@@ -42,6 +46,7 @@ DEFAULTS = {
     "sink": 16,
     "recent": 64,
     "dense_layers": 2,
+    "pq": True,  # also PQCache's product-quantisation retriever
 }
 
 
@@ -63,8 +68,9 @@ def recall_and_mass(retriever, exact: ExactRetriever, layer: int, q: torch.Tenso
     return torch.stack([mask.gather(-1, got).float().mean(-1), attn.gather(-1, got).sum(-1)], -1)
 
 
-def evaluate(samples, model_cfg, weights: dict[str, torch.Tensor | None], s: dict) -> dict:
-    """weights: name -> W [L, Hkv, D, rbit] for a HashRetriever, None for the exact top-k (the ceiling) ->
+def evaluate(samples, model_cfg, weights: dict[str, torch.Tensor | str | None], s: dict) -> dict:
+    """weights: name -> W [L, Hkv, D, rbit] for a HashRetriever, "pq" for a PQRetriever, None for the exact top-k
+    (the ceiling) ->
     name -> {"recall": [per layer], "mass": [per layer]} over the layers from dense_layers on, each the mean over
     prompts, steps and KV heads."""
     L, hkv, d, g = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, model_cfg.group_size
@@ -82,8 +88,11 @@ def evaluate(samples, model_cfg, weights: dict[str, torch.Tensor | None], s: dic
                 exact.index(layer, rows)
                 for name, w in weights.items():
                     r = exact
-                    if w is not None:
+                    if isinstance(w, str):
+                        r = PQRetriever(L, hkv, d, cpu)
+                    elif w is not None:
                         r = HashRetriever(L, hkv, d, cpu, w.shape[-1], weights=w, weights_source=name)
+                    if r is not exact:
                         r.index(layer, rows)
                     per[name].append(recall_and_mass(r, exact, layer, qs, k_sel))
         for name, vals in per.items():
@@ -106,11 +115,13 @@ def measure(cfg: DictConfig, decode=decode_real) -> dict:
         samples, descs = samples + more, descs + more_descs
     t_capture = time.perf_counter() - t0
     L, hkv, d = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
-    weights: dict[str, torch.Tensor | None] = {"exact": None}
+    weights: dict[str, torch.Tensor | str | None] = {"exact": None}
     for path in s["weights"]:
         w, _ = load_hash_weights(path, L, hkv, d, None)
         weights[f"learned_rbit{w.shape[-1]}"] = w
         weights[f"simhash_rbit{w.shape[-1]}"] = simhash_weights(L, hkv, d, w.shape[-1], s["simhash_seed"])
+    if s["pq"]:
+        weights["pq"] = "pq"
     per_prompt = [evaluate([sample], model_cfg, weights, s) for sample in samples]
     groups = {"needle_held_out": per_prompt[: len(prompts)], "random_tokens": per_prompt[len(prompts) :]}
 
@@ -163,7 +174,9 @@ def readme(data: dict) -> str:
         f"{s['sink']}, recent {s['recent']}) that the hash retriever's top-k holds; mass = the softmax attention "
         "over the middle that its top-k covers (exact: the ceiling). Means over steps, heads and prompts, then "
         "over layers. The weights were trained by `experiments.train_hata` on other prompts "
-        "(`data/hata/*.json`).",
+        "(`data/hata/*.json`). `pq`: PQCache's product quantisation (2 sub-vectors x 64 centroids a KV head, "
+        "k-means on the prompt's middle keys), whose top-k ranks by the query group's summed softmax: its recall "
+        "is against a top-k of another order, its mass comparable.",
         "",
     ]
     for group, rows in data["summary"].items():

@@ -160,6 +160,6 @@ def test_the_commands_write_their_files_on_a_tiny_model(tmp_path):
         train_hata.run(train, tiny_decode)
     data = hata_recall.measure(recall, tiny_decode)
     rows = data["summary"]["needle_held_out"]
-    assert set(rows) == {"exact", "learned_rbit16", "simhash_rbit16"} and rows["exact"]["recall"] == 1.0
+    assert set(rows) == {"exact", "learned_rbit16", "simhash_rbit16", "pq"} and rows["exact"]["recall"] == 1.0
     assert all(0 <= v["recall"] <= 1 and 0 <= v["mass"] <= 1 for v in rows.values())
     assert "learned - SimHash" in hata_recall.readme(data)
