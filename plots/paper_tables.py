@@ -146,11 +146,12 @@ def tab6_table(root: Path, folder: str) -> str:
     gb = {(r["system"], r["seqlen"]): r["device_gb"] for r in d["rows"]}
     cache = {(r["system"], r["seqlen"]): r["cache_gb"] for r in d["rows"]}
     seqlens = sorted({n for _, n in gb})
+    shown = [s for s in SYSTEMS if s != "fullattn" and any(k[0] == s for k in gb)]
     mean = paper.TAB6_MEAN_RATIO_PERCENT
     rows = [
         [
             tokens(n),
-            *[gb.get((s, n)) for s in SYSTEMS if s != "fullattn"],
+            *[gb.get((s, n)) for s in shown],
             f1(d["ratio"].get(n), "%"),
             cache.get(("clo", n)),
             cache.get(("retroinfer", n)),
@@ -176,7 +177,7 @@ def tab6_table(root: Path, folder: str) -> str:
         )
     head = [
         "seqlen",
-        *[f"{SYSTEMS[s]} GB" for s in SYSTEMS if s != "fullattn"],
+        *[f"{SYSTEMS[s]} GB" for s in shown],
         "CLO / RetroInfer-style",
         "CLO cache GB",
         "RetroInfer-style cache GB",
@@ -232,14 +233,15 @@ def fig10_table(root: Path, folder: str) -> str:
     commits: dict[tuple, set] = {}
     for r in d["records"]:
         commits.setdefault((r["record"]["seqlen"], r["record"]["batch"]), set()).add(commit_of(r["record"]))
+    shown = [s for s in SYSTEMS if any(k[0] == s for k in (*pts, *refused))]
     rows = []
     for n, b in sorted({(n, b) for _, n, b in pts} | {(n, b) for _, n, b in refused}):
         cells = [
-            f1(pts[(s, n, b)]["decode_tokens_per_s"]) if (s, n, b) in pts else refused.get((s, n, b)) for s in SYSTEMS
+            f1(pts[(s, n, b)]["decode_tokens_per_s"]) if (s, n, b) in pts else refused.get((s, n, b)) for s in shown
         ]
         x = d["speedup"].get((n, b))
         rows.append([tokens(n), b, *cells, f"{x:.2f}x" if x else None, ", ".join(sorted(commits.get((n, b), ())))])
-    head = ["seqlen", "batch", *(f"{SYSTEMS[s]} tok/s" for s in SYSTEMS), "CLO / best baseline", "commit"]
+    head = ["seqlen", "batch", *(f"{SYSTEMS[s]} tok/s" for s in shown), "CLO / best baseline", "commit"]
     ref = (
         f"{paper.FIG10} ({d['model']}): {lo}-{hi}x. OOM: refused for the device budget; RAM: for the host's."
         if lo
@@ -261,10 +263,15 @@ def over_floor(m: dict, system: str) -> str | None:
     return f"{step:.2f} / {floor:.2f} = {step / floor:.2f}x ({', '.join(extra)})"
 
 
+# what a floor cell's header names beside the bytes moved, by system (its hit rate otherwise)
+FLOOR_EXTRA = {"clo": ", hit: lookups / with prefetch heads", "infinigen": ""}
+
+
 def fig10_floor_table(d: dict) -> str:
     """Each system's step against its own floor at every Figure 10 point (the run plotted: the point's fastest),
     and CLO's device KV over RetroInfer-style's."""
     pts = d["points"]
+    offloading = [s for s in SYSTEMS if s != "fullattn" and any(k[0] == s for k in pts)]
     rows = []
     for n, b in sorted({(n, b) for _, n, b in pts}):
         m = {s: pts[(s, n, b)]["metrics"] for s in SYSTEMS if (s, n, b) in pts}
@@ -277,16 +284,14 @@ def fig10_floor_table(d: dict) -> str:
             [
                 f"{tokens(n)} b{b}",
                 f"{m['fullattn']['decode_ms_per_step']:.2f}" if "fullattn" in m else "OOM",
-                *(over_floor(m[s], s) if s in m else None for s in SYSTEMS if s != "fullattn"),
+                *(over_floor(m[s], s) if s in m else None for s in offloading),
                 kv,
             ]
         )
     head = [
         "point",
         "FullAttn ms/step",
-        "CLO step / floor (MB/step, hit: lookups / with prefetch heads)",
-        "RetroInfer-style step / floor (MB/step, hit)",
-        "InfiniGen-style step / floor (MB/step)",
+        *(f"{SYSTEMS[s]} step / floor (MB/step{FLOOR_EXTRA.get(s, ', hit')})" for s in offloading),
         "CLO / RetroInfer-style device KV",
     ]
     return (

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 # The systems a figure knows how to name (conf/system/*.yaml; tests/test_plots.py keeps the two in step).
-SYSTEMS = {"fullattn": "FullAttn", "clo": "CLO", "retroinfer": "RetroInfer-style", "infinigen": "InfiniGen-style"}
+SYSTEMS = {
+    "fullattn": "FullAttn",
+    "clo": "CLO",
+    "retroinfer": "RetroInfer-style",
+    "infinigen": "InfiniGen-style",
+    "pqcache": "PQCache-style",
+}
 MAX_NAMED = 4  # files named in one message before "and N more"
 
 

@@ -1,7 +1,8 @@
 """Correctness first (issue 15, item 6), at every prompt length: middles (prompt - sink - recent) that are and are
 not a multiple of the block size, shorter than a block, and empty.
   (a) top-k 100 % is FullAttn, for every offloading baseline (RetroInfer-style, block and token selection, with
-      the hash, exact, wave and pq retrievers; InfiniGen-style, speculative and oracle), on random inputs through the
+      the hash, exact, wave and pq retrievers; InfiniGen-style, speculative and oracle;
+      PQCache-style, PQ and exact), on random inputs through the
       KVOffloadSystem API and on real SmolLM2 weights through the decoder;
   (b) RetroInfer-style with the exact retriever attends exactly the top-k tokens (token selection) or the top
       blocks, a partial last block included (block selection), of the same budget, with a cache as large as
@@ -14,6 +15,7 @@ import torch
 
 from baselines.fullattn import FullAttn
 from baselines.infinigen import InfiniGen
+from baselines.pqcache import PQCache
 from baselines.retroinfer import RetroInfer
 from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.budget import select_budget, split_prompt
@@ -39,6 +41,8 @@ SYSTEMS = {
     "retro-token-pq": (RetroInfer, {"selection": "token", "retriever": "pq"}),
     "infinigen": (InfiniGen, {}),
     "infinigen-oracle": (InfiniGen, {"oracle_query": True}),
+    "pqcache": (PQCache, {"block_size": 8, "cache_tokens": 16}),
+    "pqcache-exact": (PQCache, {"retriever": "exact", "block_size": 5, "cache_tokens": 1000}),
 }
 
 

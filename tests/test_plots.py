@@ -153,8 +153,8 @@ def test_bad_input_is_refused_naming_the_files(tmp_path, capsys, monkeypatch):
     assert "records of 2 commits" in err and "def5678: record_clo.json" in err and "abc1234: record_fullattn" in err
 
     unknown = fig2_folder(tmp_path / "unknown")
-    write(unknown, {"record_pq.json": run_record("pqcache")})
-    with pytest.raises(RecordError, match=r"unknown system 'pqcache' in record_pq.json"):
+    write(unknown, {"record_h2o.json": run_record("h2o")})
+    with pytest.raises(RecordError, match=r"unknown system 'h2o' in record_h2o.json"):
         fig2_breakdown.data(unknown)
 
     lengths = fig2_folder(tmp_path / "lengths")

@@ -328,11 +328,11 @@ def test_fig2_experiment_runs_every_system_and_plots(tmp_path):
         tmp=tmp_path,
     )  # piecewise graphs need CUDA
     recs = records(tmp_path)
-    assert sorted(r["system"] for r in recs.values()) == ["clo", "fullattn", "infinigen", "retroinfer"]
+    assert sorted(r["system"] for r in recs.values()) == ["clo", "fullattn", "infinigen", "pqcache", "retroinfer"]
     assert all(r["status"] == "ok" and "synthetic AR(1)" in r["query_process"] for r in recs.values())
     rows = plot(tmp_path / "results", tmp_path / "fig2.png")
     assert rows["fullattn"]["percent_of_fullattn"] == pytest.approx(100.0)
-    assert rows["retroinfer"]["cache_mgmt"] > 0 and rows["clo"]["cache_mgmt"] > 0
+    assert rows["retroinfer"]["cache_mgmt"] > 0 and rows["clo"]["cache_mgmt"] > 0 and rows["pqcache"]["cache_mgmt"] > 0
 
 
 @pytest.mark.slow

@@ -1,0 +1,202 @@
+"""PQCache-style baseline (the fourth system of the paper's Figure 2; PQCache, Zhang et al. 2024, its public code
+HugoZHL/PQCache): product-quantisation retrieval of top-k tokens, the misses gathered on the CPU, and a small
+device cache of whole blocks managed by an LFU on the CPU. Per sparse layer and step:
+
+  retrieval         PQ scores of the prompt's middle (kvoffload/offload/pq_index.py: 2 sub-vectors x 64 centroids a
+                    KV head, k-means at prefill) and the top-k tokens per KV head
+  attention         the selected tokens whose block is cached, gathered from the device cache
+  launch_sync       the missed tokens' indices to the host (the step's sync)
+  transfer_exposed  those tokens gathered by CPU threads from the host store and copied in (the transfer engine's
+                    cpu_gather)
+  cache_mgmt        the blocks holding most of the step's selected tokens (over the KV heads) inserted into the
+                    LFU (baselines/lfu.py), the ones it newly places copied whole into their slots, for the steps after
+
+As PQCache's (vq_method/retrieval_based/cache_manager.py, with vq_pred.py's settings): a block is `block_size`
+positions of every KV head of one sequence, the cache holds `cache_tokens` positions a layer, and a step inserts its
+top `admit_blocks` blocks. The sink, recent window, dense layers and top-k budget follow CLO's conventions
+(OffloadedBaseline), so that with the exact retriever every system attends the same tokens. Eager: the LFU and the
+miss gather sit between GPU work that depends on them, as in PQCache's own step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from baselines.lfu import BlockLFU
+from baselines.offloaded import OffloadedBaseline
+from kvoffload.errors import ConfigError
+from kvoffload.kv.interface import KVSpec, host_work
+from kvoffload.offload.budget import split_prompt
+from kvoffload.offload.retrieval import make_retriever, metadata_bytes_per_head, select_topk
+
+PQCACHE_RETRIEVERS = ("pq", "exact")  # exact: the oracle, for tests and ablations
+
+
+class PQCache(OffloadedBaseline):
+    name = "pqcache"
+    hit_unit = "token"
+
+    def __init__(
+        self,
+        topk_ratio: float = 0.1,
+        sink: int = 16,
+        recent: int = 64,
+        dense_layers: int = 2,
+        retriever: str = "pq",
+        seed: int = 0,
+        block_size: int = 128,
+        cache_tokens: int = 4096,
+        admit_blocks: int = 32,
+        transfer: str = "cpu_gather",
+        cpu_threads: int | str = "auto",
+        topk: str = "radix",
+    ) -> None:
+        super().__init__(topk_ratio, sink, recent, dense_layers, transfer, cpu_threads, None, topk)
+        if retriever not in PQCACHE_RETRIEVERS:
+            raise ConfigError(f"retriever={retriever!r}; valid: {', '.join(PQCACHE_RETRIEVERS)}")
+        if block_size < 1:
+            raise ConfigError(f"block_size={block_size} must be at least 1 token")
+        if cache_tokens < 0 or admit_blocks < 0:
+            raise ConfigError(f"cache_tokens={cache_tokens} and admit_blocks={admit_blocks} must be >= 0")
+        self.retriever_kind, self.seed = retriever, seed
+        self.block_size, self.cache_tokens, self.admit_blocks = block_size, cache_tokens, admit_blocks
+        self.evictions = 0
+
+    def geometry(self, t0: int) -> tuple[int, int]:
+        """(blocks of a sequence's middle, cache slots of a sequence) for a t0-token prompt."""
+        n_blocks = math.ceil(split_prompt(t0, self.sink, self.recent)[2] / self.block_size)
+        return n_blocks, min(self.cache_tokens // self.block_size, n_blocks)
+
+    def host_padding(self, n_mid: int) -> int:
+        return -n_mid % self.block_size  # whole blocks, for the cache's block copies
+
+    def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
+        n_mid = split_prompt(spec.prompt_tokens, self.sink, self.recent)[2]
+        n_blocks, cap = self.geometry(spec.prompt_tokens)
+        b, hkv = spec.batch, spec.num_kv_heads
+        sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
+        meta = metadata_bytes_per_head(self.retriever_kind, 0, spec.head_dim, spec.dtype_bytes, n_mid) if n_mid else 0
+        return {
+            **self.common_estimate(spec),
+            "cache": sparse * b * cap * hkv * self.block_size * spec.row_bytes,
+            "metadata": sparse * b * hkv * meta,
+            "slot_map": sparse * b * n_blocks * 8,
+            "host_metadata": sparse * 8 * (b * n_blocks + 3 * b * cap + 2 * b) if n_mid else 0,
+        }
+
+    def _allocate(self, spec: KVSpec) -> None:
+        super()._allocate(spec)
+        self.retriever = make_retriever(
+            self.retriever_kind, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.device, 0, self.seed
+        )
+        L = spec.num_layers
+        self.cache: list[torch.Tensor | None] = [None] * L  # [B, cap, Hkv, block, 2, D]
+        self.slot_map: list[torch.Tensor | None] = [None] * L  # [B, n_blocks] each block's slot, -1: not cached
+        self.lfu: list[BlockLFU | None] = [None] * L
+        on_device = spec.device if self.transfer_kind == "uva" else torch.device("cpu")  # where fill wants indices
+        self.fill_heads = torch.zeros(1, dtype=torch.long, device=on_device)
+        self.fill_miss = torch.ones(1, 1, dtype=torch.bool, device=on_device)
+
+    def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int, rows: torch.Tensor) -> None:
+        if not n_mid:
+            return
+        spec = self.spec
+        self.retriever.index(layer, keys_mid)
+        n_blocks, cap = self.geometry(self.t0)
+        b, hkv, bs = spec.batch, spec.num_kv_heads, self.block_size
+        self.cache[layer] = torch.zeros(b, cap, hkv, bs, 2, spec.head_dim, dtype=spec.dtype, device=spec.device)
+        self.slot_map[layer] = torch.full((b, n_blocks), -1, dtype=torch.long, device=spec.device)
+        self.lfu[layer] = BlockLFU(b, n_blocks, cap)
+
+    def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, None]:
+        spec, bs = self.spec, self.block_size
+        b, hkv, d = spec.batch, spec.num_kv_heads, spec.head_dim
+        cache, dev = self.cache[layer], spec.device
+        cap = cache.shape[1]
+        with self.phase("retrieval"):
+            idx = select_topk(self.retriever.scores(layer, q, self.heads), k_sel, 0, method=self.topk)  # [B, Hkv, k]
+            blk = idx // bs
+            slot = self.slot_map[layer].gather(1, blk.view(b, -1)).view_as(idx)
+            miss = slot < 0
+        with self.phase("attention"):  # the cached tokens, gathered from their blocks' slots
+            seq = torch.arange(b, device=dev)[:, None, None]
+            head = torch.arange(hkv, device=dev)[None, :, None]
+            at = ((seq * cap + slot.clamp(min=0)) * hkv + head) * bs + idx % bs
+            sel = cache.view(-1, 2, d)[at] if cap else torch.empty(b, hkv, k_sel, 2, d, dtype=spec.dtype, device=dev)
+        with self.phase("launch_sync"):
+            miss_host, idx_host = miss.cpu(), idx.cpu()  # the missed tokens, known on the host: the step's sync
+        self.step.host_syncs += 1
+        with self.phase("transfer_exposed"):  # the missed tokens by the CPU gather and a copy
+            mb, mh, mj = miss_host.nonzero(as_tuple=True)
+            if mb.numel():
+                host = self.host[layer]
+                rows = ((mb * hkv + mh) * host.shape[2] + idx_host[mb, mh, mj]).view(1, 1, -1)
+                fetched = torch.empty(1, 1, mb.numel(), 2, d, dtype=spec.dtype, device=dev)
+                self.transfer.fill(
+                    host.view(1, 1, -1, 2, d), self.fill_heads, rows.to(self.fill_heads.device), self.fill_miss, fetched
+                )
+                self.transfer.host_syncs = 0  # the indices were already on the host: no second sync happened
+                sel[mb.to(dev), mh.to(dev), mj.to(dev)] = fetched[0, 0]
+        self.step.lookups += idx.numel()
+        self.step.hits += idx.numel() - mb.numel()
+        self.step.bytes_h2d += mb.numel() * spec.row_bytes
+        if cap:
+            self.update_cache(layer, blk)
+        return sel, None
+
+    def update_cache(self, layer: int, blk: torch.Tensor) -> None:
+        """PQCache's cache step: each sequence's blocks ranked by how many of the step's selected tokens they hold
+        (over the KV heads), the top admit_blocks with any into the LFU, and the blocks it newly places copied in
+        whole from the host store."""
+        spec, bs = self.spec, self.block_size
+        b, hkv, d = spec.batch, spec.num_kv_heads, spec.head_dim
+        with self.phase("cache_mgmt"):
+            n_blocks = self.slot_map[layer].shape[1]
+            counts = torch.zeros(b, n_blocks, device=blk.device).scatter_add_(
+                1, blk.view(b, -1), torch.ones(blk.numel() // b, device=blk.device).expand(b, -1)
+            )
+            top = counts.topk(min(self.admit_blocks, n_blocks), dim=1)
+            best, ids = top.values.cpu(), top.indices.cpu()  # the step's second sync
+            self.step.host_syncs += 1
+            with host_work(self.step):
+                ids = torch.where(best > 0, ids, -1)
+                slots, new, evictions = self.lfu[layer].insert(ids)
+            self.evictions += evictions
+            seq, col = new.nonzero(as_tuple=True)
+            if seq.numel():
+                blocks = self.host[layer].view(b, hkv, n_blocks, bs, 2, d)
+                src = blocks[seq, :, ids[seq, col]]  # [n, Hkv, block, 2, D], gathered on the host
+                self.cache[layer][seq.to(spec.device), slots[seq, col].to(spec.device)] = src.to(
+                    spec.device, non_blocking=True
+                )
+                self.step.bytes_h2d += src.numel() // (2 * d) * spec.row_bytes
+            self.slot_map[layer].copy_(torch.from_numpy(self.lfu[layer].block_slot), non_blocking=True)
+
+    def memory_parts(self) -> dict[str, int]:
+        sized = lambda bufs: sum(t.nbytes for t in bufs if t is not None)  # noqa: E731
+        return {
+            **self.common_parts(),
+            "cache": sized(self.cache),
+            "metadata": self.retriever.metadata_bytes(),
+            "slot_map": sized(self.slot_map),
+            "host_metadata": sum(x.nbytes() for x in self.lfu if x is not None),
+        }
+
+    def describe(self) -> dict:
+        n_blocks, cap = self.geometry(self.t0)
+        return {
+            "retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
+            "block_size": self.block_size,
+            "blocks_per_sequence": n_blocks,
+            "cache_blocks_per_sequence": cap,
+            "admit_blocks": self.admit_blocks,
+            "evictions": self.evictions,
+            "cpu_threads": self.cpu_threads,
+            "transfer": self.transfer_kind,
+            "topk": self.topk,
+            "link_gb_s": self.link_gb_s,
+            "defaults_source": "PQCache vq_pred.py (HugoZHL/PQCache): cache_block_size 128, global_cache_size "
+            "4096, cache_topk 32; 2 sub-vectors x 6 bits",
+            "memory_parts": self.memory_parts(),
+        }
