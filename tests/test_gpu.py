@@ -148,11 +148,12 @@ def test_cuda_graph_decode_generates_the_eager_tokens():
     assert torch.equal(runs[0], runs[1])
 
 
-@pytest.mark.parametrize("system", ["fullattn", "clo", "retroinfer", "infinigen"])
+@pytest.mark.parametrize("system", ["fullattn", "clo", "retroinfer", "infinigen", "pqcache"])
 def test_piecewise_graphs_generate_the_eager_tokens(system):
     """Only the dense model replayed from per-layer graphs, the system eager (and phase-timed): the eager tokens,
     for a system that is capturable whole, one with a speculative query and two that sync with the host."""
     from baselines.infinigen import InfiniGen
+    from baselines.pqcache import PQCache
     from baselines.retroinfer import RetroInfer
     from clo.system import CLO
     from kvoffload.generate import generate
@@ -163,6 +164,7 @@ def test_piecewise_graphs_generate_the_eager_tokens(system):
         "clo": lambda: CLO(dense_layers=1, layer_time_ms=0.1),
         "retroinfer": lambda: RetroInfer(dense_layers=1),
         "infinigen": lambda: InfiniGen(dense_layers=1),
+        "pqcache": lambda: PQCache(dense_layers=1, block_size=16, cache_tokens=128),
     }[system]
     model = synthetic_decoder(TINY, 0, CUDA, torch.float32)
     prompt = torch.randint(0, 2000, (2, 1000), device=CUDA)

@@ -43,9 +43,9 @@ def test_lfu_decides_as_pqcache_count_lists(capacity):
         )
 
 
-def make(t0, **kw):
+def make(t0, device=CPU, **kw):
     s = PQCache(**{"sink": SINK, "recent": RECENT, "dense_layers": 1, "cpu_threads": 2, **kw})
-    s.allocate(KVSpec(L, B, t0 + STEPS, H, HKV, D, torch.float32, CPU, prompt_len=t0))
+    s.allocate(KVSpec(L, B, t0 + STEPS, H, HKV, D, torch.float32, device, prompt_len=t0))
     return s
 
 
@@ -92,3 +92,21 @@ def test_cached_blocks_serve_hits_and_count_their_copies():
 def test_bad_settings_are_refused(kw, msg):
     with pytest.raises(ConfigError, match=msg):
         PQCache(**kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transfer", ["cpu_gather", "uva"])
+def test_on_cuda_it_attends_the_exact_topk(transfer):
+    """The pinned host store, the CUDA gathers and the radix select: the exact top-k, as on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cuda = torch.device("cuda")
+    t0 = 123
+    kw = dict(retriever="exact", topk_ratio=0.3, block_size=8, cache_tokens=16, admit_blocks=4, transfer=transfer)
+    s = make(t0, cuda, **kw)
+    k0, v0, data = inputs(t0, seed=3)
+    want = exact_topk_attention(k0, v0, data, SINK, RECENT, s.k_select(t0), dense_layers=1)
+    to = lambda x: x.to(cuda)  # noqa: E731
+    got = feed(s, to(k0), to(v0), [[tuple(map(to, x)) for x in step] for step in data])
+    assert_outputs([[x.cpu() for x in step] for step in got], want)
+    assert s.evictions > 0
