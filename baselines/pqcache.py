@@ -3,13 +3,14 @@ HugoZHL/PQCache): product-quantisation retrieval of top-k tokens, the misses gat
 device cache of whole blocks managed by an LFU on the CPU. Per sparse layer and step:
 
   retrieval         PQ scores of the prompt's middle (kvoffload/offload/pq_index.py: 2 sub-vectors x 64 centroids a
-                    KV head, k-means at prefill) and the top-k tokens per KV head
+                    KV head, k-means at prefill), the top-k tokens per KV head, and each sequence's blocks ranked
+                    by how many of them they hold (over the KV heads)
   attention         the selected tokens whose block is cached, gathered from the device cache
-  launch_sync       the missed tokens' indices to the host (the step's sync)
+  launch_sync       the missed tokens and the ranked blocks to the host (the step's one sync)
   transfer_exposed  those tokens gathered by CPU threads from the host store and copied in (the transfer engine's
                     cpu_gather)
-  cache_mgmt        the blocks holding most of the step's selected tokens (over the KV heads) inserted into the
-                    LFU (baselines/lfu.py), the ones it newly places copied whole into their slots, for the steps after
+  cache_mgmt        the top admit_blocks of them inserted into the LFU (baselines/lfu.py), the ones it newly places
+                    copied whole into their slots, for the steps after
 
 As PQCache's (vq_method/retrieval_based/cache_manager.py, with vq_pred.py's settings): a block is `block_size`
 positions of every KV head of one sequence, the cache holds `cache_tokens` positions a layer, and a step inserts its
@@ -119,13 +120,15 @@ class PQCache(OffloadedBaseline):
             blk = idx // bs
             slot = self.slot_map[layer].gather(1, blk.view(b, -1)).view_as(idx)
             miss = slot < 0
+            ranked = self.rank_blocks(layer, blk) if cap else None
         with self.phase("attention"):  # the cached tokens, gathered from their blocks' slots
             seq = torch.arange(b, device=dev)[:, None, None]
             head = torch.arange(hkv, device=dev)[None, :, None]
             at = ((seq * cap + slot.clamp(min=0)) * hkv + head) * bs + idx % bs
             sel = cache.view(-1, 2, d)[at] if cap else torch.empty(b, hkv, k_sel, 2, d, dtype=spec.dtype, device=dev)
-        with self.phase("launch_sync"):
-            miss_host, idx_host = miss.cpu(), idx.cpu()  # the missed tokens, known on the host: the step's sync
+        with self.phase("launch_sync"):  # the step's sync: the missed tokens and the ranked blocks, on the host
+            miss_host, idx_host = miss.cpu(), idx.cpu()
+            ranked = None if ranked is None else (ranked.values.cpu(), ranked.indices.cpu())  # the GPU idle by now
         self.step.host_syncs += 1
         with self.phase("transfer_exposed"):  # the missed tokens by the CPU gather and a copy
             mb, mh, mj = miss_host.nonzero(as_tuple=True)
@@ -141,24 +144,26 @@ class PQCache(OffloadedBaseline):
         self.step.lookups += idx.numel()
         self.step.hits += idx.numel() - mb.numel()
         self.step.bytes_h2d += mb.numel() * spec.row_bytes
-        if cap:
-            self.update_cache(layer, blk)
+        if ranked is not None:
+            self.update_cache(layer, *ranked)
         return sel, None
 
-    def update_cache(self, layer: int, blk: torch.Tensor) -> None:
-        """PQCache's cache step: each sequence's blocks ranked by how many of the step's selected tokens they hold
-        (over the KV heads), the top admit_blocks with any into the LFU, and the blocks it newly places copied in
-        whole from the host store."""
+    def rank_blocks(self, layer: int, blk: torch.Tensor):
+        """Each sequence's blocks by how many of the step's selected tokens they hold (over the KV heads): the top
+        admit_blocks (values: the counts, indices: the blocks), on the device, as PQCache ranks them."""
+        b, n_blocks = self.slot_map[layer].shape
+        ones = torch.ones(blk.numel() // b, device=blk.device).expand(b, -1)
+        counts = torch.zeros(b, n_blocks, device=blk.device).scatter_add_(1, blk.view(b, -1), ones)
+        return counts.topk(min(self.admit_blocks, n_blocks), dim=1)
+
+    def update_cache(self, layer: int, best: torch.Tensor, ids: torch.Tensor) -> None:
+        """PQCache's cache step, from the ranked blocks on the host (best [B, A] counts, ids [B, A] blocks): those
+        with any selected token into the LFU, and the blocks it newly places copied in whole from the host store, for
+        the steps after."""
         spec, bs = self.spec, self.block_size
         b, hkv, d = spec.batch, spec.num_kv_heads, spec.head_dim
+        n_blocks = self.slot_map[layer].shape[1]
         with self.phase("cache_mgmt"):
-            n_blocks = self.slot_map[layer].shape[1]
-            counts = torch.zeros(b, n_blocks, device=blk.device).scatter_add_(
-                1, blk.view(b, -1), torch.ones(blk.numel() // b, device=blk.device).expand(b, -1)
-            )
-            top = counts.topk(min(self.admit_blocks, n_blocks), dim=1)
-            best, ids = top.values.cpu(), top.indices.cpu()  # the step's second sync
-            self.step.host_syncs += 1
             with host_work(self.step):
                 ids = torch.where(best > 0, ids, -1)
                 slots, new, evictions = self.lfu[layer].insert(ids)
