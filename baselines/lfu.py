@@ -22,10 +22,15 @@ import torch
 
 
 @numba.njit(cache=False)
-def _insert(blocks, block_slot, slot_block, slot_uses, slot_stamp, clock, used):  # pragma: no cover - compiled
-    """blocks [B, A] (-1: none) into each sequence's cache. Returns evictions."""
+def _insert(blocks, block_slot, slot_block, slot_uses, slot_stamp, clock, used, before, after):  # pragma: no cover
+    """blocks [B, A] (-1: none) into each sequence's cache; before/after [B, A]: each block's slot before the batch
+    and after it (-1: not cached). Returns evictions."""
     evictions = 0
     cap = slot_block.shape[1]
+    for b in range(blocks.shape[0]):
+        for i in range(blocks.shape[1]):
+            blk = blocks[b, i]
+            before[b, i] = -1 if blk < 0 else block_slot[b, blk]
     for b in range(blocks.shape[0]):
         for i in range(blocks.shape[1]):
             blk = blocks[b, i]
@@ -53,6 +58,10 @@ def _insert(blocks, block_slot, slot_block, slot_uses, slot_stamp, clock, used):
             block_slot[b, blk] = s
             slot_uses[b, s] = 1
             slot_stamp[b, s] = clock[b]
+    for b in range(blocks.shape[0]):
+        for i in range(blocks.shape[1]):
+            blk = blocks[b, i]
+            after[b, i] = -1 if blk < 0 else block_slot[b, blk]
     return evictions
 
 
@@ -73,13 +82,10 @@ class BlockLFU:
         if a later insert of the batch evicted it; new [B, A] bool: it was not in that slot before, so its rows
         must be copied in; evictions)."""
         blk = blocks.numpy()
-        rows = np.arange(blk.shape[0])[:, None]
-        valid = blk >= 0
-        before = np.where(valid, self.block_slot[rows, np.maximum(blk, 0)], -1)
+        before, after = np.empty_like(blk), np.empty_like(blk)
         evictions = _insert(
-            blk, self.block_slot, self.slot_block, self.slot_uses, self.slot_stamp, self.clock, self.used
+            blk, self.block_slot, self.slot_block, self.slot_uses, self.slot_stamp, self.clock, self.used, before, after
         )
-        after = np.where(valid, self.block_slot[rows, np.maximum(blk, 0)], -1)
         return torch.from_numpy(after), torch.from_numpy((after >= 0) & (after != before)), int(evictions)
 
     def nbytes(self) -> int:
