@@ -95,6 +95,7 @@ class PQCache(OffloadedBaseline):
         self.cache: list[torch.Tensor | None] = [None] * L  # [B, cap, Hkv, block, 2, D]
         self.slot_map: list[torch.Tensor | None] = [None] * L  # [B, n_blocks] each block's slot, -1: not cached
         self.lfu: list[BlockLFU | None] = [None] * L
+        BlockLFU(1, 1, 1).insert(torch.zeros(1, 1, dtype=torch.long))  # compiled here, not in the first timed step
         on_device = spec.device if self.transfer_kind == "uva" else torch.device("cpu")  # where fill wants indices
         self.fill_heads = torch.zeros(1, dtype=torch.long, device=on_device)
         self.fill_miss = torch.ones(1, 1, dtype=torch.bool, device=on_device)
@@ -133,20 +134,26 @@ class PQCache(OffloadedBaseline):
         with self.phase("transfer_exposed"):  # the missed tokens by the CPU gather and a copy
             mb, mh, mj = miss_host.nonzero(as_tuple=True)
             if mb.numel():
-                host = self.host[layer]
-                rows = ((mb * hkv + mh) * host.shape[2] + idx_host[mb, mh, mj]).view(1, 1, -1)
-                fetched = torch.empty(1, 1, mb.numel(), 2, d, dtype=spec.dtype, device=dev)
-                self.transfer.fill(
-                    host.view(1, 1, -1, 2, d), self.fill_heads, rows.to(self.fill_heads.device), self.fill_miss, fetched
-                )
-                self.transfer.host_syncs = 0  # the indices were already on the host: no second sync happened
-                sel[mb.to(dev), mh.to(dev), mj.to(dev)] = fetched[0, 0]
+                rows = (mb * hkv + mh) * self.host[layer].shape[2] + idx_host[mb, mh, mj]
+                sel[mb.to(dev), mh.to(dev), mj.to(dev)] = self.fetch_rows(layer, rows)
         self.step.lookups += idx.numel()
         self.step.hits += idx.numel() - mb.numel()
-        self.step.bytes_h2d += mb.numel() * spec.row_bytes
+        self.step.bytes_d2h += miss.numel() * (1 + idx.element_size())  # the miss mask and the selected tokens
+        self.step.bytes_d2h += 0 if ranked is None else ranked[0].nbytes + ranked[1].nbytes
+        self.step.bytes_h2d += mb.numel() * (spec.row_bytes + 3 * 8)  # the rows and where they go
         if ranked is not None:
             self.update_cache(layer, *ranked)
         return sel, None
+
+    def fetch_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n] of the layer's flat host store (on the host) -> those rows [n, 2, D] on the device, by the
+        transfer engine (cpu_gather: CPU threads into pinned staging, then a copy)."""
+        d = self.spec.head_dim
+        out = torch.empty(1, 1, rows.numel(), 2, d, dtype=self.spec.dtype, device=self.spec.device)
+        host = self.host[layer].view(1, 1, -1, 2, d)
+        self.transfer.fill(host, self.fill_heads, rows.view(1, 1, -1).to(self.fill_heads.device), self.fill_miss, out)
+        self.transfer.host_syncs = 0  # the rows were already known on the host: no sync here
+        return out[0, 0]
 
     def rank_blocks(self, layer: int, blk: torch.Tensor):
         """Each sequence's blocks by how many of the step's selected tokens they hold (over the KV heads): the top
@@ -161,7 +168,7 @@ class PQCache(OffloadedBaseline):
         with any selected token into the LFU, and the blocks it newly places copied in whole from the host store, for
         the steps after."""
         spec, bs = self.spec, self.block_size
-        b, hkv, d = spec.batch, spec.num_kv_heads, spec.head_dim
+        hkv, d = spec.num_kv_heads, spec.head_dim
         n_blocks = self.slot_map[layer].shape[1]
         with self.phase("cache_mgmt"):
             with host_work(self.step):
@@ -169,14 +176,16 @@ class PQCache(OffloadedBaseline):
                 slots, new, evictions = self.lfu[layer].insert(ids)
             self.evictions += evictions
             seq, col = new.nonzero(as_tuple=True)
-            if seq.numel():
-                blocks = self.host[layer].view(b, hkv, n_blocks, bs, 2, d)
-                src = blocks[seq, :, ids[seq, col]]  # [n, Hkv, block, 2, D], gathered on the host
-                self.cache[layer][seq.to(spec.device), slots[seq, col].to(spec.device)] = src.to(
-                    spec.device, non_blocking=True
-                )
-                self.step.bytes_h2d += src.numel() // (2 * d) * spec.row_bytes
+            if seq.numel():  # every KV head's rows of each newly placed block, gathered as the misses are
+                head, off = torch.arange(hkv)[None, :, None], torch.arange(bs)[None, None, :]
+                first = ((seq[:, None, None] * hkv + head) * n_blocks + ids[seq, col][:, None, None]) * bs
+                rows = self.fetch_rows(layer, (first + off).flatten()).view(-1, hkv, bs, 2, d)
+                dev = spec.device
+                self.cache[layer][seq.to(dev), slots[seq, col].to(dev)] = rows
+                self.step.bytes_h2d += rows.shape[0] * hkv * bs * spec.row_bytes
+            # as PQCache's block_pos_record: the whole map, each step
             self.slot_map[layer].copy_(torch.from_numpy(self.lfu[layer].block_slot), non_blocking=True)
+            self.step.bytes_h2d += self.slot_map[layer].nbytes
 
     def memory_parts(self) -> dict[str, int]:
         sized = lambda bufs: sum(t.nbytes for t in bufs if t is not None)  # noqa: E731

@@ -85,3 +85,24 @@ def test_pooled_scores_are_block_maxima():
 def test_bad_settings_are_refused(kw, msg):
     with pytest.raises(ConfigError, match=msg):
         PQRetriever(1, HKV, D, CPU, **kw)
+
+
+def test_an_empty_middle_has_no_codes():
+    """A prompt no longer than sink + recent leaves no candidates: CLO indexes them anyway."""
+    k, q = keys_and_query(0)
+    r = PQRetriever(1, HKV, D, CPU)
+    r.index(0, k)
+    assert r.scores(0, q, torch.arange(HKV)).shape == (B, HKV, 0) and r.metadata_bytes() == 0
+
+
+def test_chunked_index_clusters_each_row_alone(monkeypatch):
+    """index() clusters a few (sequence, KV head) rows at a time: one row at a time gives the same codes."""
+    from kvoffload.offload import pq_index
+
+    k, q = keys_and_query(300)
+    whole = PQRetriever(1, HKV, D, CPU)
+    whole.index(0, k)
+    monkeypatch.setattr(pq_index, "INDEX_FLOATS", 1)
+    one = PQRetriever(1, HKV, D, CPU)
+    one.index(0, k)
+    assert torch.equal(whole.codes[0], one.codes[0]) and torch.equal(whole.centroids[0], one.centroids[0])

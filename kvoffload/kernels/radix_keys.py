@@ -31,8 +31,9 @@ def count_first_pass_ref(scores: torch.Tensor, work: torch.Tensor | None) -> tor
     u = scores.reshape(-1, scores.shape[-1]).float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
     key = torch.where(u >= 2**31, u ^ 0xFFFFFFFF, u | 2**31)
     rows = torch.arange(key.shape[0], device=key.device)[:, None]
-    counts = torch.bincount((rows * BINS + (key >> 24)).flatten(), minlength=key.shape[0] * BINS)
-    work[: counts.numel()] += counts.to(work.device, torch.int32)
+    bins = (rows * BINS + (key >> 24)).flatten().to(work.device)
+    # scatter_add, not bincount: bincount reads its input's range back to the host (a sync, and no graph capture)
+    work.scatter_add_(0, bins, torch.ones_like(bins, dtype=work.dtype))
     return scores
 
 

@@ -27,12 +27,16 @@ BITS = 6  # PQCache's n_subbits: 64 centroids per sub-space
 KMEANS_ITERS = 10  # Lloyd's iterations
 # k-means assigns this many (group, token) points at a time: its [points, centroids] distances stay ~16 MB
 ASSIGN_POINTS = 1 << 16
+# index() clusters this many key values at a time (fp32, twice: the cast and the sub-spaces' copy), a few (sequence,
+# KV head) rows together, within experiments.preflight.WORKSPACE_BYTES as the hash retriever's chunked encoding
+INDEX_FLOATS = 1 << 24
 
 
 def kmeans(x: torch.Tensor, clusters: int, iters: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [G, T, d] float32 -> (centroids [G, C, d], codes [G, T] int64), C = min(clusters, T), one k-means per
     group. Initial centroids: C distinct points of each group (a seeded permutation); a cluster left empty keeps
-    its centroid. Squared Euclidean distances, ||x||^2 dropped (equal for every centroid of a point)."""
+    its centroid (scikit-learn's, which PQCache runs, moves it to a far point instead). Squared Euclidean distances,
+    ||x||^2 dropped (equal for every centroid of a point)."""
     g, t, d = x.shape
     c = min(clusters, t)
     gen = torch.Generator().manual_seed(seed)
@@ -81,12 +85,23 @@ class PQRetriever:
         self.codes: list[torch.Tensor | None] = [None] * num_layers  # [B, Hkv, T, M] uint8
 
     def index(self, layer: int, keys: torch.Tensor) -> None:
-        """keys [B, Hkv, T, D] (a strided view will do) -> each head's sub-space centroids and the keys' codes."""
+        """keys [B, Hkv, T, D] (a strided view will do) -> each head's sub-space centroids and the keys' codes,
+        clustered a few (sequence, KV head) rows at a time (each row's k-means is its own)."""
         b, hkv, t, d = keys.shape
-        sub = keys.float().reshape(b, hkv, t, self.m, d // self.m).permute(0, 1, 3, 2, 4)  # [B, Hkv, M, T, d]
-        cent, codes = kmeans(sub.reshape(-1, t, d // self.m), 1 << self.bits, self.iters, self.seed + layer)
-        self.centroids[layer] = cent.view(b, hkv, self.m, -1, d // self.m)
-        self.codes[layer] = codes.view(b, hkv, self.m, t).transpose(2, 3).to(torch.uint8).contiguous()
+        m, ds, c = self.m, d // self.m, min(1 << self.bits, t)
+        cent = torch.empty(b * hkv, m, c, ds, device=keys.device)
+        codes = torch.empty(b * hkv, t, m, dtype=torch.uint8, device=keys.device)
+        rows = keys.reshape(b * hkv, t, d)
+        chunk = max(1, INDEX_FLOATS // max(1, t * d))
+        for r in range(0, b * hkv, chunk):
+            x = rows[r : r + chunk].float()
+            n = x.shape[0]
+            sub = x.view(n, t, m, ds).transpose(1, 2).reshape(n * m, t, ds)
+            cent_r, codes_r = kmeans(sub, 1 << self.bits, self.iters, self.seed + layer)
+            cent[r : r + n] = cent_r.view(n, m, c, ds)
+            codes[r : r + n] = codes_r.view(n, m, t).transpose(1, 2).to(torch.uint8)
+        self.centroids[layer] = cent.view(b, hkv, m, c, ds)
+        self.codes[layer] = codes.view(b, hkv, t, m)
 
     def approx_logits(self, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """q [B, H, D] -> each scored KV head's query group's approximate q.k [B, h, G, T], from the table of the
@@ -97,10 +112,11 @@ class PQRetriever:
         hkv = self.codes[layer].shape[1]
         qg = q.view(b, hkv, -1, m, ds)[:, heads].float()  # [B, h, G, M, d]
         g = qg.shape[2]
-        table = torch.einsum("bhgmd,bhmcd->bhgmc", qg, cent).reshape(b, h, g, m * c)
-        idx = codes.long() + torch.arange(m, device=codes.device) * c  # [B, h, T, M] into the flat table
-        est = table.gather(-1, idx.view(b, h, 1, t * m).expand(-1, -1, g, -1))
-        return est.view(b, h, g, t, m).sum(-1)
+        table = torch.einsum("bhgmd,bhmcd->bhgmc", qg, cent)
+        est = torch.zeros(b, h, g, t, device=q.device)
+        for j in range(m):  # one sub-space at a time: a [B, h, G, T] temporary, not M of them
+            est += table[:, :, :, j].gather(-1, codes[..., j].long()[:, :, None].expand(-1, -1, g, -1))
+        return est
 
     def scores(
         self,
