@@ -179,7 +179,7 @@ class RetroInfer(OffloadedBaseline):
             **self.common_estimate(spec),
             "cache": sparse * heads * cap * self.block_size * spec.row_bytes,
             "metadata": sparse * meta,
-            "host_metadata": sparse * heads * 8 * (n_blocks + 1 + 2 * (cap + 1)),
+            "host_metadata": sparse * heads * 8 * (n_blocks + 1 + 2 * (cap + 1)) if n_mid else 0,  # no middle: no LRU
         }
 
     def _allocate(self, spec: KVSpec) -> None:

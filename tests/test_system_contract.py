@@ -76,9 +76,10 @@ def test_under_a_budget_the_estimate_obeys_it_and_equals_what_is_allocated(name)
     assert system.memory_parts() == estimate
 
 
+@pytest.mark.parametrize("t0", [T0, 50])  # 50: no longer than sink + recent, so no middle at all
 @pytest.mark.parametrize("name", SYSTEMS)
-def test_estimate_equals_what_is_allocated_and_decode_runs(name):
-    system, spec = build(name)
+def test_estimate_equals_what_is_allocated_and_decode_runs(name, t0):
+    system, spec = build(name, t0)
     estimate = system.estimate_parts(spec)
     assert system.estimate_memory(spec).device_bytes == sum(v for k, v in estimate.items() if not k.startswith("host"))
     system.allocate(spec, PhaseTimer(spec.device, enabled=False))
