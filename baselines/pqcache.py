@@ -9,14 +9,15 @@ device cache of whole blocks managed by an LFU on the CPU. Per sparse layer and 
   launch_sync       the missed tokens and the ranked blocks to the host (the step's one sync)
   transfer_exposed  those tokens gathered by CPU threads from the host store and copied in (the transfer engine's
                     cpu_gather)
-  cache_mgmt        the top admit_blocks of them inserted into the LFU (baselines/lfu.py), the ones it newly places
-                    copied whole into their slots, for the steps after
+  attention         the window and the selected tokens
+  cache_mgmt        after attention is launched: the top admit_blocks ranked blocks inserted into the LFU
+                    (baselines/lfu.py), the ones it newly places copied whole into their slots, for the steps after
 
 As PQCache's (vq_method/retrieval_based/cache_manager.py, with vq_pred.py's settings): a block is `block_size`
 positions of every KV head of one sequence, the cache holds `cache_tokens` positions a layer, and a step inserts its
 top `admit_blocks` blocks. The sink, recent window, dense layers and top-k budget follow CLO's conventions
-(OffloadedBaseline), so that with the exact retriever every system attends the same tokens. Eager: the LFU and the
-miss gather sit between GPU work that depends on them, as in PQCache's own step."""
+(OffloadedBaseline), so that with the exact retriever every system attends the same tokens. Eager: the miss gather
+sits between GPU work that depends on it, as in PQCache's own step; the cache step runs beside the attention."""
 
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class PQCache(OffloadedBaseline):
         self.retriever_kind, self.seed = retriever, seed
         self.block_size, self.cache_tokens, self.admit_blocks = block_size, cache_tokens, admit_blocks
         self.evictions = 0
+        self.ranked: tuple[torch.Tensor, torch.Tensor] | None = None  # a layer's ranked blocks, for its cache step
 
     def geometry(self, t0: int) -> tuple[int, int]:
         """(blocks of a sequence's middle, cache slots of a sequence) for a t0-token prompt."""
@@ -141,9 +143,17 @@ class PQCache(OffloadedBaseline):
         self.step.bytes_d2h += miss.numel() * (1 + idx.element_size())  # the miss mask and the selected tokens
         self.step.bytes_d2h += 0 if ranked is None else ranked[0].nbytes + ranked[1].nbytes
         self.step.bytes_h2d += mb.numel() * (spec.row_bytes + 3 * 8)  # the rows and where they go
-        if ranked is not None:
-            self.update_cache(layer, *ranked)
+        self.ranked = ranked  # the cache step waits until this layer's attention is launched (decode)
         return sel, None
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """OffloadedBaseline's, then the cache step: its CPU work beside the layer's attention on the GPU, as
+        PQCache's runs on a side stream (the blocks it places serve the next steps only)."""
+        self.ranked = None
+        out = super().decode(layer, q, k, v)
+        if self.ranked is not None:
+            self.update_cache(layer, *self.ranked)
+        return out
 
     def fetch_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """rows [n] of the layer's flat host store (on the host) -> those rows [n, 2, D] on the device, by the
