@@ -36,7 +36,7 @@ import torch
 
 from baselines.cpu_fetch import CHUNK_ROWS, PipelinedFetcher, gather_threads
 from baselines.infinigen_graphs import InfiniGenLayerGraphs
-from baselines.offloaded import GRAPH_MODES, OffloadedBaseline
+from baselines.offloaded import GRAPH_MODES, OffloadedBaseline, sized
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, StepStats
 from kvoffload.offload.budget import split_prompt
@@ -301,11 +301,7 @@ class InfiniGen(OffloadedBaseline):
         return super().end_step()
 
     def memory_parts(self) -> dict[str, int]:
-        partial = (
-            sum(p.nbytes for p in self.partial if p is not None)
-            + sum(x.nbytes for x in self.basis if x is not None)
-            + self.exact.metadata_bytes()
-        )
+        partial = sized(self.partial) + sized(self.basis) + self.exact.metadata_bytes()
         return {
             **self.common_parts(),
             "metadata": partial,

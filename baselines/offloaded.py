@@ -17,6 +17,11 @@ from kvoffload.offload.transfer import cpu_threads as resolve_threads
 GRAPH_MODES = ("auto", "on", "off")  # a baseline's per-layer CUDA graphs: where it can, always, never
 
 
+def sized(tensors) -> int:
+    """Bytes of the tensors in a per-layer list (None where a layer holds none)."""
+    return sum(t.nbytes for t in tensors if t is not None)
+
+
 def replay_graph(graphs: dict, name: str, fn, pool) -> None:
     """Replays graphs[name], capturing fn() into it first (after one eager call: kernels compiled, library state
     made) into the memory pool `pool`. Capture errors are the capturing thread's only: a baseline's worker thread
@@ -154,7 +159,6 @@ class OffloadedBaseline(KVOffloadSystem):
 
     def common_parts(self) -> dict[str, int]:
         """Bytes of the buffers every baseline holds (real tensors)."""
-        sized = lambda bufs: sum(t.nbytes for t in bufs if t is not None)  # noqa: E731
         return {"window": sized(self.window), "dense_layers": self.dense.nbytes(), "host": sized(self.host)}
 
     def common_estimate(self, spec: KVSpec) -> dict[str, int]:

@@ -26,7 +26,7 @@ import math
 import torch
 
 from baselines.lfu import BlockLFU
-from baselines.offloaded import OffloadedBaseline
+from baselines.offloaded import OffloadedBaseline, sized
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, host_work
 from kvoffload.offload.budget import split_prompt
@@ -198,7 +198,6 @@ class PQCache(OffloadedBaseline):
             self.step.bytes_h2d += self.slot_map[layer].nbytes
 
     def memory_parts(self) -> dict[str, int]:
-        sized = lambda bufs: sum(t.nbytes for t in bufs if t is not None)  # noqa: E731
         return {
             **self.common_parts(),
             "cache": sized(self.cache),
@@ -210,7 +209,7 @@ class PQCache(OffloadedBaseline):
     def describe(self) -> dict:
         n_blocks, cap = self.geometry(self.t0)
         return {
-            "retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
+            "retriever": self.retriever.weights_source,
             "block_size": self.block_size,
             "blocks_per_sequence": n_blocks,
             "cache_blocks_per_sequence": cap,

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from baselines.lru import BlockLRU, distinct_sorted
-from baselines.offloaded import GRAPH_MODES, OffloadedBaseline
+from baselines.offloaded import GRAPH_MODES, OffloadedBaseline, sized
 from baselines.retroinfer_graphs import LayerGraphs
 from baselines.wave_index import WaveRetriever, attend_with_estimate
 from kvoffload.errors import ConfigError
@@ -333,7 +333,7 @@ class RetroInfer(OffloadedBaseline):
     def memory_parts(self) -> dict[str, int]:
         return {
             **self.common_parts(),
-            "cache": sum(c.nbytes for c in self.cache if c is not None),
+            "cache": sized(self.cache),
             "metadata": self.retriever.metadata_bytes(),
             "host_metadata": sum(x.nbytes for x in self.lru if x is not None),
         }
@@ -362,7 +362,7 @@ class RetroInfer(OffloadedBaseline):
     def describe(self) -> dict:
         n_blocks, per_step, cap = self.geometry(self.t0)
         return {
-            "retriever": getattr(self.retriever, "weights_source", "exact top-k oracle"),
+            "retriever": self.retriever.weights_source,
             "wave_zones": self.wave_zones(),
             "block_size": self.block_size,
             "blocks_per_head": n_blocks,

@@ -81,6 +81,7 @@ def load_hash_weights(
 
 class ExactRetriever:
     name = "exact"
+    weights_source = "exact top-k oracle"
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
