@@ -9,9 +9,12 @@ unknown key) ends a single run with one `error:` line and exit status 2, before 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import traceback
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -23,6 +26,8 @@ from experiments import preflight
 from experiments.records import config_error, finished, one_line, record_path, refuse, run_identity
 from experiments.wandb_log import log_wandb
 from kvoffload.paths import write_json_atomic
+
+JOB_PROCESSES = ("inline", "fork", "fresh")
 
 
 def summary(rec: dict) -> str:
@@ -63,8 +68,6 @@ def summary(rec: dict) -> str:
 def task(cfg: DictConfig) -> dict:
     """One run; returns its outcome for the sweep's summary: {"status": "ok" | "skipped" | "failed", "error",
     "record"}."""
-    from experiments.execute import execute  # after Hydra has parsed: keeps --help and bad overrides fast
-
     hc = HydraConfig.get()
     overrides = list(hc.overrides.task)
     choices = dict(hc.runtime.choices)
@@ -74,8 +77,17 @@ def task(cfg: DictConfig) -> dict:
         print(f"[run] skip: {path} exists (force=true repeats it)", file=sys.stderr)
         return {"status": "skipped", "error": None, "record": str(path)}
     in_sweep = hc.mode == RunMode.MULTIRUN
-    if in_sweep and preflight.choice(cfg.job_process, "job_process", ("inline", "fresh")) == "fresh":
+    mode = preflight.choice(cfg.job_process, "job_process", JOB_PROCESSES) if in_sweep else "inline"
+    if mode == "fresh":
         return run_in_fresh_process(hydra_flags(hc), overrides, path, hc.runtime.output_dir)
+    job = lambda: run_job(cfg, path, overrides, identity, choices, in_sweep)  # noqa: E731
+    return run_in_forked_child(job, overrides, path) if mode == "fork" else job()
+
+
+def run_job(cfg: DictConfig, path: Path, overrides: list[str], identity: list[str], choices: dict, in_sweep: bool):
+    """The run itself, in this process: its record (a failed one too), its summary and its W&B log."""
+    from experiments.execute import execute  # after Hydra has parsed: keeps --help and bad overrides fast
+
     system_name = choices.get("system", "?")
     base = {
         "run": path.parent.name,
@@ -120,11 +132,41 @@ def hydra_flags(hc) -> list[str]:
 
 def run_in_fresh_process(flags: list[str], overrides: list[str], path: Path, output_dir: str) -> dict:
     """job_process=fresh: the job as a single run of this command in a new Python process, so that it inherits no
-    thread pool (numba's, OpenMP's, a fetch worker's), allocator reserve or compiled state from the jobs before it.
-    The child writes the record (a failed one too); a child that dies without one (a signal, the OOM killer) gets
-    a failed record here."""
+    thread pool (numba's, OpenMP's, a fetch worker's), allocator reserve or compiled state from the jobs before it."""
     argv = [sys.executable, "-m", "experiments.run", *flags, *overrides, f"hydra.run.dir={output_dir}"]
-    code = subprocess.run(argv, check=False).returncode
+    return child_outcome(subprocess.run(argv, check=False).returncode, "fresh process", overrides, path)
+
+
+def run_in_forked_child(job: Callable[[], dict], overrides: list[str], path: Path) -> dict:
+    """job_process=fork: the job in a child forked from this sweep process, which imports the run's modules once,
+    before the first fork, and never runs a job or touches CUDA itself: each child starts as a fresh process would
+    (no thread pool, allocator reserve or compiled state of an earlier job, CUDA not yet initialised) without a
+    new interpreter's imports and Hydra composition (seconds a job). POSIX only."""
+    import experiments.execute  # noqa: F401 - into this process once: every child starts with it imported
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with warnings.catch_warnings():
+        # the other threads are the BLAS pool's, which re-forms in the child (OpenBLAS's fork handlers)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if job()["status"] == "ok" else 1
+        except BaseException:  # noqa: BLE001 - the child must reach os._exit, never the sweep's own code
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return child_outcome(os.waitstatus_to_exitcode(status), "forked child", overrides, path)
+
+
+def child_outcome(code: int, kind: str, overrides: list[str], path: Path) -> dict:
+    """The sweep's outcome of a job its child process ran: the child writes the record (a failed one too); a child
+    that dies without one (a signal, the OOM killer) gets a failed record here."""
     try:
         rec = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -135,7 +177,7 @@ def run_in_fresh_process(flags: list[str], overrides: list[str], path: Path, out
         message = f"the job's process exited with status {code} and wrote no record"
         write_json_atomic(path, {"status": "failed", "error_kind": "crash", "error": message, "overrides": overrides})
         rec = {"error": message}
-    print(f"[run] FAILED (fresh process, exit {code}): {rec.get('error')}; the sweep continues", file=sys.stderr)
+    print(f"[run] FAILED ({kind}, exit {code}): {rec.get('error')}; the sweep continues", file=sys.stderr)
     return {"status": "failed", "error": rec.get("error"), "record": str(path)}
 
 
@@ -167,7 +209,7 @@ def release_memory() -> None:
     import torch
 
     gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # is_available() would initialise the driver: a later fork's CUDA would fail
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         empty_host = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(

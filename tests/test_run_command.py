@@ -87,8 +87,9 @@ def test_sweep_survives_a_failing_run_and_resumes(tmp_path):
     assert "[sweep] 3 jobs: 0 ok, 2 skipped, 1 failed" in again.stderr
 
 
-def test_fresh_job_processes_keep_records_failures_skips_and_the_table(tmp_path):
-    args = ("--multirun", "seqlen=64,96,9000", "job_process=fresh", *FAST)
+@pytest.mark.parametrize("mode", ["fresh", "fork"])
+def test_job_processes_of_their_own_keep_records_failures_skips_and_the_table(tmp_path, mode):
+    args = ("--multirun", "seqlen=64,96,9000", f"job_process={mode}", *FAST)
     p = run(*args, tmp=tmp_path, check=False)
     assert p.returncode == 1, p.stderr[-3000:]
     recs = {next(i for i in r["identity"] if i.startswith("seqlen=")): r for r in records(tmp_path).values()}
@@ -97,7 +98,7 @@ def test_fresh_job_processes_keep_records_failures_skips_and_the_table(tmp_path)
     assert len(pids) == 2  # each job ran in a process of its own
     stages = recs["seqlen=64"]["stages"]
     assert list(stages) == ["startup", "measure", "weights", "allocate", "fill", "first_step", "decode"]
-    assert stages["startup"]["s"] > 0.5 and all(v["s"] >= 0 for v in stages.values())  # imports take a while
+    assert all(v["s"] >= 0 for v in stages.values())
     assert "max_position_embeddings" in recs["seqlen=9000"]["error"]
     assert "[sweep] 3 jobs: 2 ok, 0 skipped, 1 failed" in p.stderr
     again = run(*args, tmp=tmp_path, check=False)
@@ -484,3 +485,16 @@ def test_the_record_names_the_thread_runtimes_settings(monkeypatch):
     monkeypatch.setenv("SECRET_TOKEN", "x")
     got = environment(torch.device("cpu"))["thread_env"]
     assert got["OMP_WAIT_POLICY"] == "ACTIVE" and "SECRET_TOKEN" not in got
+
+
+def test_a_forked_job_killed_without_a_record_gets_a_failed_one(tmp_path):
+    """A child that dies by a signal (the OOM killer's) leaves no record: the sweep writes a failed one and goes on."""
+    import signal
+
+    from experiments.run import run_in_forked_child
+
+    path = tmp_path / "run" / "record.json"
+    outcome = run_in_forked_child(lambda: os.kill(os.getpid(), signal.SIGKILL), ["seqlen=64"], path)
+    rec = json.loads(path.read_text())
+    assert outcome["status"] == "failed" and rec["status"] == "failed" and rec["error_kind"] == "crash"
+    assert "status -9" in rec["error"] and rec["overrides"] == ["seqlen=64"]

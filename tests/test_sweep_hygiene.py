@@ -33,7 +33,10 @@ def test_release_memory_frees_a_finished_jobs_system():
 
 
 @pytest.mark.gpu
-def test_consecutive_sweep_jobs_start_with_the_same_free_device_memory(tmp_path):
+@pytest.mark.parametrize("mode", ["inline", "fork"])
+def test_consecutive_sweep_jobs_start_with_the_same_free_device_memory(tmp_path, mode):
+    """inline: release_memory between jobs; fork: each job a child of a sweep process that never touched CUDA (had
+    it initialised the driver, no child's CUDA would start)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     cmd = [
@@ -47,8 +50,11 @@ def test_consecutive_sweep_jobs_start_with_the_same_free_device_memory(tmp_path)
         "wandb.enabled=false",
         f"results_dir={tmp_path}",
         "system=clo,fullattn,clo",
+        f"job_process={mode}",
     ]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
-    free = [json.loads(p.read_text())["environment"]["device_free_gb_at_start"] for p in tmp_path.glob("*/record.json")]
+    recs = [json.loads(p.read_text()) for p in tmp_path.glob("*/record.json")]
+    assert [r["status"] for r in recs] == ["ok", "ok"]
+    free = [r["environment"]["device_free_gb_at_start"] for r in recs]
     assert len(free) == 2  # the third job is the first one again: skipped
     assert abs(free[0] - free[1]) < 0.01 * max(free), free
