@@ -28,6 +28,7 @@ from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
 from kvoffload.kv.timer import PHASES, PhaseTimer
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import build_decoder
+from kvoffload.offload.host import pin_by_register
 
 
 def weights_source(model_cfg: DictConfig) -> str:
@@ -79,6 +80,8 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     seqlen, batch, gen_tokens = numbers.seqlen, numbers.batch, numbers.gen_tokens
     preflight.check_length(model_cfg, seqlen, gen_tokens)
     device = preflight.resolve_device(cfg.device)
+    if device.type == "cuda":
+        pin_by_register(numbers.pin_threads)
     stages = StageMarks(device)
     free_at_start = None
     if device.type == "cuda":

@@ -140,7 +140,7 @@ def refuse_unknown_keys(argv: list[str] | None = None, extra: tuple[str, ...] = 
 
 
 # ---- numbers and switches ------------------------------------------------------------------------------------
-def integer(value: Any, key: str, minimum: int | None = None) -> int:
+def integer(value: Any, key: str, minimum: int | None = None, maximum: int | None = None) -> int:
     """A whole number from the config (an int, an integral float, or a string of digits), else a ConfigError."""
     n = None
     if isinstance(value, int) and not isinstance(value, bool):
@@ -153,6 +153,8 @@ def integer(value: Any, key: str, minimum: int | None = None) -> int:
         raise ConfigError(f"{key}={value!r}: expected a whole number")
     if minimum is not None and n < minimum:
         raise ConfigError(f"{key}={n} must be at least {minimum}")
+    if maximum is not None and n > maximum:
+        raise ConfigError(f"{key}={n} must be at most {maximum}")
     return n
 
 
@@ -193,6 +195,7 @@ def switch(value: Any, key: str) -> bool:
 
 
 _MISSING = object()
+MAX_PIN_THREADS = 128  # torch's pinned_num_register_threads limit
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,7 @@ class RunNumbers:
     hbm_gb_s: float | None
     prefill_chunk: int = 8192
     kv_fill: str = "prefill"
+    pin_threads: int = 0
 
 
 def check_numbers(cfg) -> RunNumbers:
@@ -228,6 +232,7 @@ def check_numbers(cfg) -> RunNumbers:
         hbm_gb_s=number(hw.get("hbm_gb_s"), "hardware.hbm_gb_s", 0.0, above=True, null=True),
         prefill_chunk=parse_tokens(cfg.get("prefill_chunk", 8192), "prefill_chunk"),
         kv_fill=choice(cfg.workload.get("kv_fill", "prefill"), "workload.kv_fill", KV_FILLS),
+        pin_threads=integer(hw.get("pin_threads", 0), "hardware.pin_threads", 0, MAX_PIN_THREADS),
     )
 
 

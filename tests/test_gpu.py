@@ -296,6 +296,29 @@ def test_uva_copy_blocks_and_negative_indices_match_their_references():
     assert (out - ref).norm() / ref.norm() < 1e-2
 
 
+def test_memory_pinned_by_register_is_read_over_uva_and_copied():
+    """hardware.pin_threads=N: host stores made by malloc, N threads' first touch and cudaHostRegister are mapped
+    for the device (the UVA gather reads them) and copied as cudaHostAlloc's are."""
+    from kvoffload.kernels.uva_gather import copy_blocks_ref, uva_copy_blocks
+    from kvoffload.offload.host import host_buffer, pin_by_register
+
+    pin_by_register(4)
+    try:
+        host = host_buffer((123457, 8, 2, 64), torch.bfloat16, pinned=True)  # a size no cached block has
+    finally:
+        pin_by_register(0)
+    assert host.is_pinned()
+    host.copy_(torch.randn(host.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16))
+    src = torch.randint(0, host.shape[0], (300,), dtype=torch.int32)
+    dst = torch.randperm(400)[:300].int()
+    want = torch.zeros(400, 8, 2, 64, dtype=torch.bfloat16)
+    copy_blocks_ref(host, src, want, dst)
+    got = torch.zeros(400, 8, 2, 64, dtype=torch.bfloat16, device=CUDA)
+    uva_copy_blocks(host, src.to(CUDA), got, dst.to(CUDA))
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(host.to(CUDA, non_blocking=True).cpu(), host)
+
+
 @pytest.mark.parametrize("topk_ratio", [0.1, 1.0])
 def test_clo_graph_replay_generates_the_eager_tokens(topk_ratio):
     """The whole CLO step (lookup, retrieval, UVA transfer on the side stream, hybrid attention) replayed from a

@@ -156,3 +156,25 @@ def test_the_table5_gap_interval_is_paired_and_covers_the_gap():
     assert 0 <= lo < 50 < hi <= 100
     with pytest.raises(SystemExit, match="did not"):
         paired_interval({**same, ("clo", "a@2048"): {20: 1.0}}, "clo", ["a@2048"])
+
+
+def test_pin_alloc_bench_on_the_cpu(tmp_path, capsys):
+    """experiments.bench_pin_alloc: a row per way of pinning, each from a process of its own, with the link measured
+    on memory made that way; bad input refused with one line and exit status 2."""
+    from experiments import bench_pin_alloc
+
+    out = tmp_path / "pin_alloc.json"
+    argv = ["--out", str(out), "--gib", "0.01", "--layer-gib", "0.005", "--threads", "0,2", "--link-tokens", "64"]
+    bench_pin_alloc.main(argv)
+    rec = json.loads(out.read_text())
+    assert rec["bench"] == "pin_alloc" and rec["link_tokens"] == 64
+    assert [(r["way"], r["threads"], r["layers"], r["pinned"]) for r in rec["rows"]] == [
+        ("cudaHostAlloc", 0, 2, False),
+        ("cudaHostRegister", 2, 2, False),
+    ]
+    for r in rec["rows"]:
+        assert [x["path"] for x in r["link"]] == ["bulk", "cpu_gather"] and r["link"][1]["exact_rows"]
+        assert r["bytes"] == 2 * int(0.005 * 2**30) and r["alloc_s"] >= 0 and r["free_s"] >= 0
+    with pytest.raises(SystemExit) as e:
+        bench_pin_alloc.main(["--out", str(tmp_path / "x.json"), "--threads", "0,129"])
+    assert e.value.code == 2 and "at most 128" in capsys.readouterr().err

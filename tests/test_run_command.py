@@ -161,6 +161,7 @@ def test_a_systems_bad_setting_in_a_sweep_is_recorded_as_config(tmp_path):
         ("batch=abc", "batch='abc': expected a whole number"),
         ("hardware.gpu_mem_gb=lots", "hardware.gpu_mem_gb='lots': expected a number or null"),
         ("workload.gen_tokens=0", "workload.gen_tokens=0 must be at least 1"),
+        ("hardware.pin_threads=500", "hardware.pin_threads=500 must be at most 128"),
     ],
 )
 def test_bad_numbers_are_one_line(tmp_path, arg, message):

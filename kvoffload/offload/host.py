@@ -15,6 +15,16 @@ from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec
 
 
+def pin_by_register(threads: int) -> None:
+    """How pinned host memory is made from here on (CUDA): threads 0, cudaHostAlloc (torch's default); N > 0,
+    malloc'd pages first touched by N threads, then cudaHostRegister (torch's pinned_use_cuda_host_register). The
+    first touch, zeroing tens of GB page by page, is most of pinning them: N threads share it. Under UVA the
+    registered memory is mapped for the device as cudaHostAlloc's is (cudaHostRegisterDefault)."""
+    settings = f"pinned_use_cuda_host_register:{threads > 0},pinned_num_register_threads:{max(threads, 1)}"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch.cuda's own is deprecated
+    (setter or torch.cuda.memory._set_allocator_settings)(settings)
+
+
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     try:
         return torch.empty(shape, dtype=dtype, pin_memory=pinned)

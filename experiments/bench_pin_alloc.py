@@ -1,0 +1,112 @@
+"""How long pinning a sweep point's host KV store takes, by the way it is pinned, and whether that way changes how
+fast the link then reads it: cudaHostAlloc (torch's default, hardware.pin_threads=0) against malloc'd pages first
+touched by N threads, then cudaHostRegister (hardware.pin_threads=N). Pinning is most of a large Figure 10 point's
+setup (each record's `stages.allocate`).
+
+Each way runs in a fresh process (the allocator's setting and its cache of pinned blocks are per process): it
+allocates --gib in --layer-gib buffers (a layer's host store each, as kvoffload/offload/host.py allocates them),
+times that and the free, and between the two measures the link on memory pinned the same way (bench_link's paths
+at one volume: a bulk copy, the UVA gather, the CPU gather with 16 threads). On a CPU device nothing is pinned:
+that run only checks the command and the record.
+
+    python -m experiments.bench_pin_alloc --gib 64 --threads 0,8,16 --out pin_alloc.json    # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from experiments.bench_link import bench_record, counts, resolve_device, sweep
+from experiments.preflight import MAX_PIN_THREADS
+from kvoffload.errors import ConfigError
+from kvoffload.offload.host import host_buffer, pin_by_register
+from kvoffload.paths import write_json_atomic
+
+GIB = 2**30
+
+
+def empty_host_cache() -> None:
+    if torch.cuda.is_available():
+        (getattr(torch._C, "_accelerator_emptyHostCache", None) or torch._C._host_emptyCache)()
+
+
+def one_way(threads: int, gib: float, layer_gib: float, link_tokens: int, device: torch.device) -> dict:
+    """This process pins the way `threads` says, once: the row of that way."""
+    cuda = device.type == "cuda"
+    if cuda:
+        pin_by_register(threads)
+    n_layers = max(1, round(gib / layer_gib))
+    layer_bytes = int(layer_gib * GIB)
+    start = time.perf_counter()
+    stores = [host_buffer((layer_bytes,), torch.uint8, cuda) for _ in range(n_layers)]
+    alloc_s = time.perf_counter() - start
+    link = sweep(device, [link_tokens], [16], 8, 128, 0.1, 5, 32)
+    start = time.perf_counter()
+    del stores
+    empty_host_cache()
+    free_s = time.perf_counter() - start
+    total = n_layers * layer_bytes
+    return {
+        "threads": threads,
+        "way": "cudaHostRegister" if threads else "cudaHostAlloc",
+        "pinned": cuda,
+        "bytes": total,
+        "layers": n_layers,
+        "alloc_s": round(alloc_s, 3),
+        "alloc_gb_s": round(total / alloc_s / 1e9, 3),
+        "free_s": round(free_s, 3),
+        "link": link,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--gib", type=float, default=64.0, help="host memory pinned by each way")
+    ap.add_argument("--layer-gib", type=float, default=2.0, help="one buffer's size (a layer's store)")
+    ap.add_argument("--threads", default="0,8,16", help="ways: 0 = cudaHostAlloc, N = N threads + cudaHostRegister")
+    ap.add_argument("--link-tokens", type=int, default=32768, help="the link's volume (a 128K layer's top-k)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: this way only, JSON to --out
+    args = ap.parse_args(argv)
+    try:
+        ways = counts(args.threads, "threads", int, 0, MAX_PIN_THREADS) if args.one is None else [args.one]
+        if not 0 < args.layer_gib <= args.gib:
+            raise ConfigError(f"--layer-gib {args.layer_gib}: must be in (0, --gib]")
+        device = resolve_device(args.device)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if args.one is not None:
+        write_json_atomic(args.out, one_way(args.one, args.gib, args.layer_gib, args.link_tokens, device))
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in ways:
+            child = Path(tmp) / f"{n}.json"
+            cmd = [sys.executable, "-m", "experiments.bench_pin_alloc", "--one", str(n), "--out", str(child)]
+            cmd += ["--gib", str(args.gib), "--layer-gib", str(args.layer_gib), "--device", args.device]
+            cmd += ["--link-tokens", str(args.link_tokens)]
+            subprocess.run(cmd, check=True)
+            row = json.loads(child.read_text())
+            rows.append(row)
+            bulk = next(r["gb_s"] for r in row["link"] if r["path"] == "bulk")
+            print(
+                f"{row['way']:<16} {n:>3} threads: {row['bytes'] / GIB:.1f} GiB in {row['alloc_s']:.2f} s "
+                f"({row['alloc_gb_s']:.2f} GB/s), freed in {row['free_s']:.2f} s; bulk copy {bulk:.1f} GB/s"
+            )
+    record = bench_record("pin_alloc", "experiments.bench_pin_alloc", argv, device, rows, link_tokens=args.link_tokens)
+    write_json_atomic(args.out, record)
+    print(f"{len(rows)} rows -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
