@@ -178,3 +178,15 @@ def test_pin_alloc_bench_on_the_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench_pin_alloc.main(["--out", str(tmp_path / "x.json"), "--threads", "0,129"])
     assert e.value.code == 2 and "at most 128" in capsys.readouterr().err
+
+
+def test_skew_eigh_bench_on_the_cpu(tmp_path):
+    """experiments.bench_skew_eigh: a row for the device's eigh and one per host thread count, and the two
+    subspaces' gap (on a CPU both are the host's: the same decomposition)."""
+    from experiments import bench_skew_eigh
+
+    out = tmp_path / "skew_eigh.json"
+    bench_skew_eigh.main(["--out", str(out), "--matrices", "4", "--head-dim", "16", "--rank", "5", "--iters", "1"])
+    rec = json.loads(out.read_text())
+    assert rec["rows"][0]["where"] == "cpu" and {r["threads"] for r in rec["rows"][1:]} >= {1}
+    assert all(r["s"] > 0 and r["ms_per_matrix"] > 0 for r in rec["rows"]) and rec["gap"] < 1e-3
