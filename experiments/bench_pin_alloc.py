@@ -24,18 +24,13 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench_link import bench_record, counts, resolve_device, sweep
-from experiments.preflight import MAX_PIN_THREADS
+from experiments.bench_link import bench_record, resolve_device, sweep
+from experiments.preflight import pin_threads
 from kvoffload.errors import ConfigError
-from kvoffload.offload.host import host_buffer, pin_by_register
+from kvoffload.offload.host import empty_host_cache, host_buffer, pin_by_register
 from kvoffload.paths import write_json_atomic
 
 GIB = 2**30
-
-
-def empty_host_cache() -> None:
-    if torch.cuda.is_available():
-        (getattr(torch._C, "_accelerator_emptyHostCache", None) or torch._C._host_emptyCache)()
 
 
 def one_way(threads: int, gib: float, layer_gib: float, link_tokens: int, device: torch.device) -> dict:
@@ -51,7 +46,8 @@ def one_way(threads: int, gib: float, layer_gib: float, link_tokens: int, device
     link = sweep(device, [link_tokens], [16], 8, 128, 0.1, 5, 32)
     start = time.perf_counter()
     del stores
-    empty_host_cache()
+    if cuda:
+        empty_host_cache()
     free_s = time.perf_counter() - start
     total = n_layers * layer_bytes
     return {
@@ -78,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: this way only, JSON to --out
     args = ap.parse_args(argv)
     try:
-        ways = counts(args.threads, "threads", int, 0, MAX_PIN_THREADS) if args.one is None else [args.one]
+        ways = [pin_threads(n, "--threads") for n in args.threads.split(",")] if args.one is None else [args.one]
         if not 0 < args.layer_gib <= args.gib:
             raise ConfigError(f"--layer-gib {args.layer_gib}: must be in (0, --gib]")
         device = resolve_device(args.device)

@@ -232,8 +232,16 @@ def check_numbers(cfg) -> RunNumbers:
         hbm_gb_s=number(hw.get("hbm_gb_s"), "hardware.hbm_gb_s", 0.0, above=True, null=True),
         prefill_chunk=parse_tokens(cfg.get("prefill_chunk", 8192), "prefill_chunk"),
         kv_fill=choice(cfg.workload.get("kv_fill", "prefill"), "workload.kv_fill", KV_FILLS),
-        pin_threads=integer(hw.get("pin_threads", 0), "hardware.pin_threads", 0, MAX_PIN_THREADS),
+        pin_threads=pin_threads(hw.get("pin_threads", 0), "hardware.pin_threads"),
     )
+
+
+def pin_threads(value: Any, key: str) -> int:
+    """0 or a power of two up to MAX_PIN_THREADS, as torch's pinned_num_register_threads takes them."""
+    n = integer(value, key, 0, MAX_PIN_THREADS)
+    if n & (n - 1):
+        raise ConfigError(f"{key}={n}: expected 0 or a power of two (1, 2, 4, ... {MAX_PIN_THREADS})")
+    return n
 
 
 def choice(value: Any, key: str, valid: tuple[str, ...]) -> str:

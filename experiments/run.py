@@ -8,10 +8,13 @@ unknown key) ends a single run with one `error:` line and exit status 2, before 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -134,7 +137,8 @@ def run_in_fresh_process(flags: list[str], overrides: list[str], path: Path, out
     """job_process=fresh: the job as a single run of this command in a new Python process, so that it inherits no
     thread pool (numba's, OpenMP's, a fetch worker's), allocator reserve or compiled state from the jobs before it."""
     argv = [sys.executable, "-m", "experiments.run", *flags, *overrides, f"hydra.run.dir={output_dir}"]
-    return child_outcome(subprocess.run(argv, check=False).returncode, "fresh process", overrides, path)
+    before = record_stamp(path)
+    return child_outcome(subprocess.run(argv, check=False).returncode, "fresh process", overrides, path, before)
 
 
 def run_in_forked_child(job: Callable[[], dict], overrides: list[str], path: Path) -> dict:
@@ -144,6 +148,7 @@ def run_in_forked_child(job: Callable[[], dict], overrides: list[str], path: Pat
     new interpreter's imports and Hydra composition (seconds a job). POSIX only."""
     import experiments.execute  # noqa: F401 - into this process once: every child starts with it imported
 
+    before = record_stamp(path)
     sys.stdout.flush()
     sys.stderr.flush()
     with warnings.catch_warnings():
@@ -159,24 +164,55 @@ def run_in_forked_child(job: Callable[[], dict], overrides: list[str], path: Pat
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+            ctypes.CDLL(None).fflush(None)  # what native code printed: os._exit flushes no C stream
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return child_outcome(os.waitstatus_to_exitcode(status), "forked child", overrides, path)
-
-
-def child_outcome(code: int, kind: str, overrides: list[str], path: Path) -> dict:
-    """The sweep's outcome of a job its child process ran: the child writes the record (a failed one too); a child
-    that dies without one (a signal, the OOM killer) gets a failed record here."""
     try:
-        rec = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        rec = None
-    if code == 0 and rec is not None and rec.get("status") == "ok":
-        return {"status": "ok", "error": None, "record": str(path)}
-    if rec is None or rec.get("status") == "ok":  # no record, or a stale one from before: this run left none
+        _, status = os.waitpid(pid, 0)
+    except BaseException:  # the sweep interrupted alone: its job must not outlive it, holding the GPU
+        stop_child(pid)
+        raise
+    return child_outcome(os.waitstatus_to_exitcode(status), "forked child", overrides, path, before)
+
+
+def stop_child(pid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not ended within grace_s; reaped either way."""
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def record_stamp(path: Path) -> tuple[int, int] | None:
+    """The record file's identity (inode, mtime): an atomic write replaces it, so a child that wrote one changed it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def child_outcome(code: int, kind: str, overrides: list[str], path: Path, before: tuple[int, int] | None) -> dict:
+    """The sweep's outcome of a job its child process ran. The child writes the record (a failed one too), and
+    what it wrote is the outcome; a child that wrote none (killed by a signal or the OOM killer; the file, if any,
+    still the one from before it ran, `before`) gets a failed record here."""
+    rec = None
+    if record_stamp(path) != before:
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            rec = None
+    if rec is None:
         message = f"the job's process exited with status {code} and wrote no record"
         write_json_atomic(path, {"status": "failed", "error_kind": "crash", "error": message, "overrides": overrides})
         rec = {"error": message}
+    if rec.get("status") == "ok":
+        if code != 0:
+            print(f"[run] the job's {kind} exited with status {code} after writing its record", file=sys.stderr)
+        return {"status": "ok", "error": None, "record": str(path)}
     print(f"[run] FAILED ({kind}, exit {code}): {rec.get('error')}; the sweep continues", file=sys.stderr)
     return {"status": "failed", "error": rec.get("error"), "record": str(path)}
 
@@ -208,15 +244,13 @@ def release_memory() -> None:
 
     import torch
 
+    from kvoffload.offload.host import empty_host_cache
+
     gc.collect()
     if torch.cuda.is_initialized():  # is_available() would initialise the driver: a later fork's CUDA would fail
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        empty_host = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(
-            torch._C, "_host_emptyCache", None
-        )
-        if empty_host is not None:
-            empty_host()
+        empty_host_cache()
 
 
 def cli() -> None:

@@ -300,11 +300,12 @@ def test_memory_pinned_by_register_is_read_over_uva_and_copied():
     """hardware.pin_threads=N: host stores made by malloc, N threads' first touch and cudaHostRegister are mapped
     for the device (the UVA gather reads them) and copied as cudaHostAlloc's are."""
     from kvoffload.kernels.uva_gather import copy_blocks_ref, uva_copy_blocks
-    from kvoffload.offload.host import host_buffer, pin_by_register
+    from kvoffload.offload.host import empty_host_cache, host_buffer, pin_by_register
 
+    empty_host_cache()  # no cached cudaHostAlloc block to hand out: this one is registered
     pin_by_register(4)
     try:
-        host = host_buffer((123457, 8, 2, 64), torch.bfloat16, pinned=True)  # a size no cached block has
+        host = host_buffer((123457, 8, 2, 64), torch.bfloat16, pinned=True)
     finally:
         pin_by_register(0)
     assert host.is_pinned()

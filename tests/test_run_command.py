@@ -3,8 +3,10 @@ W&B offline logging, and bad input refused with a clear message before any long 
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -162,6 +164,7 @@ def test_a_systems_bad_setting_in_a_sweep_is_recorded_as_config(tmp_path):
         ("hardware.gpu_mem_gb=lots", "hardware.gpu_mem_gb='lots': expected a number or null"),
         ("workload.gen_tokens=0", "workload.gen_tokens=0 must be at least 1"),
         ("hardware.pin_threads=500", "hardware.pin_threads=500 must be at most 128"),
+        ("hardware.pin_threads=12", "hardware.pin_threads=12: expected 0 or a power of two"),
     ],
 )
 def test_bad_numbers_are_one_line(tmp_path, arg, message):
@@ -489,13 +492,47 @@ def test_the_record_names_the_thread_runtimes_settings(monkeypatch):
 
 
 def test_a_forked_job_killed_without_a_record_gets_a_failed_one(tmp_path):
-    """A child that dies by a signal (the OOM killer's) leaves no record: the sweep writes a failed one and goes on."""
-    import signal
-
+    """A child that dies by a signal (the OOM killer's) leaves no record: the sweep writes a failed one and goes on,
+    also where a failed record of an earlier sweep lay (its old error is not this run's)."""
     from experiments.run import run_in_forked_child
 
     path = tmp_path / "run" / "record.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"status": "failed", "error": "an earlier sweep's error"}))
     outcome = run_in_forked_child(lambda: os.kill(os.getpid(), signal.SIGKILL), ["seqlen=64"], path)
     rec = json.loads(path.read_text())
     assert outcome["status"] == "failed" and rec["status"] == "failed" and rec["error_kind"] == "crash"
     assert "status -9" in rec["error"] and rec["overrides"] == ["seqlen=64"]
+
+
+def test_a_forked_jobs_record_is_its_outcome_whatever_its_exit_status(tmp_path):
+    """A child that wrote its ok record and then failed (in its W&B log, say) ran: its record stands, as inline."""
+    from experiments.run import run_in_forked_child
+    from kvoffload.paths import write_json_atomic
+
+    path = tmp_path / "record.json"
+
+    def job():
+        write_json_atomic(path, {"status": "ok"})
+        raise RuntimeError("after the record")
+
+    assert run_in_forked_child(job, ["seqlen=64"], path)["status"] == "ok"
+    assert json.loads(path.read_text()) == {"status": "ok"}
+
+
+def test_stop_child_ends_and_reaps_a_job_that_outlives_its_sweep():
+    from experiments.run import stop_child
+
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a job deaf to SIGTERM: SIGKILL after the grace period
+        os.write(ready_w, b"x")
+        time.sleep(60)
+        os._exit(0)
+    os.read(ready_r, 1)
+    start = time.monotonic()
+    stop_child(pid, grace_s=0.5)
+    assert 0.5 <= time.monotonic() - start < 10  # the grace period, then SIGKILL
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, 0)  # reaped

@@ -14,15 +14,30 @@ import torch
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec
 
+_pin_threads = 0  # this process's setting: torch's default until pin_by_register changes it
+
 
 def pin_by_register(threads: int) -> None:
-    """How pinned host memory is made from here on (CUDA): threads 0, cudaHostAlloc (torch's default); N > 0,
-    malloc'd pages first touched by N threads, then cudaHostRegister (torch's pinned_use_cuda_host_register). The
-    first touch, zeroing tens of GB page by page, is most of pinning them: N threads share it. Under UVA the
-    registered memory is mapped for the device as cudaHostAlloc's is (cudaHostRegisterDefault)."""
+    """How pinned host memory is made from here on (CUDA): threads 0, cudaHostAlloc (torch's default); N > 0 (a
+    power of two), malloc'd pages first touched by N threads, then cudaHostRegister (torch's
+    pinned_use_cuda_host_register). The first touch, zeroing tens of GB page by page, is most of pinning them: N
+    threads share it. Under UVA the registered memory is mapped for the device as cudaHostAlloc's is
+    (cudaHostRegisterDefault). Set only when it changes: torch's parser resets some other allocator settings (its
+    max_split_size_mb among them) each time it parses."""
+    global _pin_threads
+    if threads == _pin_threads:
+        return
+    _pin_threads = threads
     settings = f"pinned_use_cuda_host_register:{threads > 0},pinned_num_register_threads:{max(threads, 1)}"
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch.cuda's own is deprecated
     (setter or torch.cuda.memory._set_allocator_settings)(settings)
+
+
+def empty_host_cache() -> None:
+    """The pinned blocks torch's host allocator keeps cached after their tensors died go back to the OS."""
+    empty = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
