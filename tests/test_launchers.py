@@ -172,9 +172,11 @@ def sweep(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_a_sweep_over_two_gpus_pins_each_worker_and_keeps_records_skips_and_the_table(tmp_path):
+@pytest.mark.parametrize("job_process", ["inline", "fork"])
+def test_a_sweep_over_two_gpus_pins_each_worker_and_keeps_records_skips_and_the_table(tmp_path, job_process):
+    """fork: each job in a child of its worker, which inherits the worker's GPU."""
     t0 = time.monotonic()
-    p = sweep(tmp_path, "seqlen=64,96,9000")
+    p = sweep(tmp_path, "seqlen=64,96,9000", f"job_process={job_process}")
     assert p.returncode == 1, p.stderr[-3000:]  # seqlen=9000 does not fit SmolLM2: recorded, the sweep goes on
     jobs = {
         int(n): (gpu, pid)
@@ -191,6 +193,8 @@ def test_a_sweep_over_two_gpus_pins_each_worker_and_keeps_records_skips_and_the_
     }
     assert {k: r["status"] for k, r in recs.items()} == {"seqlen=64": "ok", "seqlen=96": "ok", "seqlen=9000": "failed"}
     assert recs["seqlen=64"]["environment"]["cuda_visible_devices"] == jobs[0][0]  # the pin reached the run
+    ran_in_worker = recs["seqlen=64"]["environment"]["pid"] == int(jobs[0][1])
+    assert ran_in_worker == (job_process == "inline")
     assert "[sweep] 3 jobs: 2 ok, 0 skipped, 1 failed" in p.stderr  # the workers' outcomes, in the launching process
     again = sweep(tmp_path, "seqlen=64,96")
     assert again.returncode == 0 and "[sweep] 2 jobs: 0 ok, 2 skipped, 0 failed" in again.stderr, again.stderr[-3000:]
