@@ -206,15 +206,14 @@ def child_outcome(code: int, kind: str, overrides: list[str], path: Path, before
         except (OSError, json.JSONDecodeError):
             rec = None
     if rec is None:
-        message = f"the job's process exited with status {code} and wrote no record"
+        message = f"the job's {kind} exited with status {code} and wrote no record"
         write_json_atomic(path, {"status": "failed", "error_kind": "crash", "error": message, "overrides": overrides})
-        rec = {"error": message}
-    if rec.get("status") == "ok":
-        if code != 0:
-            print(f"[run] the job's {kind} exited with status {code} after writing its record", file=sys.stderr)
-        return {"status": "ok", "error": None, "record": str(path)}
-    print(f"[run] FAILED ({kind}, exit {code}): {rec.get('error')}; the sweep continues", file=sys.stderr)
-    return {"status": "failed", "error": rec.get("error"), "record": str(path)}
+        print(f"[run] FAILED (crash): {message}; the sweep continues", file=sys.stderr)
+        return {"status": "failed", "error": message, "record": str(path)}
+    if rec.get("status") == "ok" and code != 0:
+        print(f"[run] the job's {kind} exited with status {code} after writing its record", file=sys.stderr)
+    # a failed record's own FAILED line was printed by the child that wrote it
+    return {"status": rec.get("status"), "error": rec.get("error"), "record": str(path)}
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
