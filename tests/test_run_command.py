@@ -494,7 +494,7 @@ def test_the_record_names_the_thread_runtimes_settings(monkeypatch):
 def test_a_forked_job_killed_without_a_record_gets_a_failed_one(tmp_path):
     """A child that dies by a signal (the OOM killer's) leaves no record: the sweep writes a failed one and goes on,
     also where a failed record of an earlier sweep lay (its old error is not this run's)."""
-    from experiments.run import run_in_forked_child
+    from experiments.job_process import run_in_forked_child
 
     path = tmp_path / "run" / "record.json"
     path.parent.mkdir()
@@ -507,7 +507,7 @@ def test_a_forked_job_killed_without_a_record_gets_a_failed_one(tmp_path):
 
 def test_a_forked_jobs_record_is_its_outcome_whatever_its_exit_status(tmp_path):
     """A child that wrote its ok record and then failed (in its W&B log, say) ran: its record stands, as inline."""
-    from experiments.run import run_in_forked_child
+    from experiments.job_process import run_in_forked_child
     from kvoffload.paths import write_json_atomic
 
     path = tmp_path / "record.json"
@@ -521,7 +521,7 @@ def test_a_forked_jobs_record_is_its_outcome_whatever_its_exit_status(tmp_path):
 
 
 def test_stop_child_ends_and_reaps_a_job_that_outlives_its_sweep():
-    from experiments.run import stop_child
+    from experiments.job_process import stop_child
 
     ready_r, ready_w = os.pipe()
     pid = os.fork()
