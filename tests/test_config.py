@@ -270,3 +270,17 @@ def test_the_table5_ablation_bundle_sweeps_clo_variants_on_the_table_samples():
     assert cells["exact"].system.retriever == "exact" and cells["eta0.6"].system.eta == 0.6
     assert cells["nocache"].system.threshold_override == 2.0
     assert settings(cells["eta0.9"])[1:] == ([2048], 20)
+
+
+def test_the_beyond_bundle_is_figure_10s_settings_on_its_own_grid():
+    """+experiment=fig10_beyond: batches of 128 and 256 at 1K-4K, everything else as +experiment=fig10_throughput."""
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        beyond = compose("config", overrides=["+experiment=fig10_beyond"], return_hydra_config=True)
+        fig10 = compose("config", overrides=["+experiment=fig10_throughput"], return_hydra_config=True)
+    assert dict(beyond.hydra.sweeper.params) == {
+        "seqlen": "1k,2k,4k",
+        "batch": "128,256",
+        "system": "fullattn,clo,retroinfer,infinigen",
+    }
+    for key in ("hardware", "model", "workload", "job_process", "decode_mode", "profile_phases"):
+        assert beyond[key] == fig10[key], key
