@@ -38,15 +38,13 @@ from kvoffload.paths import ROOT, write_json_atomic
 LLAMA3 = ModelConfig.from_mapping(OmegaConf.load(ROOT / "conf/model/llama3.yaml"))
 
 
-def counts(text: str, what: str, parse=int, low: int = 1, high: int | None = None) -> list[int]:
+def counts(text: str, what: str, parse=int) -> list[int]:
     try:
         values = [parse(x) for x in text.split(",")]
     except (ValueError, ConfigError) as e:
         raise ConfigError(f"--{what} {text!r}: {e}") from None
-    if not values or min(values) < low:
-        raise ConfigError(f"--{what} {text!r}: each must be at least {low}")
-    if high is not None and max(values) > high:
-        raise ConfigError(f"--{what} {text!r}: each must be at most {high}")
+    if not values or min(values) < 1:
+        raise ConfigError(f"--{what} {text!r}: each must be at least 1")
     return values
 
 
