@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements, in stages, for a session with little device time:
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
-# Stages: host_warmup (before host-bound runs) pytest_gpu (~4 min) fig3_13 bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
+# Stages: host_warmup (before host-bound runs) pytest_gpu (~5 min) fig3_13 bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
 # bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
 # memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather lru block_copy (~1 min each) pin_alloc (~2 min) skew_eigh (seconds) fig2 fig2_untimed (~3.5 min each) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
@@ -32,7 +32,7 @@ stage() {  # stage <name> <seconds> <command...>
 # first: the host memory touched once before host-bound runs (the first job of a fresh machine gathered slowly,
 # results/infinigen_threads/); its log gives the first-touch rate
 stage host_warmup 150 python3 scripts/touch_host_memory.py ${HOST_WARMUP_GB:+--gb $HOST_WARMUP_GB}
-stage pytest_gpu 290 python3 -m pytest -m gpu -q tests/
+stage pytest_gpu ${PYTEST_SECS:-420} python3 -m pytest -m gpu -q --durations=15 tests/
 stage pytest_focus 200 python3 -m pytest -m gpu -q tests/test_gpu.py -k "${FOCUS:-retroinfer or fullattn or uva}"
 stage bench_attn 240 python3 -m experiments.bench_decode_attention --batches 1,2,4,8,16 --lengths 32k,64k,128k \
   --out "$out/decode_attention.json"
