@@ -8,7 +8,7 @@ import torch
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload.budget import check_budget, select_budget, split_prompt
-from kvoffload.offload.host import Offload, host_buffer, host_stores
+from kvoffload.offload.host import Offload, host_buffer, host_stores, host_stores_pinned
 from kvoffload.offload.layers import DenseLayers, prompt_window
 from kvoffload.offload.retrieval import check_topk_method
 from kvoffload.offload.transfer import TransferEngine
@@ -173,6 +173,12 @@ class OffloadedBaseline(KVOffloadSystem):
             "dense_layers": (spec.num_layers - sparse) * per_head * spec.max_len,
             "host": sparse * per_head * (n_mid + self.host_padding(n_mid)),
         }
+
+    def pinned_host_bytes(self, spec: KVSpec) -> int:
+        n_mid = split_prompt(spec.prompt_tokens, self.sink, self.recent)[2]
+        sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
+        logical, pinned = host_stores_pinned(spec, sparse, n_mid + self.host_padding(n_mid))
+        return self.estimate_memory(spec).host_bytes - logical + pinned
 
     def step_device_bytes(self) -> int:
         """Per step, as CLO's: the attended rows (window, selected rows, dense layers) and the retrieval metadata

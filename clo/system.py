@@ -28,7 +28,7 @@ from clo.store import LayerStore, Selection, store_order, to_device
 from kvoffload.kernels.decode_attention import SplitAttention
 from kvoffload.kernels.head_cache import lookup_and_update
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
-from kvoffload.offload.host import Offload, host_stores
+from kvoffload.offload.host import Offload, host_stores, host_stores_pinned
 from kvoffload.offload.layers import DenseLayers
 from kvoffload.offload.retrieval import make_retriever
 from kvoffload.offload.transfer import TransferEngine
@@ -55,6 +55,11 @@ class CLO(KVOffloadSystem):
 
     def estimate_parts(self, spec: KVSpec) -> dict[str, int]:
         return estimate_parts(self.cfg, self.plan_for(spec), spec)
+
+    def pinned_host_bytes(self, spec: KVSpec) -> int:
+        sparse = spec.num_layers - min(self.cfg.dense_layers, spec.num_layers)
+        logical, pinned = host_stores_pinned(spec, sparse, spec.prompt_tokens)
+        return self.estimate_memory(spec).host_bytes - logical + pinned
 
     def memory_parts(self) -> dict[str, int]:
         """Device bytes by part (paper Table 6) and the host store, from the real buffers."""

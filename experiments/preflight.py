@@ -310,6 +310,7 @@ class MemoryPlan:
     activations: int
     kv_device: int
     kv_host: int
+    kv_host_pinned: int  # what kv_host takes of the host's RAM: on CUDA its stores pinned, in torch's block sizes
 
     @property
     def device_total(self) -> int:
@@ -407,6 +408,7 @@ def plan_memory(
         activations=activation_bytes(cfg, seqlen, spec.batch, spec.dtype_bytes, chunk, kv_fill),
         kv_device=est.device_bytes,
         kv_host=est.host_bytes,
+        kv_host_pinned=system.pinned_host_bytes(spec) if spec.device.type == "cuda" else est.host_bytes,
     )
 
 
@@ -482,11 +484,16 @@ def kv_budget(
 
 def shortfall(plan: MemoryPlan, limits: Limits) -> tuple[str, str] | None:
     """None when the plan fits; else (which memory is short, "host" or "device"; the sentence that says so)."""
-    host_need = plan.kv_host + (plan.device_total if limits.device.type == "cpu" else 0)
+    host_need = plan.kv_host_pinned + (plan.device_total if limits.device.type == "cpu" else 0)
     if host_need > limits.host:
+        pinned = (
+            f", its host stores pinned as {plan.kv_host_pinned / GB:.1f} (torch pins in powers of two)"
+            if plan.kv_host_pinned > plan.kv_host
+            else ""
+        )
         return "host", (
             f"needs about {host_need / GB:.1f} GB of RAM on this host (weights {plan.weights / GB:.1f}, KV "
-            f"{(plan.kv_device + plan.kv_host) / GB:.1f}, activations {plan.activations / GB:.1f}) but "
+            f"{(plan.kv_device + plan.kv_host) / GB:.1f}{pinned}, activations {plan.activations / GB:.1f}) but "
             f"{limits.host / GB:.1f} GB is available"
         )
     if limits.budget is not None and plan.device_total > limits.budget:
@@ -535,7 +542,7 @@ def ways_out(
                 p = estimate(bf16)
                 need = p.device_total  # of the memory that was short (a CPU run's RAM holds the device's share)
                 if short == "host":
-                    need = p.kv_host + (need if limits.device.type == "cpu" else 0)
+                    need = p.kv_host_pinned + (need if limits.device.type == "cpu" else 0)
                 fitting.append(f"dtype=bfloat16 (about {need / GB:.1f} GB)")
             else:  # neither alone: bfloat16 with a shorter prompt or a smaller batch may
                 bases.append(("dtype=bfloat16 with ", bf16))

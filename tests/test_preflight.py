@@ -116,3 +116,14 @@ def test_largest():
     assert preflight.largest(lambda n: n <= 37, 1, 10) == 10
     assert preflight.largest(lambda n: False, 1, 100) is None
     assert preflight.largest(lambda n: True, 1, 0) is None
+
+
+def test_a_host_short_of_the_pinned_stores_is_refused_saying_so():
+    """torch pins in powers of two: a plan whose stores fit the host's RAM as bytes but not as pinned blocks."""
+    from experiments.preflight import Limits, MemoryPlan, shortfall
+
+    plan = MemoryPlan(weights=GB, activations=GB, kv_device=GB, kv_host=60 * GB, kv_host_pinned=64 * GB)
+    limits = Limits(torch.device("cuda"), host=62 * GB, budget=None)
+    short, why = shortfall(plan, limits)
+    assert short == "host" and "pinned as 64.0" in why and "62.0 GB is available" in why
+    assert shortfall(replace(plan, kv_host_pinned=60 * GB), limits) is None

@@ -105,3 +105,24 @@ def test_estimate_equals_what_is_allocated_and_decode_runs(name, t0):
     held = system.memory_held()
     assert held.device_bytes + held.host_bytes == sum(system.memory_parts().values())
     assert isinstance(system.describe(), dict)
+
+
+@pytest.mark.parametrize("name", SYSTEMS)
+def test_the_pinned_host_estimate_counts_each_store_in_torchs_block_sizes(name, monkeypatch):
+    """On CUDA the host stores are pinned, and torch's pinned allocator hands out powers of two: what the preflight
+    counts of the host's RAM is each store allocated (kvoffload/offload/host.py) rounded so, beside the rest."""
+    from kvoffload.offload import host
+
+    sizes, real = [], host.host_buffer
+
+    def recording(shape, dtype, pinned):
+        t = real(shape, dtype, pinned)
+        sizes.append(t.nbytes)
+        return t
+
+    monkeypatch.setattr(host, "host_buffer", recording)
+    system, spec = build(name, t0=1000)
+    logical, pinned = system.estimate_memory(spec).host_bytes, system.pinned_host_bytes(spec)
+    system.allocate(spec, PhaseTimer(spec.device, enabled=False))
+    assert pinned == logical - sum(sizes) + sum(host.pinned_bytes(n) for n in sizes)
+    assert (pinned > logical) == bool(sizes)  # SmolLM2's 3 KV heads: no store is a power of two

@@ -152,6 +152,12 @@ class KVOffloadSystem(ABC):
         """What allocate(spec) would take: the runner refuses a run that does not fit before it starts."""
         return split_host(self.estimate_parts(spec))
 
+    def pinned_host_bytes(self, spec: KVSpec) -> int:
+        """What the host part takes of the host's RAM once pinned (on CUDA): torch's pinned allocator rounds each
+        allocation up to a power of two, so a system whose host stores it pins counts them so. By default the
+        host part as estimated."""
+        return self.estimate_memory(spec).host_bytes
+
     def allocate(self, spec: KVSpec, timer: PhaseTimer | None = None) -> None:
         est = self.estimate_memory(spec)
         if spec.gpu_budget_bytes is not None and est.device_bytes > spec.gpu_budget_bytes:

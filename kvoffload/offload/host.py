@@ -40,6 +40,17 @@ def empty_host_cache() -> None:
         empty()
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """What torch's pinned host allocator takes for an nbytes request: its blocks are powers of two."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def host_stores_pinned(spec: KVSpec, sparse_layers: int, rows: int) -> tuple[int, int]:
+    """(bytes, bytes pinned) of host_stores' buffers: one [B, Hkv, rows, 2, D] store per sparse layer."""
+    store = spec.batch * spec.num_kv_heads * rows * spec.row_bytes
+    return sparse_layers * store, sparse_layers * pinned_bytes(store)
+
+
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     try:
         return torch.empty(shape, dtype=dtype, pin_memory=pinned)
