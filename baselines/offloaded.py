@@ -77,18 +77,16 @@ class OffloadedBaseline(KVOffloadSystem):
         L = spec.num_layers
         self.dense = DenseLayers(spec, self.dense_layers)
         self.window: list[torch.Tensor | None] = [None] * L
-        self.host = host_stores(spec, self.dense_layers, self.host_rows(spec))  # pinned before the prefill, as CLO's
+        rows = None if spec.prompt_len is None else self.host_rows(spec.prompt_len)  # None: allocated at prefill
+        self.host = host_stores(spec, self.dense_layers, rows)  # pinned before the prefill, as CLO's
         self.offload = Offload(spec.device)  # each layer's host copy, while the next layer computes (as CLO's)
         self.heads = torch.arange(spec.num_kv_heads, device=spec.device)
         self.t0 = 0
         self.link_gb_s = spec.link_bytes_per_s / 1e9  # what the system floor divides the moved bytes by, as CLO's
 
-    def host_rows(self, spec: KVSpec) -> int | None:
-        """Rows per head of a layer's host store (the prompt's middle, padded), or None before the prompt's length
-        is known."""
-        if spec.prompt_len is None:
-            return None
-        n_mid = split_prompt(spec.prompt_len, self.sink, self.recent)[2]
+    def host_rows(self, t0: int) -> int:
+        """Rows per head of a layer's host store for a t0-token prompt: its middle, padded."""
+        n_mid = split_prompt(t0, self.sink, self.recent)[2]
         return n_mid + self.host_padding(n_mid)
 
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -104,7 +102,7 @@ class OffloadedBaseline(KVOffloadSystem):
             return
         sink, recent, n_mid = split_prompt(t0, self.sink, self.recent)
         self.window[layer] = prompt_window(k, v, sink, recent, spec.max_len)
-        rows = k.new_empty(b, hkv, n_mid + self.host_padding(n_mid), 2, d)
+        rows = k.new_empty(b, hkv, self.host_rows(t0), 2, d)
         rows[:, :, :n_mid, 0], rows[:, :, :n_mid, 1] = k[:, :, sink : sink + n_mid], v[:, :, sink : sink + n_mid]
         rows[:, :, n_mid:].zero_()  # RetroInfer's padding of a head's last block
         if self.host[layer] is None or self.host[layer].shape != rows.shape:
@@ -171,13 +169,11 @@ class OffloadedBaseline(KVOffloadSystem):
         return {
             "window": sparse * per_head * (sink + recent + spec.max_len - t0),
             "dense_layers": (spec.num_layers - sparse) * per_head * spec.max_len,
-            "host": sparse * per_head * (n_mid + self.host_padding(n_mid)),
+            "host": sparse * per_head * self.host_rows(t0),
         }
 
     def pinned_host_bytes(self, spec: KVSpec) -> int:
-        n_mid = split_prompt(spec.prompt_tokens, self.sink, self.recent)[2]
-        sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
-        logical, pinned = host_stores_pinned(spec, sparse, n_mid + self.host_padding(n_mid))
+        logical, pinned = host_stores_pinned(spec, self.dense_layers, self.host_rows(spec.prompt_tokens))
         return self.estimate_memory(spec).host_bytes - logical + pinned
 
     def step_device_bytes(self) -> int:

@@ -57,8 +57,7 @@ class CLO(KVOffloadSystem):
         return estimate_parts(self.cfg, self.plan_for(spec), spec)
 
     def pinned_host_bytes(self, spec: KVSpec) -> int:
-        sparse = spec.num_layers - min(self.cfg.dense_layers, spec.num_layers)
-        logical, pinned = host_stores_pinned(spec, sparse, spec.prompt_tokens)
+        logical, pinned = host_stores_pinned(spec, self.cfg.dense_layers, spec.prompt_tokens)
         return self.estimate_memory(spec).host_bytes - logical + pinned
 
     def memory_parts(self) -> dict[str, int]:

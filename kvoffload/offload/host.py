@@ -45,10 +45,12 @@ def pinned_bytes(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
-def host_stores_pinned(spec: KVSpec, sparse_layers: int, rows: int) -> tuple[int, int]:
-    """(bytes, bytes pinned) of host_stores' buffers: one [B, Hkv, rows, 2, D] store per sparse layer."""
+def host_stores_pinned(spec: KVSpec, dense_layers: int, rows: int) -> tuple[int, int]:
+    """(bytes, bytes pinned) of host_stores(spec, dense_layers, rows)'s buffers: one [B, Hkv, rows, 2, D] store per
+    sparse layer."""
+    sparse = spec.num_layers - min(dense_layers, spec.num_layers)
     store = spec.batch * spec.num_kv_heads * rows * spec.row_bytes
-    return sparse_layers * store, sparse_layers * pinned_bytes(store)
+    return sparse * store, sparse * pinned_bytes(store)
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
