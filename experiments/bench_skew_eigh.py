@@ -12,27 +12,13 @@ one), and how far apart the two top-r subspaces lie (the speculation reads only 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
 from experiments.bench_link import bench_record, resolve_device
+from experiments.timing import median_ms
 from kvoffload.paths import write_json_atomic
-
-
-def timed(fn, device: torch.device, iters: int) -> tuple[float, torch.Tensor]:
-    """(median seconds of fn(), its last result), synchronised on CUDA."""
-    times, out = [], None
-    for _ in range(iters + 1):  # the first: warm-up (cuSOLVER handles, workspaces)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2], out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,17 +39,15 @@ def main(argv: list[str] | None = None) -> None:
     def top(vecs: torch.Tensor) -> torch.Tensor:
         return vecs[..., -args.rank :].float().cpu()
 
-    rows = []
     gram_dev = gram.to(device)
-    dev_s, dev_vecs = timed(lambda: torch.linalg.eigh(gram_dev)[1], device, args.iters)
-    rows.append({"where": device.type, "threads": None, "s": round(dev_s, 4)})
+    on_device, on_host = (lambda: torch.linalg.eigh(gram_dev)[1]), (lambda: torch.linalg.eigh(gram_dev.cpu())[1])
+    rows = [{"where": device.type, "threads": None, "s": round(median_ms(on_device, device, args.iters) / 1e3, 4)}]
     host_threads = torch.get_num_threads()
     for n in sorted({host_threads, 1}, reverse=True):
         torch.set_num_threads(n)
-        host_s, host_vecs = timed(lambda: torch.linalg.eigh(gram_dev.cpu())[1], device, args.iters)
-        rows.append({"where": "host", "threads": n, "s": round(host_s, 4)})
+        rows.append({"where": "host", "threads": n, "s": round(median_ms(on_host, device, args.iters) / 1e3, 4)})
     torch.set_num_threads(host_threads)
-    a, b = top(dev_vecs), top(host_vecs)
+    a, b = top(on_device()), top(on_host())
     gap = ((a @ a.transpose(-1, -2)) - (b @ b.transpose(-1, -2))).norm(dim=(-2, -1)).max().item()
     for r in rows:
         r["ms_per_matrix"] = round(r["s"] * 1e3 / args.matrices, 4)
