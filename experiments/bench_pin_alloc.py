@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench_link import bench_record, resolve_device, sweep
+from experiments.bench_link import LLAMA3, bench_record, resolve_device, sweep
 from experiments.preflight import pin_threads
 from kvoffload.errors import ConfigError
 from kvoffload.offload.host import empty_host_cache, host_buffer, pin_by_register
@@ -43,7 +43,7 @@ def one_way(threads: int, gib: float, layer_gib: float, link_tokens: int, device
     start = time.perf_counter()
     stores = [host_buffer((layer_bytes,), torch.uint8, cuda) for _ in range(n_layers)]
     alloc_s = time.perf_counter() - start
-    link = sweep(device, [link_tokens], [16], 8, 128, 0.1, 5, 32)
+    link = sweep(device, [link_tokens], [16], LLAMA3.num_kv_heads, LLAMA3.head_dim, 0.1, 5, 32)  # a layer of Llama-3-8B
     start = time.perf_counter()
     del stores
     if cuda:
