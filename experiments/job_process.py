@@ -7,9 +7,11 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -47,6 +49,8 @@ def run_in_forked_child(job: Callable[[], dict], overrides: list[str], path: Pat
     import experiments.execute  # noqa: F401 - into this process once: every child starts with it imported
 
     before = record_stamp(path)
+    # the child's temporary files, removed once it ends: os._exit runs no atexit cleanup (W&B's temp folders)
+    job_tmp = tempfile.mkdtemp(prefix="job-")
     sys.stdout.flush()
     sys.stderr.flush()
     with warnings.catch_warnings():
@@ -55,6 +59,7 @@ def run_in_forked_child(job: Callable[[], dict], overrides: list[str], path: Pat
         pid = os.fork()
     if pid == 0:
         code = 1
+        os.environ["TMPDIR"] = tempfile.tempdir = job_tmp
         try:
             code = 0 if job()["status"] == "ok" else 1
         except BaseException:  # noqa: BLE001 - the child must reach os._exit, never the sweep's own code
@@ -69,6 +74,8 @@ def run_in_forked_child(job: Callable[[], dict], overrides: list[str], path: Pat
     except BaseException:  # the sweep interrupted alone: its job must not outlive it, holding the GPU
         stop_child(pid)
         raise
+    finally:
+        shutil.rmtree(job_tmp, ignore_errors=True)
     return child_outcome(os.waitstatus_to_exitcode(status), "forked child", overrides, path, before)
 
 

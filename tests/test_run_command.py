@@ -538,3 +538,22 @@ def test_stop_child_ends_and_reaps_a_job_that_outlives_its_sweep():
     assert 0.5 <= time.monotonic() - start < 10  # the grace period, then SIGKILL
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, 0)  # reaped
+
+
+def test_a_forked_job_leaves_no_temporary_files(tmp_path, monkeypatch):
+    """os._exit skips atexit cleanup (W&B removes its temp folders there): a job's temp folder goes when it ends."""
+    import tempfile
+
+    from experiments.job_process import run_in_forked_child
+    from kvoffload.paths import write_json_atomic
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = tmp_path / "record.json"
+
+    def job():
+        Path(tempfile.mkdtemp(), "left.txt").write_text("x")
+        write_json_atomic(path, {"status": "ok"})
+        return {"status": "ok"}
+
+    assert run_in_forked_child(job, ["seqlen=64"], path)["status"] == "ok"
+    assert [p.name for p in tmp_path.iterdir()] == ["record.json"]
