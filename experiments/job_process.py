@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -54,8 +55,10 @@ def run_in_forked_child(job: Callable[[], dict], overrides: list[str], path: Pat
     sys.stdout.flush()
     sys.stderr.flush()
     with warnings.catch_warnings():
-        # the other threads are the BLAS pool's, which re-forms in the child (OpenBLAS's fork handlers)
-        warnings.simplefilter("ignore", DeprecationWarning)
+        if threading.active_count() == 1:
+            # no Python thread but this one: the others are native pools that re-form in the child (OpenBLAS's
+            # fork handlers); a Python thread (a worker left running) keeps Python's multi-threaded-fork warning
+            warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
     if pid == 0:
         code = 1

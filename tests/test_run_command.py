@@ -557,3 +557,24 @@ def test_a_forked_job_leaves_no_temporary_files(tmp_path, monkeypatch):
 
     assert run_in_forked_child(job, ["seqlen=64"], path)["status"] == "ok"
     assert [p.name for p in tmp_path.iterdir()] == ["record.json"]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="Python warns of a multi-threaded fork from 3.12")
+def test_a_fork_beside_a_python_thread_keeps_pythons_warning(tmp_path):
+    """Only native pools' threads are forgiven at the fork: a Python thread still running may hold a lock the
+    child needs, and Python's multi-threaded-fork warning says so."""
+    import threading
+
+    from experiments.job_process import run_in_forked_child
+    from kvoffload.paths import write_json_atomic
+
+    path = tmp_path / "record.json"
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    try:
+        with pytest.warns(DeprecationWarning, match="fork"):
+            run_in_forked_child(lambda: write_json_atomic(path, {"status": "ok"}) or {"status": "ok"}, [], path)
+    finally:
+        stop.set()
+        worker.join()
