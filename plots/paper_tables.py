@@ -64,8 +64,8 @@ def fig2_table(root: Path, folder: str) -> str:
     lo, hi = paper.FIG2_SPEEDUP.get(d["model"], (None, None))
     times = [
         f"{SYSTEMS[b]} {d['systems'][b]['ms_per_step'] / clo['ms_per_step']:.1f}x"
-        for b in ("retroinfer", "infinigen")
-        if clo and b in d["systems"]
+        for b in d["systems"]
+        if clo and b not in ("fullattn", "clo")
     ]
     note = f"\n\nTime per step as a multiple of CLO's: {', '.join(times)}"
     note += f"; the paper: {lo}-{hi}x ({d['model']}, Fig. 2/11)."
