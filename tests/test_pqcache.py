@@ -109,5 +109,9 @@ def test_on_cuda_it_attends_the_exact_topk(transfer):
     want = exact_topk_attention(k0, v0, data, SINK, RECENT, s.k_select(t0), dense_layers=1)
     to = lambda x: x.to(cuda)  # noqa: E731
     got = feed(s, to(k0), to(v0), [[tuple(map(to, x)) for x in step] for step in data])
-    assert_outputs([[x.cpu() for x in step] for step in got], want)
+    # the decode kernel's fp32 dots run in TF32 (Triton's default), ~1e-3 off; one token missed from the top-k moves
+    # an output by about its 1/k share of the attention, far beyond this
+    for s_got, s_want in zip(got, want):
+        for g, w in zip(s_got, s_want):
+            torch.testing.assert_close(g.cpu(), w, atol=2e-3, rtol=1e-3)
     assert s.evictions > 0
