@@ -179,8 +179,11 @@ class InfiniGen(OffloadedBaseline):
             basis = self.offline[layer].expand(spec.batch, -1, -1, -1).contiguous()  # [B, Hkv, D, r]
         else:
             gram = sum(c.transpose(-1, -2) @ c for c in (keys_mid[:, :, a:e].float() for a, e in chunks))
-            _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues = squared singular values of the keys
-            basis = vecs[..., -self.channels(d) :].flip(-1).contiguous()  # [B, Hkv, D, r]
+            # on the host: torch's CUDA eigh solves a small matrix at a time, slower than the host's LAPACK for
+            # these D x D matrices (experiments/bench_skew_eigh.py); ascending eigenvalues = the keys' squared
+            # singular values
+            _, vecs = torch.linalg.eigh(gram.cpu())
+            basis = vecs[..., -self.channels(d) :].flip(-1).to(spec.device).contiguous()  # [B, Hkv, D, r]
         self.basis[layer] = basis
         partial = keys_mid.new_empty(b, hkv, n, basis.shape[-1], dtype=spec.dtype)
         for a, e in chunks:
