@@ -12,6 +12,8 @@ device cache of whole blocks managed by an LFU on the CPU. Per sparse layer and 
   attention         the window and the selected tokens
   cache_mgmt        after attention is launched: the top admit_blocks ranked blocks inserted into the LFU
                     (baselines/lfu.py), the ones it newly places copied whole into their slots, for the steps after
+                    (on CUDA read by the GPU from pinned memory on a side stream, as PQCache's block copies run;
+                    the layer's next step waits for them)
 
 As PQCache's (vq_method/retrieval_based/cache_manager.py, with vq_pred.py's settings): a block is `block_size`
 positions of every KV head of one sequence, the cache holds `cache_tokens` positions a layer, and a step inserts its
@@ -21,6 +23,7 @@ sits between GPU work that depends on it, as in PQCache's own step; the cache st
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -31,6 +34,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, host_work
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import make_retriever, metadata_bytes_per_head, select_topk
+from kvoffload.offload.transfer import TransferEngine, gather_to_device
 
 PQCACHE_RETRIEVERS = ("pq", "exact")  # exact: the oracle, for tests and ablations
 
@@ -98,9 +102,14 @@ class PQCache(OffloadedBaseline):
         self.slot_map: list[torch.Tensor | None] = [None] * L  # [B, n_blocks] each block's slot, -1: not cached
         self.lfu: list[BlockLFU | None] = [None] * L
         BlockLFU(1, 1, 1).insert(torch.zeros(1, 1, dtype=torch.long))  # compiled here, not in the first timed step
-        on_device = spec.device if self.transfer_kind == "uva" else torch.device("cpu")  # where fill wants indices
-        self.fill_heads = torch.zeros(1, dtype=torch.long, device=on_device)
-        self.fill_miss = torch.ones(1, 1, dtype=torch.bool, device=on_device)
+        self.fill_heads = torch.zeros(1, dtype=torch.long, device=spec.device)  # the uva gathers' one "head"
+        self.fill_miss = torch.ones(1, 1, dtype=torch.bool, device=spec.device)
+        cuda = spec.device.type == "cuda"
+        # on CUDA the admitted blocks move as PQCache's do, by the GPU from pinned memory on a side stream, with no
+        # CPU gather: its per-block DMA, for a head-major store whose block is a run of rows per KV head
+        self.block_copy = TransferEngine("uva", 1, spec.device) if cuda else None
+        self.side = torch.cuda.Stream(spec.device) if cuda else None
+        self.admitted: list[torch.cuda.Event | None] = [None] * L  # a layer's last cache step, done on the side
 
     def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int, rows: torch.Tensor) -> None:
         if not n_mid:
@@ -118,6 +127,8 @@ class PQCache(OffloadedBaseline):
         b, hkv, d = spec.batch, spec.num_kv_heads, spec.head_dim
         cache, dev = self.cache[layer], spec.device
         cap = cache.shape[1]
+        if self.admitted[layer] is not None:  # the last step's blocks and slot map in place before they are read
+            torch.cuda.current_stream().wait_event(self.admitted[layer])
         with self.phase("retrieval"):
             idx = select_topk(self.retriever.scores(layer, q, self.heads), k_sel, 0, method=self.topk)  # [B, Hkv, k]
             blk = idx // bs
@@ -137,7 +148,8 @@ class PQCache(OffloadedBaseline):
             mb, mh, mj = miss_host.nonzero(as_tuple=True)
             if mb.numel():
                 rows = (mb * hkv + mh) * self.host[layer].shape[2] + idx_host[mb, mh, mj]
-                sel[mb.to(dev), mh.to(dev), mj.to(dev)] = self.fetch_rows(layer, rows)
+                at = to_device((mb * hkv + mh) * idx.shape[2] + mj, dev)  # where each missed row goes in sel
+                sel.view(-1, 2, d)[at] = self.fetch_rows(layer, rows)
         self.step.lookups += idx.numel()
         self.step.hits += idx.numel() - mb.numel()
         self.step.bytes_d2h += miss.numel() * (1 + idx.element_size())  # the miss mask and the selected tokens
@@ -155,14 +167,15 @@ class PQCache(OffloadedBaseline):
             self.update_cache(layer, *self.ranked)
         return out
 
-    def fetch_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """rows [n] of the layer's flat host store (on the host) -> those rows [n, 2, D] on the device, by the
-        transfer engine (cpu_gather: CPU threads into pinned staging, then a copy)."""
-        d = self.spec.head_dim
-        out = torch.empty(1, 1, rows.numel(), 2, d, dtype=self.spec.dtype, device=self.spec.device)
-        host = self.host[layer].view(1, 1, -1, 2, d)
-        self.transfer.fill(host, self.fill_heads, rows.view(1, 1, -1).to(self.fill_heads.device), self.fill_miss, out)
-        self.transfer.host_syncs = 0  # the rows were already known on the host: no sync here
+    def fetch_rows(self, layer: int, rows: torch.Tensor, engine: TransferEngine | None = None) -> torch.Tensor:
+        """rows [n] of the layer's flat host store (on the host) -> those rows [n, 2, D] on the device: cpu_gather
+        (PQCache's path) by CPU threads into pinned staging and one copy, uva by the GPU reading the host store."""
+        spec, engine = self.spec, engine or self.transfer
+        if engine.kind == "cpu_gather" or spec.device.type != "cuda":
+            return gather_to_device(self.host[layer], rows, engine.threads, spec.device)
+        out = torch.empty(1, 1, rows.numel(), 2, spec.head_dim, dtype=spec.dtype, device=spec.device)
+        host = self.host[layer].view(1, 1, -1, 2, spec.head_dim)
+        engine.fill(host, self.fill_heads, to_device(rows, spec.device).view(1, 1, -1), self.fill_miss, out)
         return out[0, 0]
 
     def rank_blocks(self, layer: int, blk: torch.Tensor):
@@ -186,16 +199,22 @@ class PQCache(OffloadedBaseline):
                 slots, new, evictions = self.lfu[layer].insert(ids)
             self.evictions += evictions
             seq, col = new.nonzero(as_tuple=True)
-            if seq.numel():  # every KV head's rows of each newly placed block, gathered as the misses are
-                head, off = torch.arange(hkv)[None, :, None], torch.arange(bs)[None, None, :]
-                first = ((seq[:, None, None] * hkv + head) * n_blocks + ids[seq, col][:, None, None]) * bs
-                rows = self.fetch_rows(layer, (first + off).flatten()).view(-1, hkv, bs, 2, d)
-                dev = spec.device
-                self.cache[layer][seq.to(dev), slots[seq, col].to(dev)] = rows
-                self.step.bytes_h2d += rows.shape[0] * hkv * bs * spec.row_bytes
-            # as PQCache's block_pos_record: the whole map, each step
-            self.slot_map[layer].copy_(torch.from_numpy(self.lfu[layer].block_slot), non_blocking=True)
-            self.step.bytes_h2d += self.slot_map[layer].nbytes
+            block_slot = torch.from_numpy(self.lfu[layer].block_slot)
+            if self.side is not None:  # behind this layer's attention, which has read the slots being replaced
+                self.side.wait_stream(torch.cuda.current_stream())
+                block_slot = block_slot.pin_memory()
+            with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
+                if seq.numel():  # every KV head's rows of each newly placed block
+                    head, off = torch.arange(hkv)[None, :, None], torch.arange(bs)[None, None, :]
+                    first = ((seq[:, None, None] * hkv + head) * n_blocks + ids[seq, col][:, None, None]) * bs
+                    rows = self.fetch_rows(layer, (first + off).flatten(), self.block_copy).view(-1, hkv, bs, 2, d)
+                    self.cache[layer][to_device(seq, spec.device), to_device(slots[seq, col], spec.device)] = rows
+                    self.step.bytes_h2d += rows.shape[0] * hkv * bs * spec.row_bytes
+                # as PQCache's block_pos_record: the whole map, each step
+                self.slot_map[layer].copy_(block_slot, non_blocking=True)
+                self.step.bytes_h2d += self.slot_map[layer].nbytes
+            if self.side is not None:
+                self.admitted[layer] = self.side.record_event()
 
     def memory_parts(self) -> dict[str, int]:
         return {
@@ -223,3 +242,8 @@ class PQCache(OffloadedBaseline):
             "4096, cache_topk 32; 2 sub-vectors x 6 bits",
             "memory_parts": self.memory_parts(),
         }
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on `device`: through pinned memory on CUDA, so the copy does not block the host."""
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x

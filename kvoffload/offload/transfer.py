@@ -79,15 +79,22 @@ class TransferEngine:
         if not len(pairs):
             return
         b, h = pairs[:, 0], pairs[:, 1]
-        t, row = host.shape[2], host[0, 0, 0].numel()
-        # one native gather over every missed row (torch's parallel index_select, `threads` OpenMP threads)
+        t = host.shape[2]
         flat_idx = ((b * host.shape[1] + heads.cpu()[h]) * t)[:, None] + idx_h[b, h]
-        staging = torch.empty((flat_idx.numel(), row), dtype=host.dtype, pin_memory=self.device.type == "cuda")
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
-            torch.index_select(host.view(-1, row), 0, flat_idx.view(-1), out=staging)
-        finally:
-            torch.set_num_threads(before)
-        rows = staging.to(self.device, non_blocking=True).view(len(pairs), *slots.shape[2:])
-        slots[b.to(self.device), h.to(self.device)] = rows
+        rows = gather_to_device(host, flat_idx.view(-1), self.threads, self.device)
+        slots[b.to(self.device), h.to(self.device)] = rows.view(len(pairs), *slots.shape[2:])
+
+
+def gather_to_device(host: torch.Tensor, rows: torch.Tensor, threads: int, device: torch.device) -> torch.Tensor:
+    """host [..., 2, D] (pinned on CUDA), rows [n] flat row indices on the host -> those rows [n, 2, D] on
+    `device`: one native gather (torch's parallel index_select on `threads` OpenMP threads) into pinned staging,
+    then one asynchronous copy."""
+    flat = host.view(-1, host.shape[-2] * host.shape[-1])
+    staging = torch.empty((rows.numel(), flat.shape[1]), dtype=host.dtype, pin_memory=device.type == "cuda")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.index_select(flat, 0, rows, out=staging)
+    finally:
+        torch.set_num_threads(before)
+    return staging.to(device, non_blocking=True).view(-1, *host.shape[-2:])
