@@ -28,13 +28,15 @@ import math
 
 import torch
 
+from baselines.cpu_fetch import gather_gb_s
 from baselines.lfu import BlockLFU
 from baselines.offloaded import OffloadedBaseline, sized
 from kvoffload.errors import ConfigError
-from kvoffload.kv.interface import KVSpec, host_work
+from kvoffload.kv.interface import KVSpec, StepStats, host_work
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import make_retriever, metadata_bytes_per_head, select_topk
 from kvoffload.offload.transfer import TransferEngine, gather_to_device
+from kvoffload.offload.transfer import cpu_threads as resolve_threads
 
 PQCACHE_RETRIEVERS = ("pq", "exact")  # exact: the oracle, for tests and ablations
 
@@ -69,6 +71,9 @@ class PQCache(OffloadedBaseline):
         self.block_size, self.cache_tokens, self.admit_blocks = block_size, cache_tokens, admit_blocks
         self.evictions = 0
         self.ranked: tuple[torch.Tensor, torch.Tensor] | None = None  # a layer's ranked blocks, for its cache step
+        self.gathered_bytes = 0  # the step's misses gathered by CPU threads (its floor's host part, with the LFU)
+        self.last_gather: torch.Tensor | None = None  # the last such gather's rows: the floor's access pattern
+        self.gather_alone: dict[int, float] = {}  # GB/s of that gather alone, by thread count, measured once
 
     def geometry(self, t0: int) -> tuple[int, int]:
         """(blocks of a sequence's middle, cache slots of a sequence) for a t0-token prompt."""
@@ -150,6 +155,9 @@ class PQCache(OffloadedBaseline):
                 rows = (mb * hkv + mh) * self.host[layer].shape[2] + idx_host[mb, mh, mj]
                 at = to_device((mb * hkv + mh) * idx.shape[2] + mj, dev)  # where each missed row goes in sel
                 sel.view(-1, 2, d)[at] = self.fetch_rows(layer, rows)
+                if self.transfer_kind == "cpu_gather":
+                    self.gathered_bytes += rows.numel() * spec.row_bytes
+                    self.last_gather = rows
         self.step.lookups += idx.numel()
         self.step.hits += idx.numel() - mb.numel()
         self.step.bytes_d2h += miss.numel() * (1 + idx.element_size())  # the miss mask and the selected tokens
@@ -166,6 +174,21 @@ class PQCache(OffloadedBaseline):
         if self.ranked is not None:
             self.update_cache(layer, *self.ranked)
         return out
+
+    def end_step(self) -> StepStats:
+        """Its floor's host part holds, beside the LFU's time, the misses' CPU gather: the gathered bytes at the
+        gather's bandwidth alone (cpu_fetch.gather_gb_s over every layer's store with a step's own rows, in one
+        index_select as this system gathers; measured once, the best thread count), as InfiniGen-style's floor."""
+        if self.gathered_bytes:
+            if not self.gather_alone:
+                rows, d = self.last_gather, self.spec.head_dim
+                stores = [h.view(-1, 2 * d) for h in self.host if h is not None]
+                staging = torch.empty(rows.numel(), 2 * d, dtype=self.spec.dtype)
+                counts = sorted({self.cpu_threads, resolve_threads("auto")})
+                self.gather_alone = {t: gather_gb_s(stores, staging, t, rows, rows.numel()) for t in counts}
+            self.step.host_work_ms += self.gathered_bytes / (max(self.gather_alone.values()) * 1e6)
+            self.gathered_bytes = 0
+        return super().end_step()
 
     def fetch_rows(self, layer: int, rows: torch.Tensor, engine: TransferEngine | None = None) -> torch.Tensor:
         """rows [n] of the layer's flat host store (on the host) -> those rows [n, 2, D] on the device: cpu_gather
@@ -236,6 +259,9 @@ class PQCache(OffloadedBaseline):
             "evictions": self.evictions,
             "cpu_threads": self.cpu_threads,
             "transfer": self.transfer_kind,
+            "cpu_gather_gb_s": {  # what the floor's host part divides the gathered bytes by: the best of these
+                "alone_by_threads": {t: round(x, 2) for t, x in self.gather_alone.items()},
+            },
             "topk": self.topk,
             "link_gb_s": self.link_gb_s,
             "defaults_source": "PQCache vq_pred.py (HugoZHL/PQCache): cache_block_size 128, global_cache_size "

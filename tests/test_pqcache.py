@@ -79,6 +79,11 @@ def test_cached_blocks_serve_hits_and_count_their_copies():
     assert stats[0].hits == 0 and stats[0].lookups > 0  # an empty cache: every token missed
     assert stats[-1].hits > 0  # the blocks the first steps admitted serve later ones
     assert all(x.host_syncs == L - 1 for x in stats)  # a sparse layer's one: its misses and ranked blocks
+    # the floor's host part holds the misses' CPU gather at its bandwidth alone, measured once on a step's rows
+    alone = s.describe()["cpu_gather_gb_s"]["alone_by_threads"]
+    assert s.cpu_threads in alone and min(alone.values()) > 0
+    missed = (stats[0].lookups - stats[0].hits) * s.spec.row_bytes
+    assert stats[0].host_work_ms >= missed / (max(s.gather_alone.values()) * 1e6) > 0
 
 
 @pytest.mark.parametrize(
