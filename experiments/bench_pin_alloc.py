@@ -1,7 +1,8 @@
 """How long pinning a sweep point's host KV store takes, by the way it is pinned, and whether that way changes how
 fast the link then reads it: cudaHostAlloc (torch's default, hardware.pin_threads=0) against malloc'd pages first
-touched by N threads, then cudaHostRegister (hardware.pin_threads=N). Pinning is most of a large Figure 10 point's
-setup (each record's `stages.allocate`).
+touched by N threads, then cudaHostRegister (hardware.pin_threads=N), and cudaHostAlloc called from P threads at
+once, a buffer each (--alloc-threads: whether the driver pins in parallel, keeping cudaHostAlloc's memory). Pinning
+is most of a large Figure 10 point's setup (each record's `stages.allocate`).
 
 Each way runs in a fresh process (the allocator's setting and its cache of pinned blocks are per process): it
 allocates --gib in --layer-gib buffers (a layer's host store each, as kvoffload/offload/host.py allocates them),
@@ -9,7 +10,7 @@ times that and the free, and between the two measures the link on memory pinned 
 at one volume: a bulk copy, the UVA gather, the CPU gather with 16 threads). On a CPU device nothing is pinned:
 that run only checks the command and the record.
 
-    python -m experiments.bench_pin_alloc --gib 64 --threads 0,8,16 --out pin_alloc.json    # on a GPU
+    python -m experiments.bench_pin_alloc --gib 64 --threads 0,8,16 --alloc-threads 16 --out pin_alloc.json  # GPU
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -33,15 +35,25 @@ from kvoffload.paths import write_json_atomic
 GIB = 2**30
 
 
-def one_way(threads: int, gib: float, layer_gib: float, link_tokens: int, device: torch.device) -> dict:
-    """This process pins the way `threads` says, once: the row of that way."""
+def alloc_threads(p: str) -> int:
+    if not p.isdigit() or int(p) < 1:
+        raise ConfigError(f"--alloc-threads {p!r}: a count of at least 1")
+    return int(p)
+
+
+def one_way(
+    threads: int, gib: float, layer_gib: float, link_tokens: int, device: torch.device, alloc_threads: int = 1
+) -> dict:
+    """This process pins the way `threads` says (with threads 0: cudaHostAlloc from `alloc_threads` threads, a
+    buffer each), once: the row of that way."""
     cuda = device.type == "cuda"
     if cuda:
         pin_by_register(threads)
     n_layers = max(1, round(gib / layer_gib))
     layer_bytes = int(layer_gib * GIB)
     start = time.perf_counter()
-    stores = [host_buffer((layer_bytes,), torch.uint8, cuda) for _ in range(n_layers)]
+    with ThreadPoolExecutor(alloc_threads) as pool:
+        stores = list(pool.map(lambda _: host_buffer((layer_bytes,), torch.uint8, cuda), range(n_layers)))
     alloc_s = time.perf_counter() - start
     link = sweep(device, [link_tokens], [16], LLAMA3.num_kv_heads, LLAMA3.head_dim, 0.1, 5, 32)  # a layer of Llama-3-8B
     start = time.perf_counter()
@@ -53,6 +65,7 @@ def one_way(threads: int, gib: float, layer_gib: float, link_tokens: int, device
     return {
         "threads": threads,
         "way": "cudaHostRegister" if threads else "cudaHostAlloc",
+        "alloc_threads": 1 if threads else alloc_threads,
         "pinned": cuda,
         "bytes": total,
         "layers": n_layers,
@@ -69,12 +82,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gib", type=float, default=64.0, help="host memory pinned by each way")
     ap.add_argument("--layer-gib", type=float, default=2.0, help="one buffer's size (a layer's store)")
     ap.add_argument("--threads", default="0,8,16", help="ways: 0 = cudaHostAlloc, N = N threads + cudaHostRegister")
+    ap.add_argument("--alloc-threads", default="", help="more ways: cudaHostAlloc from P threads at once, e.g. 16")
     ap.add_argument("--link-tokens", type=int, default=32768, help="the link's volume (a 128K layer's top-k)")
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: this way only, JSON to --out
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child: this way only (threads:alloc), to --out
     args = ap.parse_args(argv)
     try:
-        ways = [pin_threads(n, "--threads") for n in args.threads.split(",")] if args.one is None else [args.one]
+        ways = [(pin_threads(n, "--threads"), 1) for n in args.threads.split(",")]
+        ways += [(0, alloc_threads(p)) for p in args.alloc_threads.split(",") if p]
         if not 0 < args.layer_gib <= args.gib:
             raise ConfigError(f"--layer-gib {args.layer_gib}: must be in (0, --gib]")
         device = resolve_device(args.device)
@@ -82,13 +97,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if args.one is not None:
-        write_json_atomic(args.out, one_way(args.one, args.gib, args.layer_gib, args.link_tokens, device))
+        n, p = map(int, args.one.split(":"))
+        write_json_atomic(args.out, one_way(n, args.gib, args.layer_gib, args.link_tokens, device, p))
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for n in ways:
-            child = Path(tmp) / f"{n}.json"
-            cmd = [sys.executable, "-m", "experiments.bench_pin_alloc", "--one", str(n), "--out", str(child)]
+        for n, p in ways:
+            child = Path(tmp) / f"{n}_{p}.json"
+            cmd = [sys.executable, "-m", "experiments.bench_pin_alloc", "--one", f"{n}:{p}", "--out", str(child)]
             cmd += ["--gib", str(args.gib), "--layer-gib", str(args.layer_gib), "--device", args.device]
             cmd += ["--link-tokens", str(args.link_tokens)]
             subprocess.run(cmd, check=True)
@@ -96,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             bulk = next(r["gb_s"] for r in row["link"] if r["path"] == "bulk")
             print(
-                f"{row['way']:<16} {n:>3} threads: {row['bytes'] / GIB:.1f} GiB in {row['alloc_s']:.2f} s "
+                f"{row['way']:<16} {n or p:>3} threads: {row['bytes'] / GIB:.1f} GiB in {row['alloc_s']:.2f} s "
                 f"({row['alloc_gb_s']:.2f} GB/s), freed in {row['free_s']:.2f} s; bulk copy {bulk:.1f} GB/s"
             )
     record = bench_record("pin_alloc", "experiments.bench_pin_alloc", argv, device, rows, link_tokens=args.link_tokens)

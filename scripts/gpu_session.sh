@@ -45,9 +45,11 @@ stage lru 150 python3 -m experiments.bench_lru --out "$out/lru.json"
 # InfiniGen-style's CPU gather alone by pool size, memory kind, index pattern, threads and chunk (issue 15)
 stage host_gather 240 python3 -m experiments.bench_host_gather --tokens ${GATHER_TOKENS:-131072,524288} \
   --out "$out/host_gather.json"
-# how long pinning a 64 GiB host store takes by cudaHostAlloc vs N threads + cudaHostRegister (hardware.pin_threads),
-# and the link's rates on memory pinned each way
-stage pin_alloc 300 python3 -m experiments.bench_pin_alloc --gib ${PIN_GIB:-64} --out "$out/pin_alloc.json"
+# how long pinning a 64 GiB host store takes by cudaHostAlloc from one thread or from P at once (PIN_ALLOC_THREADS) vs
+# N threads + cudaHostRegister (PIN_THREADS, hardware.pin_threads; results/bench/ has 8 and 16), and the link's rates
+# on memory pinned each way
+stage pin_alloc 300 python3 -m experiments.bench_pin_alloc --gib ${PIN_GIB:-64} --threads ${PIN_THREADS:-0} \
+  --alloc-threads ${PIN_ALLOC_THREADS:-4,16} --out "$out/pin_alloc.json"
 # InfiniGen-style's prefill skew: a sequence's Gram matrices by torch.linalg.eigh on the device vs the host
 stage skew_eigh 60 python3 -m experiments.bench_skew_eigh --out "$out/skew_eigh.json"
 # RetroInfer-style's block copy against CLO's row gather and a bulk copy of the same bytes (Figure 10's shapes)

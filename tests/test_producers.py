@@ -165,12 +165,14 @@ def test_pin_alloc_bench_on_the_cpu(tmp_path, capsys):
 
     out = tmp_path / "pin_alloc.json"
     argv = ["--out", str(out), "--gib", "0.01", "--layer-gib", "0.005", "--threads", "0,2", "--link-tokens", "64"]
+    argv += ["--alloc-threads", "2"]
     bench_pin_alloc.main(argv)
     rec = json.loads(out.read_text())
     assert rec["bench"] == "pin_alloc" and rec["link_tokens"] == 64
-    assert [(r["way"], r["threads"], r["layers"], r["pinned"]) for r in rec["rows"]] == [
-        ("cudaHostAlloc", 0, 2, False),
-        ("cudaHostRegister", 2, 2, False),
+    assert [(r["way"], r["threads"], r["alloc_threads"], r["layers"], r["pinned"]) for r in rec["rows"]] == [
+        ("cudaHostAlloc", 0, 1, 2, False),
+        ("cudaHostRegister", 2, 1, 2, False),
+        ("cudaHostAlloc", 0, 2, 2, False),  # called from two threads at once
     ]
     for r in rec["rows"]:
         assert [x["path"] for x in r["link"]] == ["bulk", "cpu_gather"] and r["link"][1]["exact_rows"]
@@ -178,6 +180,9 @@ def test_pin_alloc_bench_on_the_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench_pin_alloc.main(["--out", str(tmp_path / "x.json"), "--threads", "0,12"])
     assert e.value.code == 2 and "power of two" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench_pin_alloc.main(["--out", str(tmp_path / "x.json"), "--alloc-threads", "0"])
+    assert e.value.code == 2 and "--alloc-threads" in capsys.readouterr().err
 
 
 def test_skew_eigh_bench_on_the_cpu(tmp_path):
