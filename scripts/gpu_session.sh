@@ -15,6 +15,7 @@ only=" $* "
 export CLO_GIT_COMMIT=$commit PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD
+mkdir -p "${OUT:-/tmp}"  # OUT=$OUT/b: a second sweep's packed output beside the first's
 out=$(mktemp -d /tmp/gpu_session.XXXX)  # fresh: a machine kept warm between calls keeps /tmp, and runs skip existing records
 stage() {  # stage <name> <seconds> <command...>
   local name=$1 secs=$2
