@@ -21,6 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from kvoffload.offload.transfer import cpu_threads
+
 # rows per gather + copy chunk (16 MiB of 512-byte rows). Every chunk costs the worker a Python iteration, which
 # needs the GIL that the launch thread holds between launches, and an OpenMP fork/join: in a step, smaller chunks
 # gather slower (which of the two costs more is not isolated); results/infinigen_cpu_fetch/ compares sizes
@@ -100,22 +102,26 @@ class PipelinedFetcher:
         self.gather_ms, self.gather_bytes = 0.0, 0
         return out
 
-    def calibrate(self, stores: list[torch.Tensor], cores: int) -> dict[int, float]:
+    def calibrate(self, stores: list[torch.Tensor]) -> dict[int, float]:
         """This machine's CPU gather bandwidth (GB/s) for the last fetch's indices gathered from each of `stores`
-        (every sparse layer's host rows [N, row_elems], in layer order), measured alone (see gather_gb_s) on the
-        worker's threads and on every core: {threads: GB/s}. Alone, the count that is slower in a step can be the
-        faster; the floor takes the best. Call it when no fetch is in flight, after at least one."""
+        (every sparse layer's host rows [N, row_elems], in layer order), measured alone (gather_gb_by_threads).
+        Call it when no fetch is in flight, after at least one."""
         parity = self.last_parity
         if self.copied[parity] is not None:
             self.copied[parity].synchronize()  # the staging it overwrites is no longer being copied
-        return {
-            t: gather_gb_s(stores, self.staging[parity], t, self.idx[parity], self.chunk_rows)
-            for t in sorted({self.threads, cores})
-        }
+        return gather_gb_by_threads(stores, self.staging[parity], self.threads, self.idx[parity], self.chunk_rows)
 
     @staticmethod
     def wait(fetch: Future) -> None:
         torch.cuda.current_stream().wait_event(fetch.result())
+
+
+def gather_gb_by_threads(
+    stores: list[torch.Tensor], staging: torch.Tensor, threads: int, idx: torch.Tensor, chunk_rows: int
+) -> dict[int, float]:
+    """gather_gb_s on a system's own `threads` and on every core this process may use: {threads: GB/s}. Alone, the
+    count that is slower in a step can be the faster; a system's floor takes the best."""
+    return {t: gather_gb_s(stores, staging, t, idx, chunk_rows) for t in sorted({threads, cpu_threads("auto")})}
 
 
 def gather_gb_s(

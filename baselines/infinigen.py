@@ -41,7 +41,6 @@ from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, StepStats
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import ExactRetriever, select_topk
-from kvoffload.offload.transfer import cpu_threads as resolve_threads
 from kvoffload.paths import repo_path
 
 PREFILL_CHUNK_BYTES = 64 << 20  # the fp32 keys of one chunk of the prefill's partial-key work
@@ -291,9 +290,7 @@ class InfiniGen(OffloadedBaseline):
     def end_step(self) -> StepStats:
         if self.fetcher is not None:  # every fetch of the step has been waited for: its gathers are done
             if not self.gather_gb_s and self.fetcher.last_parity is not None:  # once, on the first step's own rows
-                d = self.spec.head_dim
-                stores = [h.view(-1, 2 * d) for h in self.host if h is not None]
-                self.gather_alone = self.fetcher.calibrate(stores, resolve_threads("auto"))
+                self.gather_alone = self.fetcher.calibrate(self.host_store_rows())
                 self.gather_gb_s = max(self.gather_alone.values())
             ms, nbytes = self.fetcher.take_gathers()
             self.gathered_ms += ms

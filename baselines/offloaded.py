@@ -172,6 +172,11 @@ class OffloadedBaseline(KVOffloadSystem):
             "host": sparse * per_head * self.host_rows(t0),
         }
 
+    def host_store_rows(self) -> list[torch.Tensor]:
+        """Every sparse layer's host store as rows [N, 2 * D] (K and V of a token of a head), in layer order: what a
+        CPU gather reads."""
+        return [h.view(-1, 2 * self.spec.head_dim) for h in self.host if h is not None]
+
     def pinned_host_bytes(self, spec: KVSpec) -> int:
         logical, pinned = host_stores_pinned(spec, self.dense_layers, self.host_rows(spec.prompt_tokens))
         return self.estimate_memory(spec).host_bytes - logical + pinned

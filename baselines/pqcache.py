@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from baselines.cpu_fetch import gather_gb_s
+from baselines.cpu_fetch import gather_gb_by_threads
 from baselines.lfu import BlockLFU
 from baselines.offloaded import OffloadedBaseline, sized
 from kvoffload.errors import ConfigError
@@ -36,7 +36,6 @@ from kvoffload.kv.interface import KVSpec, StepStats, host_work
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import make_retriever, metadata_bytes_per_head, select_topk
 from kvoffload.offload.transfer import TransferEngine, gather_to_device
-from kvoffload.offload.transfer import cpu_threads as resolve_threads
 
 PQCACHE_RETRIEVERS = ("pq", "exact")  # exact: the oracle, for tests and ablations
 
@@ -177,15 +176,15 @@ class PQCache(OffloadedBaseline):
 
     def end_step(self) -> StepStats:
         """Its floor's host part holds, beside the LFU's time, the misses' CPU gather: the gathered bytes at the
-        gather's bandwidth alone (cpu_fetch.gather_gb_s over every layer's store with a step's own rows, in one
-        index_select as this system gathers; measured once, the best thread count), as InfiniGen-style's floor."""
+        gather's bandwidth alone (cpu_fetch.gather_gb_by_threads over every layer's store with a step's own rows, in
+        one index_select as this system gathers; measured once, the best thread count), as InfiniGen-style's floor."""
         if self.gathered_bytes:
             if not self.gather_alone:
-                rows, d = self.last_gather, self.spec.head_dim
-                stores = [h.view(-1, 2 * d) for h in self.host if h is not None]
-                staging = torch.empty(rows.numel(), 2 * d, dtype=self.spec.dtype)
-                counts = sorted({self.cpu_threads, resolve_threads("auto")})
-                self.gather_alone = {t: gather_gb_s(stores, staging, t, rows, rows.numel()) for t in counts}
+                rows = self.last_gather
+                staging = torch.empty(rows.numel(), 2 * self.spec.head_dim, dtype=self.spec.dtype)
+                self.gather_alone = gather_gb_by_threads(
+                    self.host_store_rows(), staging, self.cpu_threads, rows, len(rows)
+                )
             self.step.host_work_ms += self.gathered_bytes / (max(self.gather_alone.values()) * 1e6)
             self.gathered_bytes = 0
         return super().end_step()
