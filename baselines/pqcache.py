@@ -35,7 +35,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, StepStats, host_work
 from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.retrieval import make_retriever, metadata_bytes_per_head, select_topk
-from kvoffload.offload.transfer import TransferEngine, gather_to_device
+from kvoffload.offload.transfer import TransferEngine, gather_to_device, to_device
 
 PQCACHE_RETRIEVERS = ("pq", "exact")  # exact: the oracle, for tests and ablations
 
@@ -267,8 +267,3 @@ class PQCache(OffloadedBaseline):
             "4096, cache_topk 32; 2 sub-vectors x 6 bits",
             "memory_parts": self.memory_parts(),
         }
-
-
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host index tensor on `device`: through pinned memory on CUDA, so the copy does not block the host."""
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x

@@ -19,6 +19,7 @@ from kvoffload.offload.budget import split_prompt
 from kvoffload.offload.host import host_buffer
 from kvoffload.offload.layers import prompt_window
 from kvoffload.offload.retrieval import select_topk, topk_work
+from kvoffload.offload.transfer import to_device
 
 
 @dataclass
@@ -35,13 +36,6 @@ class Selection:
 def store_order(num_kv_heads: int, persistent: list[int]) -> list[int]:
     """The store's head order: the cached heads, then the persistent ones (model head ids)."""
     return sorted(set(range(num_kv_heads)) - set(persistent)) + sorted(persistent)
-
-
-def to_device(values, dev: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A few host values (a list or a CPU tensor) onto the device with no host sync: torch.tensor(..., device=cuda)
-    and .to(cuda) from pageable memory wait for the stream, which would stall a prefill that runs ahead."""
-    t = torch.as_tensor(values, dtype=dtype)
-    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
 
 
 class LayerStore:

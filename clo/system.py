@@ -24,14 +24,14 @@ from clo.accounting import count_step, memory_parts, step_device_bytes
 from clo.config import CLOConfig
 from clo.plan import CLOPlan, estimate_parts, k_select, make_plan
 from clo.prefill import staged_kv
-from clo.store import LayerStore, Selection, store_order, to_device
+from clo.store import LayerStore, Selection, store_order
 from kvoffload.kernels.decode_attention import SplitAttention
 from kvoffload.kernels.head_cache import lookup_and_update
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload.host import Offload, host_stores, host_stores_pinned
 from kvoffload.offload.layers import DenseLayers
 from kvoffload.offload.retrieval import make_retriever
-from kvoffload.offload.transfer import TransferEngine
+from kvoffload.offload.transfer import TransferEngine, to_device
 
 
 class CLO(KVOffloadSystem):

@@ -85,6 +85,13 @@ class TransferEngine:
         slots[b.to(self.device), h.to(self.device)] = rows.view(len(pairs), *slots.shape[2:])
 
 
+def to_device(values, dev: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A few host values (a list or a CPU tensor) onto the device with no host sync: torch.tensor(..., device=cuda)
+    and .to(cuda) from pageable memory wait for the stream, which would stall a prefill that runs ahead."""
+    t = torch.as_tensor(values, dtype=dtype)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
 def gather_to_device(host: torch.Tensor, rows: torch.Tensor, threads: int, device: torch.device) -> torch.Tensor:
     """host [..., 2, D] (pinned on CUDA), rows [n] flat row indices on the host -> those rows [n, 2, D] on
     `device`: one native gather (torch's parallel index_select on `threads` OpenMP threads) into pinned staging,
