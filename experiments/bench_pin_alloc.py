@@ -26,19 +26,13 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench_link import LLAMA3, bench_record, resolve_device, sweep
+from experiments.bench_link import LLAMA3, bench_record, counts, resolve_device, sweep
 from experiments.preflight import pin_threads
 from kvoffload.errors import ConfigError
 from kvoffload.offload.host import empty_host_cache, host_buffer, pin_by_register
 from kvoffload.paths import write_json_atomic
 
 GIB = 2**30
-
-
-def alloc_threads(p: str) -> int:
-    if not p.isdigit() or int(p) < 1:
-        raise ConfigError(f"--alloc-threads {p!r}: a count of at least 1")
-    return int(p)
 
 
 def one_way(
@@ -89,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     try:
         ways = [(pin_threads(n, "--threads"), 1) for n in args.threads.split(",")]
-        ways += [(0, alloc_threads(p)) for p in args.alloc_threads.split(",") if p]
+        ways += [(0, p) for p in counts(args.alloc_threads, "alloc-threads")] if args.alloc_threads else []
         if not 0 < args.layer_gib <= args.gib:
             raise ConfigError(f"--layer-gib {args.layer_gib}: must be in (0, --gib]")
         device = resolve_device(args.device)
