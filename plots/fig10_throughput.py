@@ -3,7 +3,8 @@ CLO's throughput over the best offloading baseline at each point, against the pa
 Reads run records (experiments.run over system x batch x seqlen); where one point has several records (decode
 modes), the fastest; a point the preflight refused is drawn as a cross: "OOM" where the device budget does not hold
 it (the paper's missing bars), "RAM" where the host's memory does not hold its KV. Records of several commits are
-refused unless --allow-mixed-commits (the title then lists them).
+refused unless --allow-mixed-commits (the title then lists them); records of several device budgets
+(hardware.gpu_mem_gb: the paper's 48 GB grid and the same without a budget) are refused: one figure, one budget.
 
     python -m plots.fig10_throughput results/fig10_throughput --out fig10 --allow-mixed-commits
 """
@@ -18,15 +19,33 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
-from plots.records import SYSTEMS, cli, load_records, one_value, plot_arguments, read_json, save, tokens  # noqa: E402
+from plots.records import (  # noqa: E402
+    SYSTEMS,
+    RecordError,
+    cli,
+    load_records,
+    one_value,
+    plot_arguments,
+    read_json,
+    save,
+    tokens,
+)
 
 BASELINES = ("retroinfer", "infinigen")  # the offloading baselines CLO is compared with
 
 
 def data(root: Path, allow_mixed: bool = False) -> dict:
     """{"points": {(system, seqlen, batch): {"decode_tokens_per_s", "prefill_tokens_per_s", "file", "metrics"}},
-    "speedup": {(seqlen, batch): CLO / best baseline}, "model", "records"}."""
+    "refused": [(system, seqlen, batch, "OOM" | "RAM")], "speedup": {(seqlen, batch): CLO / best baseline},
+    "budget_gb": the device budget (None: none), "model", "records"}."""
     recs = load_records(root, allow_mixed=allow_mixed)
+    refused = refusals(root)
+    budgets = {budget_of(r["record"]) for r in recs} | {budget for _, budget in refused}
+    if len(budgets) > 1:  # a point's fastest run would mix the two grids, and a refusal would hide a run
+        shown = ", ".join(f"{b} GB" if b else "none" for b in sorted(budgets, key=lambda b: b or 0))
+        raise RecordError(
+            f"records of several device budgets under {root} ({shown}; hardware.gpu_mem_gb): one figure, one budget"
+        )
     points: dict[tuple, dict] = {}
     for r in recs:
         rec = r["record"]
@@ -46,16 +65,23 @@ def data(root: Path, allow_mixed: bool = False) -> dict:
             speedup[(n, b)] = row["decode_tokens_per_s"] / max(base)
     return {
         "points": points,
-        "refused": refused_points(root),
+        "refused": sorted(point for point, _ in refused),
         "speedup": speedup,
+        "budget_gb": budgets.pop(),
         "model": one_value(recs, lambda r: r["model"], "models"),
         "records": recs,
     }
 
 
-def refused_points(root: Path) -> list[tuple[str, int, int, str]]:
-    """(system, seqlen, batch, "OOM" | "RAM") of the runs the preflight refused before allocating, for the device
-    budget (Figure 10's "OOM") or the host's RAM: their records hold the run's overrides, not its metrics."""
+def budget_of(rec: dict) -> float | None:
+    """The device budget a run record ran under (hardware.gpu_mem_gb; None: none)."""
+    return (rec.get("config") or {}).get("hardware", {}).get("gpu_mem_gb")
+
+
+def refusals(root: Path) -> list[tuple[tuple[str, int, int, str], float | None]]:
+    """((system, seqlen, batch, "OOM" | "RAM"), budget) of the runs the preflight refused before allocating, for
+    the device budget (Figure 10's "OOM") or the host's RAM: their records hold the run's overrides, not its
+    metrics."""
     out = []
     for path in sorted(Path(root).rglob("record*.json")):
         rec = read_json(path)
@@ -66,8 +92,8 @@ def refused_points(root: Path) -> list[tuple[str, int, int, str]]:
             n = over["seqlen"].lower()
             seqlen = int(float(n[:-1]) * 1024 ** (1 if n[-1] == "k" else 2)) if n[-1] in "km" else int(n)
             why = "RAM" if "of RAM on this host" in str(rec["error"]) else "OOM"
-            out.append((over["system"], seqlen, int(over["batch"]), why))
-    return sorted(out)
+            out.append(((over["system"], seqlen, int(over["batch"]), why), budget_of(rec)))
+    return out
 
 
 def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
@@ -104,7 +130,10 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
         ax2.set_xlabel("batch")
         ax2.legend(fontsize=7)
     commits = d["records"].commits
-    fig.suptitle(f"Fig. 10: {d['model']}, commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}", fontsize=9)
+    budget = f"a {d['budget_gb']:g} GB device budget" if d["budget_gb"] else "no device budget"
+    fig.suptitle(
+        f"Fig. 10: {d['model']}, {budget}, commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}", fontsize=9
+    )
     save(fig, out)
     return d
 

@@ -242,11 +242,9 @@ def fig10_table(root: Path, folder: str) -> str:
         x = d["speedup"].get((n, b))
         rows.append([tokens(n), b, *cells, f"{x:.2f}x" if x else None, ", ".join(sorted(commits.get((n, b), ())))])
     head = ["seqlen", "batch", *(f"{SYSTEMS[s]} tok/s" for s in shown), "CLO / best baseline", "commit"]
-    ref = (
-        f"{paper.FIG10} ({d['model']}): {lo}-{hi}x. OOM: refused for the device budget; RAM: for the host's."
-        if lo
-        else ""
-    )
+    budget = f"Device budget {d['budget_gb']:g} GB (hardware.gpu_mem_gb)" if d["budget_gb"] else "No device budget"
+    ref = f"{budget}. " + (f"{paper.FIG10} ({d['model']}): {lo}-{hi}x. " if lo else "")
+    ref += "OOM: refused for the device budget; RAM: for the host's."
     return md(head, rows) + f"\n\n{ref} " + source(folder, d["records"]) + "\n\n" + fig10_floor_table(d)
 
 

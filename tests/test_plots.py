@@ -236,6 +236,11 @@ def test_throughput_from_run_records(tmp_path):
     table = paper_tables.fig10_table(tmp_path, "fig10")  # each system against its own floor, at the run plotted
     assert "| 128K b1 | 6.67 | 8.33 / 4.00 = 2.08x (100 MB, hit 0.800 / 0.500) | 10.00 / 4.00 = 2.50x" in table
     assert "12.50 / 4.00 = 3.12x (100 MB) | 1.00x |" in table
+    assert "No device budget. " in table
+    budgeted = run_record("clo", batch=8, **{"config.hardware": {"gpu_mem_gb": 48}})  # the paper's grid beside it
+    write(tmp_path / "clo_8", {"record.json": budgeted})
+    with pytest.raises(RecordError, match=r"several device budgets .*\(none, 48 GB; hardware.gpu_mem_gb\)"):
+        fig10_throughput.data(tmp_path)
 
 
 def test_accuracy_records_against_table_5(tmp_path):
