@@ -73,8 +73,7 @@ def build_system(system_cfg: DictConfig, system_name: str) -> KVOffloadSystem:
 
 def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     # ---- everything that can be refused is checked before any weight is loaded --------------------------
-    if cfg.workload.get("name") == "accuracy":
-        raise ConfigError("workload=accuracy runs lm-eval tasks: python -m experiments.accuracy [overrides] (README)")
+    preflight.check_decode_workload(cfg)
     numbers = preflight.check_numbers(cfg)
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
     seqlen, batch, gen_tokens = numbers.seqlen, numbers.batch, numbers.gen_tokens
@@ -147,7 +146,8 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     # ---- long work ---------------------------------------------------------------------------------------
     query_desc = query_process.description if query_process is not None else "the model's own queries"
     keys_desc = key_process.description if key_process is not None else None
-    log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}; keys: {keys_desc}")
+    keys_line = f"; keys: {keys_desc}" if keys_desc else ""  # else the model's own keys, from its prefill
+    log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}{keys_line}")
     hbm = numbers.hbm_gb_s or copy_bandwidth_gb_s(device)
     stages.mark("measure")  # the link, HBM, one layer's time, the plan, the prompt: all before the weights load
     if device.type == "cuda":

@@ -25,7 +25,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import preflight
+from experiments import cli_checks, preflight
 from experiments.profile import decode_real
 from experiments.records import environment, git_commit, refuse
 from experiments.train_hata import capture, command_line, settings
@@ -108,5 +108,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    preflight.refuse_unknown_keys(extra=("importance", "importance_out"))
+    cli_checks.refuse_unknown_keys(extra=("importance", "importance_out"))
     main()

@@ -1,16 +1,14 @@
-"""Checks that run before any weight is loaded: the command line's keys, numbers, sequence length, memory. A run
+"""Checks that run before any weight is loaded: numbers, sequence length, memory (the command line's keys and
+sweep points: experiments.cli_checks). A run
 that cannot fit is refused with the estimate and the ways out that would fit, instead of starting and dying from
 an out-of-memory kill."""
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,100 +41,6 @@ def tokens_text(n: int) -> str:
         if n % size == 0:
             return f"{n // size}{unit}"
     return str(n)
-
-
-# ---- the command line's keys ---------------------------------------------------------------------------------
-CONF = Path(__file__).resolve().parent.parent / "conf"
-# Sections whose keys are all in their yaml: a `+section.key=` append adds a setting that nothing reads.
-SECTIONS = ("model", "system", "workload", "hardware", "wandb")
-
-
-def top_level_keys() -> tuple[set[str], set[str]]:
-    """(keys, config groups) that a command line may name at the top level: the primary config's keys, those the
-    experiment bundles (package _global_) set, and the config groups (conf/<group>/, e.g. +experiment=...)."""
-    from omegaconf import OmegaConf
-
-    keys = {"hydra"}
-    for path in [CONF / "config.yaml", *sorted((CONF / "experiment").glob("*.yaml"))]:
-        keys |= {str(k) for k in OmegaConf.load(path) if k != "defaults"}
-    groups = {p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra" and any(p.glob("*.yaml"))}
-    return keys - groups, groups
-
-
-def check_override_keys(overrides: list[str], extra: tuple[str, ...] = ()) -> None:
-    """Refuses a command-line override whose top-level key is no key of the config (a typo such as `sytem=clo`,
-    or `+sytem=clo`, which Hydra would add and the run would ignore), and a `+section.key=` append into one of
-    the project's own sections (the key is new, so nothing reads it). `extra`: top-level keys the entry point
-    itself reads (e.g. experiments.profile's +profile_out). Overrides Hydra cannot parse are left to Hydra."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    keys, groups = top_level_keys()
-    valid = keys | groups | set(extra)
-    parser = OverridesParser.create()
-    for text in overrides:
-        try:
-            o = parser.parse_override(text)
-        except HydraException:
-            continue
-        key = o.key_or_group
-        top = re.split(r"[./]", key)[0]
-        if top not in valid:
-            near = difflib.get_close_matches(top, sorted(valid), n=1)
-            hint = f" (did you mean {near[0]}?)" if near else ""
-            raise ConfigError(
-                f"unknown key {top!r} in {text!r}{hint}; the top-level keys are {', '.join(sorted(keys | set(extra)))}"
-                f" and the config groups {', '.join(sorted(groups))}"
-            )
-        if o.is_add() and top in SECTIONS and "." in key:
-            where = f"conf/{top}/*.yaml" if top in groups else "conf/config.yaml"
-            raise ConfigError(
-                f"{text!r} adds a setting {key!r} that nothing reads: {top}'s settings are the keys in "
-                f"{where}, set without '+'"
-            )
-
-
-# Hydra's flags that take the next argument as their value (hydra._internal.utils.get_args_parser).
-_VALUE_FLAGS = {
-    "--shell-completion",
-    "-sc",
-    "--config-path",
-    "-cp",
-    "--config-name",
-    "-cn",
-    "--config-dir",
-    "-cd",
-    "--cfg",
-    "-c",
-    "--package",
-    "-p",
-    "--info",
-    "-i",
-    "--experimental-rerun",
-}
-
-
-def command_line_overrides(argv: list[str]) -> list[str]:
-    """The overrides of a Hydra command line: its arguments that are neither flags nor a flag's value."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a.startswith("-"):
-            skip = a in _VALUE_FLAGS
-        elif "=" in a or a.startswith("~"):
-            out.append(a)
-    return out
-
-
-def refuse_unknown_keys(argv: list[str] | None = None, extra: tuple[str, ...] = ()) -> None:
-    """check_override_keys() on a command line (before Hydra composes it): one `error:` line, exit status 2."""
-    overrides = command_line_overrides(sys.argv[1:] if argv is None else argv)
-    try:
-        check_override_keys(overrides, extra)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 # ---- numbers and switches ------------------------------------------------------------------------------------
@@ -211,6 +115,12 @@ class RunNumbers:
     prefill_chunk: int = 8192
     kv_fill: str = "prefill"
     pin_threads: int = 0
+
+
+def check_decode_workload(cfg) -> None:
+    """experiments.run decodes; the accuracy workload is experiments.accuracy's."""
+    if cfg.workload.get("name") == "accuracy":
+        raise ConfigError("workload=accuracy runs lm-eval tasks: python -m experiments.accuracy [overrides] (README)")
 
 
 def check_numbers(cfg) -> RunNumbers:

@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.fullattn import FullAttn
-from experiments import preflight
+from experiments import cli_checks, preflight
 from experiments.execute import load_tokenizer, weights_source
 from experiments.records import environment, refuse, write_measurement
 from experiments.timing import link_gb_s
@@ -134,5 +134,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    preflight.refuse_unknown_keys(extra=("profile_out",))
+    cli_checks.refuse_unknown_keys(extra=("profile_out",))
     main()

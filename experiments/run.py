@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import preflight
+from experiments import cli_checks, preflight
 from experiments.job_process import JOB_PROCESSES, hydra_flags, run_in_forked_child, run_in_fresh_process
 from experiments.records import config_error, finished, one_line, record_path, refuse, run_identity
 from experiments.wandb_log import log_wandb
@@ -151,7 +151,7 @@ def release_memory() -> None:
 
 
 def cli() -> None:
-    preflight.refuse_unknown_keys()  # before Hydra composes: a typo'd key gets one line, not Hydra's `+key` hint
+    cli_checks.refuse_unknown_keys(jobs=True)  # before Hydra composes: a typo or bad value, one line, before any job
     main()
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.fullattn import FullAttn
-from experiments import preflight
+from experiments import cli_checks, preflight
 from experiments.profile import decode_real
 from experiments.records import environment, git_commit, refuse
 from kvoffload.errors import ConfigError
@@ -222,5 +222,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    preflight.refuse_unknown_keys(extra=("hata", "hata_out"))
+    cli_checks.refuse_unknown_keys(extra=("hata", "hata_out"))
     main()

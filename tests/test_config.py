@@ -82,7 +82,7 @@ def shown_overrides(module: str) -> list[str]:
 
 
 def test_every_shown_command_passes_the_key_check():
-    from experiments.preflight import check_override_keys
+    from experiments.cli_checks import check_override_keys
 
     run_overrides = shown_overrides("experiments.run")
     assert {"+experiment=fig2_breakdown", "+ablation=base,t,tg,tgp"} <= set(run_overrides)
@@ -116,7 +116,7 @@ def test_every_shown_command_passes_the_key_check():
     ],
 )
 def test_unknown_keys_are_refused(override, extra, words):
-    from experiments.preflight import check_override_keys
+    from experiments.cli_checks import check_override_keys
 
     with pytest.raises(ConfigError) as e:
         check_override_keys([override], extra)
@@ -127,7 +127,7 @@ def test_the_bundles_keys_are_top_level_keys():
     """A bundle (package _global_) may set a top-level key of its own; the key check admits it."""
     from omegaconf import OmegaConf
 
-    from experiments.preflight import top_level_keys
+    from experiments.cli_checks import top_level_keys
 
     keys, groups = top_level_keys()
     assert {"experiment", "ablation", "model", "system", "workload"} <= groups
@@ -220,7 +220,7 @@ def test_config_error_is_unwrapped_from_instantiate():
 
 
 def test_command_line_overrides_leave_hydras_flags_out():
-    from experiments.preflight import command_line_overrides
+    from experiments.cli_checks import command_line_overrides
 
     argv = [
         "--multirun",
@@ -284,3 +284,41 @@ def test_the_beyond_bundle_is_figure_10s_settings_on_its_own_grid():
     }
     for key in ("hardware", "model", "workload", "job_process", "decode_mode", "profile_phases"):
         assert beyond[key] == fig10[key], key
+
+
+# ---- a run command's group options and jobs, checked before the first job ---------------------------------------
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["system=cl0"], ["system='cl0'", "did you mean clo?", "pqcache, retroinfer"]),
+        (["--multirun", "system=clo,cl0"], ["system='cl0' in 'system=clo,cl0'"]),
+        (["model=smolm2"], ["did you mean smollm2?"]),
+        (["--multirun", "seqlen=1k,abc"], ["seqlen='abc'", "(job 2 of 2: seqlen=abc)"]),
+        (
+            ["--multirun", "batch=2,0", "seqlen=1k,2k"],
+            ["batch=0 must be at least 1", "(job 3 of 4: batch=0 seqlen=1k)"],
+        ),
+        (["system.eta=0.5"], ["system.eta: this run's system (its default) has no setting 'eta'; clo has it"]),
+        (["system=retroinfer", "system.topk_x=1"], ["system=retroinfer has no setting 'topk_x'; no system config"]),
+        (["workload=accuracy"], ["python -m experiments.accuracy"]),
+    ],
+)
+def test_a_run_command_is_refused_before_its_first_job(argv, words, capsys):
+    from experiments.cli_checks import refuse_unknown_keys
+
+    with pytest.raises(SystemExit) as e:
+        refuse_unknown_keys(argv, jobs=True)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert all(w in err for w in words), err
+
+
+def test_the_jobs_checked_are_the_sweeps_jobs():
+    """A bundle's sweeper params crossed with the command line's (whose value of a key wins), as Hydra's basic
+    sweeper runs them; what does not fit (a length beyond the model's context) is the job's to record."""
+    from experiments.cli_checks import check_jobs, refuse_unknown_keys
+
+    assert check_jobs(["--multirun", "+experiment=fig10_throughput", "seqlen=8k"]) == 7 * 4
+    assert check_jobs(["--multirun", "+experiment=fig10_throughput", "seqlen=8k", "system=clo,fullattn"]) == 7 * 2
+    assert check_jobs(["model=smollm2", "seqlen=1m"]) == 1
+    refuse_unknown_keys(["--config-dir=/elsewhere", "+experiment=mine"], jobs=True)  # its options: Hydra's to find

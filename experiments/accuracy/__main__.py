@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import preflight
+from experiments import cli_checks, preflight
 from experiments.accuracy.report import cost_summary, summary_lines
 from experiments.records import config_error, environment, finished, one_line, record_path, refuse, run_identity
 from kvoffload.errors import ConfigError
@@ -128,11 +128,11 @@ def main(cfg: DictConfig) -> dict:
 def cli() -> None:
     """workload=accuracy unless the command line names a workload, put among its overrides (Hydra's parser takes
     them as one run of positional arguments)."""
-    overrides = preflight.command_line_overrides(sys.argv[1:])
+    overrides = cli_checks.command_line_overrides(sys.argv[1:])
     if not any(o.split("=", 1)[0].lstrip("+~") == "workload" for o in overrides):
         at = sys.argv.index(overrides[0], 1) if overrides else len(sys.argv)
         sys.argv.insert(at, "workload=accuracy")
-    preflight.refuse_unknown_keys()
+    cli_checks.refuse_unknown_keys()
     main()
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import preflight
+from experiments import cli_checks, preflight
 from kvoffload.errors import ConfigError
 
 LOGLIKELIHOOD_MODES = ("decode", "prefill")
@@ -32,12 +32,12 @@ def compose_config(overrides: list[str]) -> tuple[DictConfig, str]:
 
     if not any(o.split("=", 1)[0].lstrip("+~") == "workload" for o in overrides):
         overrides = ["workload=accuracy", *overrides]
-    preflight.check_override_keys(overrides)
+    cli_checks.check_override_keys(overrides)
     try:
         if GlobalHydra.instance().is_initialized():  # inside a Hydra app: its search path is conf/ already
             cfg = compose("config", overrides=overrides, return_hydra_config=True)
         else:
-            with initialize_config_dir(str(preflight.CONF), version_base="1.3"):
+            with initialize_config_dir(str(cli_checks.CONF), version_base="1.3"):
                 cfg = compose("config", overrides=overrides, return_hydra_config=True)
     except HydraException as e:
         raise ConfigError(f"model args {' '.join(overrides)}: {e}") from None
