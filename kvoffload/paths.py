@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+UMASK = os.umask(0o022)  # the process's umask, read once at import (reading it sets it) and set straight back
+os.umask(UMASK)
 
 
 def repo_path(path: str | Path) -> Path:
@@ -23,6 +25,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~UMASK)  # as open() would make it: mkstemp's 0600 hides records from a group
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, default=str)
             f.flush()

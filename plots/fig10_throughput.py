@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
 from plots.records import (  # noqa: E402
+    ONE_EACH,
     SYSTEMS,
     RecordError,
     cli,
@@ -44,7 +45,8 @@ def data(root: Path, allow_mixed: bool = False) -> dict:
     if len(budgets) > 1:  # a point's fastest run would mix the two grids, and a refusal would hide a run
         shown = ", ".join(f"{b} GB" if b else "none" for b in sorted(budgets, key=lambda b: b or 0))
         raise RecordError(
-            f"records of several device budgets under {root} ({shown}; hardware.gpu_mem_gb): one figure, one budget"
+            f"records of several device budgets under {root} ({shown}; hardware.gpu_mem_gb): a figure draws one; "
+            + ONE_EACH
         )
     points: dict[tuple, dict] = {}
     for r in recs:
@@ -142,8 +144,10 @@ def main() -> None:
     ap = plot_arguments(__doc__)
     ap.add_argument("--allow-mixed-commits", action="store_true", help="draw records of several commits")
     args = ap.parse_args()
-    for (n, b), x in sorted(plot(args.root, args.out, args.allow_mixed_commits)["speedup"].items()):
+    d = plot(args.root, args.out, args.allow_mixed_commits)
+    for (n, b), x in sorted(d["speedup"].items()):
         print(f"{tokens(n):>6} batch {b:>3}: CLO {x:.2f}x the best baseline")
+    print(f"{len(d['records'].rows)} runs, {len(d['refused'])} refused -> {args.out}")
 
 
 if __name__ == "__main__":

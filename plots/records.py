@@ -162,6 +162,9 @@ def load_records(root: Path, status: str = "ok", allow_mixed: bool = False) -> R
     return recs
 
 
+ONE_EACH = "move each set of runs into a folder of its own and plot the folder"
+
+
 def one_value(recs: Records, key: Callable[[dict], Any], what: str) -> Any:
     """The value key(record) shared by every record, or a RecordError naming the files of each value."""
     by: dict[str, list[str]] = {}
@@ -169,7 +172,7 @@ def one_value(recs: Records, key: Callable[[dict], Any], what: str) -> Any:
         by.setdefault(json.dumps(key(r["record"]), sort_keys=True, default=str), []).append(r["file"])
     if len(by) > 1:
         parts = "; ".join(f"{v}: {names(files)}" for v, files in by.items())
-        raise RecordError(f"records of several {what} under {recs.root} ({parts}): one figure, one {what}")
+        raise RecordError(f"records of several {what} under {recs.root} ({parts}): a figure draws one; {ONE_EACH}")
     return key(recs.rows[0]["record"])
 
 

@@ -578,3 +578,13 @@ def test_a_fork_beside_a_python_thread_keeps_pythons_warning(tmp_path):
     finally:
         stop.set()
         worker.join()
+
+
+def test_records_are_readable_as_the_umask_allows(tmp_path):
+    """A record is written through a temporary file (mkstemp makes it 0600); it ends with open()'s mode, so that a
+    group on a shared cluster can read the results."""
+    from kvoffload.paths import UMASK, write_json_atomic
+
+    path = tmp_path / "record.json"
+    write_json_atomic(path, {"status": "ok"})
+    assert path.stat().st_mode & 0o777 == 0o666 & ~UMASK
