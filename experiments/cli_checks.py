@@ -1,11 +1,12 @@
 """The command line, checked before Hydra composes it and before any job starts: its keys (a typo, a `+key` that
 nothing reads), its config groups' options (`system=cl0`), and, for experiments.run, every job it would run
 composed and its numbers checked (`seqlen=1k,abc` is refused before the 1k job, not after it; what does not fit
-is the job's to refuse and record). Each problem is
-one `error:` line and exit status 2, where Hydra would print a block or a sweep would fail half-way."""
+is the job's to refuse and record). Each problem is one `error:` line and exit status 2, where Hydra would print
+a block or a sweep would fail half-way."""
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import re
@@ -203,6 +204,7 @@ def missing_setting(key: str, job: list[str]) -> str | None:
 
 
 def has_setting(path: Path, dotted: str) -> bool:
+    """Whether a config file sets the dotted key (`topk` or `policy.eta`)."""
     from omegaconf import OmegaConf
 
     node = OmegaConf.load(path)
@@ -234,7 +236,7 @@ def job_config(job: list[str], composed: dict):
             composed[choices] = compose(list(choices))
         except HydraException as e:
             raise ConfigError(composition_error(e, job)) from e
-    cfg = composed[choices].copy()
+    cfg = copy.deepcopy(composed[choices])  # a job's values must not reach the next job's config
     for text, o in zip(job, parsed):
         if text in choices or o.is_delete():
             continue
