@@ -29,6 +29,8 @@ def summary(rec: dict) -> str:
     ph = m["phase_ms_per_step"]
     ans = rec["answer"]
     found = {True: "FOUND", False: "NOT found", None: "n/a"}[ans["found"]]
+    if ans["found"] is False and cut_off(ans["text"] or "", ans["expected"]):
+        found += " (cut off: the text ends in its first digits; a larger workload.gen_tokens lets it finish)"
     prefill = (
         f"   prefill {m['prefill_s']:.2f} s ({m['prefill_tokens_per_s']:.0f} tok/s);"
         if m["prefill_tokens_per_s"] is not None
@@ -57,6 +59,13 @@ def summary(rec: dict) -> str:
         f" host->device {m['bytes_h2d_per_step'] / 1e6:.2f} MB/step",
     ]
     return "\n".join(lines)
+
+
+def cut_off(text: str, expected: str) -> bool:
+    """Whether the generation stopped inside the answer: its text ends in the answer's first two or more
+    characters."""
+    end = text.rstrip()
+    return any(end.endswith(expected[:i]) for i in range(2, len(expected)))
 
 
 def task(cfg: DictConfig) -> dict:

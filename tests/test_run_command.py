@@ -588,3 +588,10 @@ def test_records_are_readable_as_the_umask_allows(tmp_path):
     path = tmp_path / "record.json"
     write_json_atomic(path, {"status": "ok"})
     assert path.stat().st_mode & 0o777 == 0o666 & ~UMASK
+
+
+def test_an_answer_cut_off_by_gen_tokens_is_named_so():
+    from experiments.run import cut_off
+
+    assert cut_off("The pass key is 604", "60494")
+    assert not cut_off("The pass key is 60494.", "60494") and not cut_off("The pass key is 6", "60494")
