@@ -162,16 +162,21 @@ def compose(overrides: list[str], hydra: bool = False):
 
 def job_overrides(argv: list[str]) -> list[list[str]]:
     """The overrides of each job a command line runs: itself, or under --multirun its sweeps crossed with its
-    bundle's hydra.sweeper.params, as Hydra's basic sweeper crosses them (the command line's value of a key wins)."""
+    bundle's hydra.sweeper.params, as Hydra's basic sweeper crosses them (the command line's value of a key wins);
+    none where Hydra cannot parse them (its own error says why)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     overrides = command_line_overrides(argv)
+    parser = OverridesParser.create()
+    try:
+        parsed = parser.parse_overrides(overrides)
+    except HydraException:  # Hydra says what it cannot parse, before any job
+        return []
     if not {"-m", "--multirun"} & set(argv):
         return [overrides]
-    parser = OverridesParser.create()
-    fixed = [t for t, o in zip(overrides, parser.parse_overrides(overrides)) if not o.is_sweep_override()]
+    fixed = [t for t, o in zip(overrides, parsed) if not o.is_sweep_override()]
     try:
         params = compose(fixed, hydra=True).hydra.sweeper.get("params") or {}
     except HydraException as e:  # as Hydra's own sweep would end, before any job

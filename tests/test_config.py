@@ -322,3 +322,21 @@ def test_the_jobs_checked_are_the_sweeps_jobs():
     assert check_jobs(["--multirun", "+experiment=fig10_throughput", "seqlen=8k", "system=clo,fullattn"]) == 7 * 2
     assert check_jobs(["model=smollm2", "seqlen=1m"]) == 1
     refuse_unknown_keys(["--config-dir=/elsewhere", "+experiment=mine"], jobs=True)  # its options: Hydra's to find
+
+
+def test_every_shown_run_command_passes_the_job_check():
+    """The README's and the bundles' `python -m experiments.run` commands are not refused by the check that runs
+    before their first job (a placeholder such as <p> is Hydra's to refuse)."""
+    import re
+    import shlex
+
+    from experiments.cli_checks import check_jobs
+
+    texts = [(ROOT / "README.md").read_text(), *(p.read_text() for p in sorted((CONF / "experiment").glob("*.yaml")))]
+    commands = [
+        shlex.split(cmd.split("#")[0].split("`")[0])
+        for text in texts
+        for cmd in re.findall(r"-m experiments\.run\b([^\n]*)", text.replace("\\\n", " "))
+    ]
+    assert len(commands) >= 20
+    assert sum(check_jobs(argv) for argv in commands) > len(commands)  # the sweeps' jobs counted
