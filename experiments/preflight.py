@@ -1,7 +1,6 @@
 """Checks that run before any weight is loaded: numbers, sequence length, memory (the command line's keys and
-sweep points: experiments.cli_checks). A run
-that cannot fit is refused with the estimate and the ways out that would fit, instead of starting and dying from
-an out-of-memory kill."""
+jobs: experiments.cli_checks). A run that cannot fit is refused with the estimate and the ways out that would fit,
+instead of starting and dying from an out-of-memory kill."""
 
 from __future__ import annotations
 
