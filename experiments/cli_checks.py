@@ -133,8 +133,8 @@ def values_of(override) -> list[str]:
 def check_group_choice(override, text: str) -> None:
     """`system=cl0` (or `system=clo,cl0`): an option the group does not have, refused with the options."""
     group = override.key_or_group
+    options = group_options(group)
     for value in values_of(override):
-        options = group_options(group)
         if value not in options and not value.startswith("${"):
             near = difflib.get_close_matches(value, options, n=1)
             hint = f" (did you mean {near[0]}?)" if near else ""

@@ -69,16 +69,19 @@ def test_tokens_text_is_the_short_spelling(tokens, text):
 ROOT = CONF.parent
 
 
-def shown_overrides(module: str) -> list[str]:
-    """The overrides of every `python -m <module>` command the README and the experiment bundles show."""
+def shown_commands(module: str) -> list[str]:
+    """The arguments of every `python -m <module>` command the README and the experiment bundles show, as text."""
     import re
 
     texts = [(ROOT / "README.md").read_text(), *(p.read_text() for p in sorted((CONF / "experiment").glob("*.yaml")))]
-    out = []
-    for text in texts:
-        for cmd in re.findall(rf"-m {re.escape(module)}\b((?:[^\n]|\\\n)*)", text.replace("\\\n", " ")):
-            out += [t for t in cmd.split() if "=" in t and not t.startswith("-")]
-    return out
+    return [
+        cmd for text in texts for cmd in re.findall(rf"-m {re.escape(module)}\b([^\n]*)", text.replace("\\\n", " "))
+    ]
+
+
+def shown_overrides(module: str) -> list[str]:
+    """The overrides of every `python -m <module>` command the README and the experiment bundles show."""
+    return [t for cmd in shown_commands(module) for t in cmd.split() if "=" in t and not t.startswith("-")]
 
 
 def test_every_shown_command_passes_the_key_check():
@@ -327,16 +330,10 @@ def test_the_jobs_checked_are_the_sweeps_jobs():
 def test_every_shown_run_command_passes_the_job_check():
     """The README's and the bundles' `python -m experiments.run` commands are not refused by the check that runs
     before their first job (a placeholder such as <p> is Hydra's to refuse)."""
-    import re
     import shlex
 
     from experiments.cli_checks import check_jobs
 
-    texts = [(ROOT / "README.md").read_text(), *(p.read_text() for p in sorted((CONF / "experiment").glob("*.yaml")))]
-    commands = [
-        shlex.split(cmd.split("#")[0].split("`")[0])
-        for text in texts
-        for cmd in re.findall(r"-m experiments\.run\b([^\n]*)", text.replace("\\\n", " "))
-    ]
+    commands = [shlex.split(cmd.split("#")[0].split("`")[0]) for cmd in shown_commands("experiments.run")]
     assert len(commands) >= 20
     assert sum(check_jobs(argv) for argv in commands) > len(commands)  # the sweeps' jobs counted
