@@ -339,6 +339,15 @@ class Limits:
     emulated: bool = False  # the budget is hardware.gpu_mem_gb (on a CPU run, or below what is free on a GPU)
 
 
+def gb(n: float) -> str:
+    """Bytes as GB for a message: one decimal from 1 GB up, two significant digits below (a 0.01 GB budget must
+    not read "0.0")."""
+    v = n / GB
+    if v >= 1 or v == 0:
+        return f"{v:.1f}"
+    return f"{v:.2g}" if v >= 1e-3 else "<0.001"
+
+
 def device_memory(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes of a CUDA device: the one place the preflight reads them (tests fake a device here)."""
     return torch.cuda.mem_get_info(device)
@@ -353,12 +362,12 @@ def memory_limits(device: torch.device, gpu_mem_gb: float | None) -> Limits:
             return Limits(device, host, None)
         return Limits(device, host, int(gpu_mem_gb * GB), "hardware.gpu_mem_gb", emulated=True)
     free, total = device_memory(device)
-    where = f"{free / GB:.1f} GB free of {total / GB:.1f}"
+    where = f"{gb(free)} GB free of {gb(total)}"
     if gpu_mem_gb is None:
         return Limits(device, host, free, where)
     budget = int(gpu_mem_gb * GB)
     if budget > free:
-        has = f"has free ({free / GB:.1f} GB of {total / GB:.1f})" if budget <= total else f"has ({total / GB:.1f} GB)"
+        has = f"has free ({gb(free)} GB of {gb(total)})" if budget <= total else f"has ({gb(total)} GB)"
         raise ConfigError(
             f"hardware.gpu_mem_gb={gpu_mem_gb:g} is more than the GPU {has}: use at most "
             f"{math.floor(free / GB * 10) / 10:g}, or null for what is free"
@@ -381,8 +390,8 @@ def kv_budget(
         dtype = str(spec.dtype).removeprefix("torch.")
         bf16 = cfg.num_params * 2 < limits.budget and spec.dtype == torch.float32
         raise ConfigError(
-            f"the budget is {limits.budget / GB:.1f} GB ({limits.where}), less than {cfg.name}'s weights alone "
-            f"({weights / GB:.1f} GB in {dtype}), and it must also hold the prefill's activations and the KV: "
+            f"the budget is {gb(limits.budget)} GB ({limits.where}), less than {cfg.name}'s weights alone "
+            f"({gb(weights)} GB in {dtype}), and it must also hold the prefill's activations and the KV: "
             + ("use dtype=bfloat16, " if bf16 else "")
             + ("a larger hardware.gpu_mem_gb" if gpu_mem_gb is not None else "a GPU with more free memory")
             + " or a smaller model"
@@ -396,21 +405,21 @@ def shortfall(plan: MemoryPlan, limits: Limits) -> tuple[str, str] | None:
     host_need = plan.kv_host_pinned + (plan.device_total if limits.device.type == "cpu" else 0)
     if host_need > limits.host:
         pinned = (
-            f", its host stores pinned as {plan.kv_host_pinned / GB:.1f} (torch pins in powers of two)"
+            f", its host stores pinned as {gb(plan.kv_host_pinned)} (torch pins in powers of two)"
             if plan.kv_host_pinned > plan.kv_host
             else ""
         )
         return "host", (
-            f"needs about {host_need / GB:.1f} GB of RAM on this host (weights {plan.weights / GB:.1f}, KV "
-            f"{(plan.kv_device + plan.kv_host) / GB:.1f}{pinned}, activations {plan.activations / GB:.1f}) but "
-            f"{limits.host / GB:.1f} GB is available"
+            f"needs about {gb(host_need)} GB of RAM on this host (weights {gb(plan.weights)}, KV "
+            f"{gb(plan.kv_device + plan.kv_host)}{pinned}, activations {gb(plan.activations)}) but "
+            f"{gb(limits.host)} GB is available"
         )
     if limits.budget is not None and plan.device_total > limits.budget:
         where = f" ({limits.where})" if limits.where else ""
         return "device", (
-            f"needs about {plan.device_total / GB:.1f} GB of GPU memory (weights {plan.weights / GB:.1f}, KV "
-            f"{plan.kv_device / GB:.1f}, activations {plan.activations / GB:.1f}) but the budget is "
-            f"{limits.budget / GB:.1f} GB{where}"
+            f"needs about {gb(plan.device_total)} GB of GPU memory (weights {gb(plan.weights)}, KV "
+            f"{gb(plan.kv_device)}, activations {gb(plan.activations)}) but the budget is "
+            f"{gb(limits.budget)} GB{where}"
         )
     return None
 
@@ -452,7 +461,7 @@ def ways_out(
                 need = p.device_total  # of the memory that was short (a CPU run's RAM holds the device's share)
                 if short == "host":
                     need = p.kv_host_pinned + (need if limits.device.type == "cpu" else 0)
-                fitting.append(f"dtype=bfloat16 (about {need / GB:.1f} GB)")
+                fitting.append(f"dtype=bfloat16 (about {gb(need)} GB)")
             else:  # neither alone: bfloat16 with a shorter prompt or a smaller batch may
                 bases.append(("dtype=bfloat16 with ", bf16))
         for label, base in bases:
