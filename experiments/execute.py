@@ -284,13 +284,22 @@ def run_generation(
     """generate() with progress bars; with `trace`, the GPU kernels of one steady decode step (the first after
     the warm-up and a graph's capture) are written there as a Chrome trace (torch profiler; open in Perfetto)."""
     n_layers = model.cfg.num_layers
-    with (
-        tqdm(
-            total=n_layers, desc=f"prefill {tokens.shape[1]} tokens", unit="layer", file=sys.stderr, leave=False
-        ) as bar_p,
-        tqdm(total=gen_tokens - 1, desc="decode", unit="tok", file=sys.stderr, leave=False) as bar_d,
-        step_profiler(trace, warmup + 2) as prof,
-    ):
+    # One bar at a time, so that a log (no terminal) does not interleave them: the decode bar opens once the KV is
+    # filled, between the prefill's timing and the decode's.
+    with contextlib.ExitStack() as bars, step_profiler(trace, warmup + 2) as prof:
+        bar_p = bars.enter_context(
+            tqdm(total=n_layers, desc=f"prefill {tokens.shape[1]} tokens", unit="layer", file=sys.stderr, leave=False)
+        )
+        bar_d = None
+
+        def filled():
+            nonlocal bar_d
+            bar_p.close()
+            bar_d = bars.enter_context(
+                tqdm(total=gen_tokens - 1, desc="decode", unit="tok", file=sys.stderr, leave=False)
+            )
+            if on_filled is not None:
+                on_filled()
 
         def on_token(_):
             if on_first_token is not None and bar_d.n == 0:
@@ -309,7 +318,7 @@ def run_generation(
             on_prefill_layer=lambda _: bar_p.update(1),
             on_token=on_token,
             kv_fill=kv_fill,
-            on_filled=on_filled,
+            on_filled=filled,
         )
 
 
