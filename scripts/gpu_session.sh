@@ -3,7 +3,7 @@
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
 # Stages: host_warmup (before host-bound runs) pytest_gpu (~5 min) fig3_13 bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
 # bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
-# memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather lru block_copy (~1 min each) pin_alloc (~2 min) skew_eigh (seconds) fig2 fig2_untimed (~3.5 min each) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
+# memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather lru block_copy (~1 min each) pin_alloc (~4 min) skew_eigh (seconds) fig2 fig2_untimed (~3.5 min each) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
 # It installs the carried wheels (hardware.md), runs the GPU tests, the kernel benchmarks and the system runs,
 # and packs every record and log into $OUT/gpu_session.tgz (one file: the device returns at most 8).
@@ -49,8 +49,8 @@ stage host_gather 240 python3 -m experiments.bench_host_gather --tokens ${GATHER
 # how long pinning a 64 GiB host store takes by cudaHostAlloc from one thread or from P at once (PIN_ALLOC_THREADS) vs
 # N threads + cudaHostRegister (PIN_THREADS, hardware.pin_threads; results/bench/ has 8 and 16), and the link's rates
 # on memory pinned each way
-stage pin_alloc 300 python3 -m experiments.bench_pin_alloc --gib ${PIN_GIB:-64} --threads ${PIN_THREADS:-0} \
-  --alloc-threads ${PIN_ALLOC_THREADS:-4,16} --out "$out/pin_alloc.json"
+stage pin_alloc 330 python3 -m experiments.bench_pin_alloc --gib ${PIN_GIB:-64} --threads ${PIN_THREADS:-0,16} \
+  --thp-threads ${PIN_THP_THREADS:-16} --alloc-threads ${PIN_ALLOC_THREADS:-4,16} --out "$out/pin_alloc.json"
 # InfiniGen-style's prefill skew: a sequence's Gram matrices by torch.linalg.eigh on the device vs the host
 stage skew_eigh 60 python3 -m experiments.bench_skew_eigh --out "$out/skew_eigh.json"
 # RetroInfer-style's block copy against CLO's row gather and a bulk copy of the same bytes (Figure 10's shapes)

@@ -2,6 +2,10 @@
 from the queries it saw) and experiments.bench_link (its record's rows, checked rows, refusals); each record drawn."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,15 +169,17 @@ def test_pin_alloc_bench_on_the_cpu(tmp_path, capsys):
 
     out = tmp_path / "pin_alloc.json"
     argv = ["--out", str(out), "--gib", "0.01", "--layer-gib", "0.005", "--threads", "0,2", "--link-tokens", "64"]
-    argv += ["--alloc-threads", "2"]
+    argv += ["--alloc-threads", "2", "--thp-threads", "2"]
     bench_pin_alloc.main(argv)
     rec = json.loads(out.read_text())
     assert rec["bench"] == "pin_alloc" and rec["link_tokens"] == 64
-    assert [(r["way"], r["threads"], r["alloc_threads"], r["layers"], r["pinned"]) for r in rec["rows"]] == [
+    assert [(r["way"], r["threads"], r["alloc_threads"], r["layers"], r["thp"]) for r in rec["rows"]] == [
         ("cudaHostAlloc", 0, 1, 2, False),
         ("cudaHostRegister", 2, 1, 2, False),
+        ("cudaHostRegister + THP", 2, 1, 2, True),  # its process started with glibc's huge-page tunable
         ("cudaHostAlloc", 0, 2, 2, False),  # called from two threads at once
     ]
+    assert not any(r["pinned"] for r in rec["rows"]) and all(r["anon_huge_gib"] >= 0 for r in rec["rows"])
     for r in rec["rows"]:
         assert [x["path"] for x in r["link"]] == ["bulk", "cpu_gather"] and r["link"][1]["exact_rows"]
         assert r["bytes"] == 2 * int(0.005 * 2**30) and r["alloc_s"] >= 0 and r["free_s"] >= 0
@@ -183,6 +189,30 @@ def test_pin_alloc_bench_on_the_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench_pin_alloc.main(["--out", str(tmp_path / "x.json"), "--alloc-threads", "0"])
     assert e.value.code == 2 and "--alloc-threads" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench_pin_alloc.main(["--out", str(tmp_path / "x.json"), "--thp-threads", "0"])
+    assert e.value.code == 2 and "cudaHostAlloc does not use" in capsys.readouterr().err
+
+
+def test_the_huge_page_tunable_reaches_malloc():
+    """bench_pin_alloc's THP way: a process started with thp_env's GLIBC_TUNABLES places a touched 64 MiB buffer on
+    transparent huge pages where the system's THP mode allows madvise (glibc >= 2.35), and one without it does not
+    (mode "madvise"); elsewhere the check is skipped with the mode."""
+    from experiments.bench_pin_alloc import thp_env
+
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[madvise]" not in mode.read_text():
+        pytest.skip(f"THP mode: {mode.read_text().strip() if mode.exists() else 'none'}")
+    code = (
+        "import torch; from experiments.bench_pin_alloc import anon_huge_gib;"
+        "x = torch.empty(64 << 20, dtype=torch.uint8); x.fill_(1); print(anon_huge_gib())"
+    )
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    huge = [
+        float(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+        for env in (base, thp_env(base | {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}))
+    ]
+    assert huge[0] < 0.03 and huge[1] >= 0.05, huge
 
 
 def test_skew_eigh_bench_on_the_cpu(tmp_path):
