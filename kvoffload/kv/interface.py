@@ -215,8 +215,9 @@ class KVOffloadSystem(ABC):
         return split_host(self.memory_parts())
 
     def step_device_bytes(self) -> int | None:
-        """Device-memory bytes one decode step of this system must read (its KV-side memory floor), or None
-        when the dense count (every held K/V byte) applies."""
+        """Device-memory bytes one steady decode step of this system reads (its KV-side memory floor), asked once
+        after the run: with the step's link bytes (StepStats.bytes_h2d) and its host work it makes the record's
+        floor of the system. None: the record has no such floor, only the dense one (every held K/V byte)."""
         return None
 
     def describe(self) -> dict:
