@@ -37,6 +37,7 @@ from kvoffload.offload.transfer import TransferEngine, to_device
 class CLO(KVOffloadSystem):
     name = "clo"
     hit_unit = "one (sequence, layer, KV head) of the reuse heads: its whole top-k; prefetch heads are refreshes"
+    settings_class = CLOConfig  # what __init__'s settings are (the runner checks their types against it)
 
     def __init__(self, **settings) -> None:
         super().__init__()

@@ -257,9 +257,11 @@ def check_jobs(argv: list[str]) -> int:
     ConfigError naming the first bad job. What depends on the model or the machine (a length beyond the model's
     context, a batch beyond the memory) is left to the job, which records the refusal and lets the sweep go on, as
     Figure 10's grid wants. Returns the number of jobs."""
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from experiments import preflight
+    from experiments.setting_types import check_system_settings
 
     jobs = job_overrides(argv)
     swept = {o.split("=", 1)[0] for job in jobs for o in job if sum(o in j for j in jobs) < len(jobs)}
@@ -268,6 +270,7 @@ def check_jobs(argv: list[str]) -> int:
         try:
             preflight.check_decode_workload(cfg := job_config(job, composed))
             preflight.check_numbers(cfg)
+            check_system_settings(OmegaConf.to_container(cfg.system, resolve=True))
         except ConfigError as e:
             if len(jobs) == 1:
                 raise

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from experiments import preflight
 from experiments.records import config_error, environment
+from experiments.setting_types import check_system_settings
 from experiments.timing import copy_bandwidth_gb_s, link_gb_s, model_layer_time_s
 from experiments.workloads import PROMPTS, build_prompt
 from kvoffload.errors import ConfigError
@@ -75,6 +76,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     # ---- everything that can be refused is checked before any weight is loaded --------------------------
     preflight.check_decode_workload(cfg)
     numbers = preflight.check_numbers(cfg)
+    check_system_settings(OmegaConf.to_container(cfg.system, resolve=True))
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
     seqlen, batch, gen_tokens = numbers.seqlen, numbers.batch, numbers.gen_tokens
     preflight.check_length(model_cfg, seqlen, gen_tokens)

@@ -5,8 +5,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from experiments.preflight import parse_tokens
+from experiments.setting_types import check_system_settings
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVOffloadSystem
 from kvoffload.model.config import ModelConfig
@@ -27,6 +29,7 @@ def test_every_combination_composes(model, system, workload):
     mc = ModelConfig.from_mapping(cfg.model)
     assert mc.name == model and mc.num_heads % mc.num_kv_heads == 0
     assert isinstance(instantiate(cfg.system), KVOffloadSystem)
+    check_system_settings(OmegaConf.to_container(cfg.system, resolve=True))  # its defaults fit its annotations
     assert parse_tokens(cfg.seqlen) == 131072
 
 
@@ -304,6 +307,10 @@ def test_the_beyond_bundle_is_figure_10s_settings_on_its_own_grid():
         (["system.eta=0.5"], ["system.eta: this run's system (its default) has no setting 'eta'; clo has it"]),
         (["system=retroinfer", "system.topk_x=1"], ["system=retroinfer has no setting 'topk_x'; no system config"]),
         (["workload=accuracy"], ["python -m experiments.accuracy"]),
+        (["system=retroinfer", "system.sink=abc"], ["system.sink='abc': expected an integer (RetroInfer's sink)"]),
+        (["system=clo", "system.eta=x"], ["system.eta='x': expected a number (CLO's eta)"]),  # via its CLOConfig
+        (["system=clo", "system.hash_weights=3"], ["expected a string or null"]),
+        (["--multirun", "system=infinigen", "system.oracle_query=true,2"], ["expected true or false", "job 2 of 2"]),
     ],
 )
 def test_a_run_command_is_refused_before_its_first_job(argv, words, capsys):
