@@ -80,13 +80,14 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
     seqlen, batch, gen_tokens = numbers.seqlen, numbers.batch, numbers.gen_tokens
     preflight.check_length(model_cfg, seqlen, gen_tokens)
+    stages = StageMarks()
     device = preflight.resolve_device(cfg.device)
-    if device.type == "cuda":
-        pin_by_register(numbers.pin_threads)
-    stages = StageMarks(device)
     free_at_start = None
     if device.type == "cuda":
-        free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3)
+        pin_by_register(numbers.pin_threads)
+        free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3)  # the first call makes the context
+    stages.device = device
+    stages.mark("device")  # the driver and a context: seconds where nothing kept the GPU initialised
     dtype = preflight.resolve_dtype(cfg.dtype, device)
     source = weights_source(cfg.model)
     if numbers.kv_fill != "prefill" and source != "synthetic":
@@ -242,16 +243,18 @@ KV_FILL_TEXT = {
 
 class StageMarks:
     """Each stage's wall time and the device's peak allocation so far at its end: startup (the process's age when
-    the run begins: imports, Hydra), measure, weights, allocate, fill, first_step (the first decode step, eager),
-    decode. Where a sweep's time goes, and which stage set the record's peak_device_gb."""
+    the run begins: imports, Hydra), device (the driver's and a context's start), measure, weights, allocate, fill,
+    first_step (the first decode step, eager), decode. Where a sweep's time goes, and which stage set the record's
+    peak_device_gb."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self.device, self.last = device, time.perf_counter()
         self.marks: dict[str, dict[str, float | None]] = {"startup": {"s": process_age_s(), "peak_gb": None}}
 
     def mark(self, stage: str) -> None:
         now = time.perf_counter()
-        peak = torch.cuda.max_memory_allocated(self.device) / GB if self.device.type == "cuda" else None
+        cuda = self.device is not None and self.device.type == "cuda"
+        peak = torch.cuda.max_memory_allocated(self.device) / GB if cuda else None
         self.marks[stage] = {"s": round(now - self.last, 3), "peak_gb": None if peak is None else round(peak, 3)}
         self.last = now
 

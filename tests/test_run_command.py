@@ -99,7 +99,7 @@ def test_job_processes_of_their_own_keep_records_failures_skips_and_the_table(tm
     pids = {recs[k]["environment"]["pid"] for k in ("seqlen=64", "seqlen=96")}
     assert len(pids) == 2  # each job ran in a process of its own
     stages = recs["seqlen=64"]["stages"]
-    assert list(stages) == ["startup", "measure", "weights", "allocate", "fill", "first_step", "decode"]
+    assert list(stages) == ["startup", "device", "measure", "weights", "allocate", "fill", "first_step", "decode"]
     assert all(v["s"] >= 0 for v in stages.values())
     if mode == "fresh":
         assert stages["startup"]["s"] > 0.5  # a new interpreter's imports take a while (a fork's are done)
