@@ -35,27 +35,17 @@ import torch
 from experiments.bench_link import LLAMA3, bench_record, counts, resolve_device, sweep
 from experiments.preflight import pin_threads
 from kvoffload.errors import ConfigError
-from kvoffload.offload.host import empty_host_cache, host_buffer, pin_by_register
+from kvoffload.offload.host import (
+    anon_huge_gib,
+    empty_host_cache,
+    host_buffer,
+    huge_pages_enabled,
+    pin_by_register,
+    thp_env,
+)
 from kvoffload.paths import write_json_atomic
 
 GIB = 2**30
-THP_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: malloc madvises MADV_HUGEPAGE on what it maps
-
-
-def thp_env(env: dict[str, str]) -> dict[str, str]:
-    """env with glibc's huge-page tunable added (tunables are read when a process starts: a child gets it)."""
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb")]
-    return env | {"GLIBC_TUNABLES": ":".join([*tunables, THP_TUNABLE])}
-
-
-def anon_huge_gib() -> float | None:
-    """This process's anonymous memory on transparent huge pages (Linux's smaps_rollup; None elsewhere)."""
-    try:
-        lines = Path("/proc/self/smaps_rollup").read_text().splitlines()
-    except OSError:
-        return None
-    kib = next((int(line.split()[1]) for line in lines if line.startswith("AnonHugePages:")), None)
-    return None if kib is None else round(kib / 2**20, 3)
 
 
 def one_way(
@@ -80,7 +70,7 @@ def one_way(
         empty_host_cache()
     free_s = time.perf_counter() - start
     total = n_layers * layer_bytes
-    thp = THP_TUNABLE in os.environ.get("GLIBC_TUNABLES", "")
+    thp = huge_pages_enabled()
     return {
         "threads": threads,
         "way": ("cudaHostRegister" + (" + THP" if thp else "")) if threads else "cudaHostAlloc",

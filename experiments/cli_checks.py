@@ -102,16 +102,17 @@ def command_line_overrides(argv: list[str]) -> list[str]:
     return out
 
 
-def refuse_unknown_keys(argv: list[str] | None = None, extra: tuple[str, ...] = (), jobs: bool = False) -> None:
+def refuse_unknown_keys(argv: list[str] | None = None, extra: tuple[str, ...] = (), jobs: bool = False) -> list:
     """check_override_keys() on a command line (before Hydra composes it), and with `jobs` check_jobs() (the run
     command's): one `error:` line, exit status 2. A command line that brings its own config (--config-dir, ...)
-    has only its keys checked: its groups' options are Hydra's to find."""
+    has only its keys checked: its groups' options are Hydra's to find. Returns check_jobs()'s numbers, if run."""
     argv = sys.argv[1:] if argv is None else argv
     ours = not {a.split("=", 1)[0] for a in argv} & _CONFIG_FLAGS
     try:
         check_override_keys(command_line_overrides(argv), extra, choices=ours)
         if jobs and ours and not _PRINT_FLAGS & set(argv):
-            check_jobs(argv)
+            return check_jobs(argv)
+        return []
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -252,11 +253,11 @@ def job_config(job: list[str], composed: dict):
     return cfg
 
 
-def check_jobs(argv: list[str]) -> int:
+def check_jobs(argv: list) -> list:
     """Every job of an experiments.run command line composed and its numbers checked, before the first starts: a
     ConfigError naming the first bad job. What depends on the model or the machine (a length beyond the model's
     context, a batch beyond the memory) is left to the job, which records the refusal and lets the sweep go on, as
-    Figure 10's grid wants. Returns the number of jobs."""
+    Figure 10's grid wants. Returns each job's preflight.RunNumbers (None for a job this check cannot read)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -266,10 +267,12 @@ def check_jobs(argv: list[str]) -> int:
     jobs = job_overrides(argv)
     swept = {o.split("=", 1)[0] for job in jobs for o in job if sum(o in j for j in jobs) < len(jobs)}
     composed: dict = {}
+    numbers = []
     for i, job in enumerate(jobs):
+        numbers.append(None)
         try:
             preflight.check_decode_workload(cfg := job_config(job, composed))
-            preflight.check_numbers(cfg)
+            numbers[-1] = preflight.check_numbers(cfg)
             check_system_settings(OmegaConf.to_container(cfg.system, resolve=True))
         except ConfigError as e:
             if len(jobs) == 1:
@@ -278,4 +281,4 @@ def check_jobs(argv: list[str]) -> int:
             raise ConfigError(f"{e} (job {i + 1} of {len(jobs)}: {shown})") from e
         except OmegaConfBaseException:  # a config this check cannot read: the job meets it too, and records it
             continue
-    return len(jobs)
+    return numbers

@@ -29,7 +29,7 @@ from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
 from kvoffload.kv.timer import PHASES, PhaseTimer
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import build_decoder
-from kvoffload.offload.host import pin_by_register
+from kvoffload.offload.host import THP_TUNABLE, anon_huge_gib, huge_pages_enabled, pin_by_register
 
 
 def weights_source(model_cfg: DictConfig) -> str:
@@ -84,6 +84,11 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     device = preflight.resolve_device(cfg.device)
     free_at_start = None
     if device.type == "cuda":
+        if numbers.pin_huge_pages and not huge_pages_enabled():
+            raise ConfigError(
+                f"hardware.pin_huge_pages=true: this process started without GLIBC_TUNABLES={THP_TUNABLE}, which "
+                "glibc reads only then (python -m experiments.run sets it itself)"
+            )
         pin_by_register(numbers.pin_threads)
         free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3)  # the first call makes the context
     stages.device = device
@@ -166,6 +171,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and decode_mode != "graph")
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
     stages.mark("allocate")
+    huge_gb = anon_huge_gib() if numbers.pin_threads else None  # what of the pinned stores is on huge pages
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
     trace = Path(cfg.trace_dir) / "decode_step.trace.json" if cfg.get("trace_dir") else None
     gen = run_generation(
@@ -206,7 +212,12 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
             "text": text,
             "found": (prompt.answer in text) if prompt.answer and text is not None else None,
         },
-        "environment": {**environment(device), "device_free_gb_at_start": free_at_start},
+        "environment": {
+            **environment(device),
+            "device_free_gb_at_start": free_at_start,
+            "host_huge_pages_gb_after_allocate": huge_gb,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        },
         "metrics": metrics(
             gen, system, model_cfg, spec, seqlen, hbm, state.get("link_gb_s"), numbers.warmup_steps, fill
         ),

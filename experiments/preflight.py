@@ -114,6 +114,7 @@ class RunNumbers:
     prefill_chunk: int = 8192
     kv_fill: str = "prefill"
     pin_threads: int = 0
+    pin_huge_pages: bool = False
 
 
 def check_decode_workload(cfg) -> None:
@@ -130,6 +131,13 @@ def check_numbers(cfg) -> RunNumbers:
             switch(value, key)
     integer(cfg.get("repeat", 0), "repeat", 0)  # a label, checked: it names the run's folder
     hw = cfg.get("hardware") or {}
+    threads = pin_threads(hw.get("pin_threads", 0), "hardware.pin_threads")
+    huge = switch(hw.get("pin_huge_pages", False), "hardware.pin_huge_pages")
+    if huge and not threads:
+        raise ConfigError(
+            "hardware.pin_huge_pages=true needs hardware.pin_threads > 0: huge pages apply to the malloc'd pages "
+            "that threads touch and cudaHostRegister pins, not to cudaHostAlloc's"
+        )
     return RunNumbers(
         seqlen=parse_tokens(cfg.seqlen, "seqlen"),
         batch=integer(cfg.batch, "batch", 1),
@@ -141,7 +149,8 @@ def check_numbers(cfg) -> RunNumbers:
         hbm_gb_s=number(hw.get("hbm_gb_s"), "hardware.hbm_gb_s", 0.0, above=True, null=True),
         prefill_chunk=parse_tokens(cfg.get("prefill_chunk", 8192), "prefill_chunk"),
         kv_fill=choice(cfg.workload.get("kv_fill", "prefill"), "workload.kv_fill", KV_FILLS),
-        pin_threads=pin_threads(hw.get("pin_threads", 0), "hardware.pin_threads"),
+        pin_threads=threads,
+        pin_huge_pages=huge,
     )
 
 

@@ -8,6 +8,7 @@ unknown key) ends a single run with one `error:` line and exit status 2, before 
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -22,6 +23,7 @@ from experiments.gpu_hold import hold_gpus
 from experiments.job_process import JOB_PROCESSES, hydra_flags, run_in_forked_child, run_in_fresh_process
 from experiments.records import config_error, finished, one_line, record_path, refuse, run_identity
 from experiments.wandb_log import log_wandb
+from kvoffload.offload.host import huge_pages_enabled, thp_env
 from kvoffload.paths import write_json_atomic
 
 
@@ -163,7 +165,10 @@ def release_memory() -> None:
 
 
 def cli() -> None:
-    cli_checks.refuse_unknown_keys(jobs=True)  # before Hydra composes: a typo or bad value, one line, before any job
+    jobs = cli_checks.refuse_unknown_keys(jobs=True)  # before Hydra composes: a typo or bad value, one line
+    if any(n is not None and n.pin_huge_pages for n in jobs) and not huge_pages_enabled():
+        # glibc reads its tunables when a process starts: this command again, in a process that has them
+        os.execve(sys.executable, [sys.executable, "-m", "experiments.run", *sys.argv[1:]], thp_env(dict(os.environ)))
     main()
 
 

@@ -328,9 +328,9 @@ def test_the_jobs_checked_are_the_sweeps_jobs():
     sweeper runs them; what does not fit (a length beyond the model's context) is the job's to record."""
     from experiments.cli_checks import check_jobs, refuse_unknown_keys
 
-    assert check_jobs(["--multirun", "+experiment=fig10_throughput", "seqlen=8k"]) == 7 * 4
-    assert check_jobs(["--multirun", "+experiment=fig10_throughput", "seqlen=8k", "system=clo,fullattn"]) == 7 * 2
-    assert check_jobs(["model=smollm2", "seqlen=1m"]) == 1
+    assert len(check_jobs(["--multirun", "+experiment=fig10_throughput", "seqlen=8k"])) == 7 * 4
+    assert len(check_jobs(["--multirun", "+experiment=fig10_throughput", "seqlen=8k", "system=clo,fullattn"])) == 7 * 2
+    assert [n.seqlen for n in check_jobs(["model=smollm2", "seqlen=1m"])] == [2**20]
     refuse_unknown_keys(["--config-dir=/elsewhere", "+experiment=mine"], jobs=True)  # its options: Hydra's to find
 
 
@@ -343,4 +343,4 @@ def test_every_shown_run_command_passes_the_job_check():
 
     commands = [shlex.split(cmd.split("#")[0].split("`")[0]) for cmd in shown_commands("experiments.run")]
     assert len(commands) >= 20
-    assert sum(check_jobs(argv) for argv in commands) > len(commands)  # the sweeps' jobs counted
+    assert sum(len(check_jobs(argv)) for argv in commands) > len(commands)  # the sweeps' jobs counted

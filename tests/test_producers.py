@@ -195,16 +195,16 @@ def test_pin_alloc_bench_on_the_cpu(tmp_path, capsys):
 
 
 def test_the_huge_page_tunable_reaches_malloc():
-    """bench_pin_alloc's THP way: a process started with thp_env's GLIBC_TUNABLES places a touched 64 MiB buffer on
-    transparent huge pages where the system's THP mode allows madvise (glibc >= 2.35), and one without it does not
-    (mode "madvise"); elsewhere the check is skipped with the mode."""
-    from experiments.bench_pin_alloc import thp_env
+    """hardware.pin_huge_pages and bench_pin_alloc's THP way: a process started with thp_env's GLIBC_TUNABLES places
+    a touched 64 MiB buffer on transparent huge pages where the system's THP mode is "madvise" (glibc >= 2.35), and
+    one without it does not; elsewhere the check is skipped with the mode."""
+    from kvoffload.offload.host import thp_env
 
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not mode.exists() or "[madvise]" not in mode.read_text():
         pytest.skip(f"THP mode: {mode.read_text().strip() if mode.exists() else 'none'}")
     code = (
-        "import torch; from experiments.bench_pin_alloc import anon_huge_gib;"
+        "import torch; from kvoffload.offload.host import anon_huge_gib;"
         "x = torch.empty(64 << 20, dtype=torch.uint8); x.fill_(1); print(anon_huge_gib())"
     )
     base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}

@@ -285,6 +285,18 @@ def test_profile_overwrites_with_force_true(tmp_path):
     assert len(json.loads(mine.read_text())["s_hat"]) == 30
 
 
+def test_huge_pages_restart_the_run_with_glibcs_tunable(tmp_path):
+    """hardware.pin_huge_pages: experiments.run starts itself again with glibc's huge-page tunable (read only when
+    a process starts), and the record says what was on huge pages once the stores were allocated."""
+    env_before = os.environ.get("GLIBC_TUNABLES")
+    run("hardware.pin_threads=2", "hardware.pin_huge_pages=true", "seqlen=64", *FAST, tmp=tmp_path)
+    (rec,) = records(tmp_path).values()
+    assert "glibc.malloc.hugetlb=1" in rec["environment"]["glibc_tunables"]
+    assert rec["environment"]["host_huge_pages_gb_after_allocate"] >= 0
+    assert os.environ.get("GLIBC_TUNABLES") == env_before
+    assert "needs hardware.pin_threads > 0" in bad(tmp_path, "hardware.pin_huge_pages=true", "seqlen=64", *FAST)
+
+
 def test_gpu_budget_too_small(tmp_path):
     err = bad(tmp_path, "hardware.gpu_mem_gb=0.05", "seqlen=64", *FAST)
     assert "the budget is 0.05 GB (hardware.gpu_mem_gb), less than smollm2's weights alone" in err

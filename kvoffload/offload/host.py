@@ -7,7 +7,9 @@ own while the decoder goes on to the next layer."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -31,6 +33,32 @@ def pin_by_register(threads: int) -> None:
     settings = f"pinned_use_cuda_host_register:{threads > 0},pinned_num_register_threads:{max(threads, 1)}"
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch.cuda's own is deprecated
     (setter or torch.cuda.memory._set_allocator_settings)(settings)
+
+
+# glibc >= 2.35: malloc madvises MADV_HUGEPAGE on the chunks it maps, so that the pages that pin_by_register's
+# threads first touch are 2 MiB ones where the system's THP mode is "madvise". Read when a process starts.
+THP_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def thp_env(env: dict[str, str]) -> dict[str, str]:
+    """env with glibc's huge-page tunable added to its GLIBC_TUNABLES (for a process about to start)."""
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb")]
+    return env | {"GLIBC_TUNABLES": ":".join([*tunables, THP_TUNABLE])}
+
+
+def huge_pages_enabled() -> bool:
+    """Whether this process started with THP_TUNABLE."""
+    return THP_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
+
+
+def anon_huge_gib() -> float | None:
+    """This process's anonymous memory on transparent huge pages (Linux's smaps_rollup; None elsewhere)."""
+    try:
+        lines = Path("/proc/self/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return None
+    kib = next((int(line.split()[1]) for line in lines if line.startswith("AnonHugePages:")), None)
+    return None if kib is None else round(kib / 2**20, 3)
 
 
 def empty_host_cache() -> None:
