@@ -92,7 +92,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         pin_by_register(numbers.pin_threads)
         free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3)  # the first call makes the context
     stages.device = device
-    stages.mark("device")  # the driver and a context: seconds where nothing kept the GPU initialised
+    stages.mark("device")  # the driver's start and a context's (on a CPU run: nothing)
     dtype = preflight.resolve_dtype(cfg.dtype, device)
     source = weights_source(cfg.model)
     if numbers.kv_fill != "prefill" and source != "synthetic":

@@ -19,7 +19,6 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import cli_checks, preflight
-from experiments.gpu_hold import hold_gpus
 from experiments.job_process import JOB_PROCESSES, hydra_flags, run_in_forked_child, run_in_fresh_process
 from experiments.records import config_error, finished, one_line, record_path, refuse, run_identity
 from experiments.wandb_log import log_wandb
@@ -84,8 +83,6 @@ def task(cfg: DictConfig) -> dict:
         return {"status": "skipped", "error": None, "record": str(path)}
     in_sweep = hc.mode == RunMode.MULTIRUN
     mode = preflight.choice(cfg.job_process, "job_process", JOB_PROCESSES) if in_sweep else "inline"
-    if mode != "inline":
-        hold_gpus()  # each job's process would otherwise initialise the GPUs anew (without persistence mode)
     if mode == "fresh":
         return run_in_fresh_process(hydra_flags(hc), overrides, path, hc.runtime.output_dir)
     job = lambda: run_job(cfg, path, overrides, identity, choices, in_sweep)  # noqa: E731

@@ -30,8 +30,6 @@ stage() {  # stage <name> <seconds> <command...>
 (nvidia-smi --query-gpu=name,driver_version,memory.total,persistence_mode --format=csv
  python3 -c "import torch, triton, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__)"
 ) > "$out/env.txt" 2>&1
-# the GPUs kept initialised between the stages' processes: without persistence mode each would initialise them anew
-python3 -m experiments.gpu_hold --while-pid $$ 2>> "$out/env.txt" &
 # first: the host memory touched once before host-bound runs (the first job of a fresh machine gathered slowly,
 # results/infinigen_threads/); its log gives the first-touch rate
 stage host_warmup 150 python3 scripts/touch_host_memory.py ${HOST_WARMUP_GB:+--gb $HOST_WARMUP_GB}

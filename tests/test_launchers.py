@@ -199,34 +199,3 @@ def test_a_sweep_over_two_gpus_pins_each_worker_and_keeps_records_skips_and_the_
     again = sweep(tmp_path, "seqlen=64,96")
     assert again.returncode == 0 and "[sweep] 2 jobs: 0 ok, 2 skipped, 0 failed" in again.stderr, again.stderr[-3000:]
     assert time.monotonic() - t0 < 240
-
-
-# ---- the GPUs kept initialised between a sweep's job processes (experiments/gpu_hold.py) ------------------------
-def test_the_holder_keeps_the_device_files_open_until_released(tmp_path):
-    """hold_gpus: one holder process with every device file it may open held open (a file it may not open is
-    left out), started once, gone when released."""
-    from experiments import gpu_hold
-
-    files = [tmp_path / "nvidia0", tmp_path / "nvidia1"]
-    for f in files:
-        f.write_bytes(b"")
-    try:
-        assert gpu_hold.hold_gpus([*map(str, files), str(tmp_path / "absent")]) == 2
-        proc = gpu_hold._holder[0]
-        held = {os.readlink(p) for p in Path(f"/proc/{proc.pid}/fd").iterdir()}
-        assert {str(f) for f in files} <= held
-        assert gpu_hold.hold_gpus() == 2 and gpu_hold._holder[0] is proc  # once per process
-    finally:
-        gpu_hold.release_gpus()
-    assert proc.poll() is not None and gpu_hold._holder is None
-    assert gpu_hold.hold_gpus([]) == 0 and gpu_hold._holder is None  # a CPU host: nothing to hold
-
-
-def test_the_holder_command_ends_with_the_process_it_watches(tmp_path):
-    (tmp_path / "nvidia0").write_bytes(b"")
-    watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
-    start = time.monotonic()
-    cmd = [sys.executable, "-m", "experiments.gpu_hold", "--while-pid", str(watched.pid), "--files"]
-    p = subprocess.run([*cmd, str(tmp_path / "nvidia*")], check=True, capture_output=True, text=True, timeout=60)
-    assert watched.poll() is not None and time.monotonic() - start >= 1.5  # it held on while the process ran
-    assert "1 GPU device files held open" in p.stderr
