@@ -123,8 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             cmd = [sys.executable, "-m", "experiments.bench_pin_alloc", "--one", f"{n}:{p}", "--out", str(child)]
             cmd += ["--gib", str(args.gib), "--layer-gib", str(args.layer_gib), "--device", args.device]
             cmd += ["--link-tokens", str(args.link_tokens)]
-            env = thp_env(dict(os.environ)) if thp else {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-            subprocess.run(cmd, check=True, env=env)
+            subprocess.run(cmd, check=True, env=thp_env(dict(os.environ), on=thp))
             row = json.loads(child.read_text())
             rows.append(row)
             bulk = next(r["gb_s"] for r in row["link"] if r["path"] == "bulk")

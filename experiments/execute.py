@@ -84,11 +84,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     device = preflight.resolve_device(cfg.device)
     free_at_start = None
     if device.type == "cuda":
-        if numbers.pin_huge_pages and not huge_pages_enabled():
-            raise ConfigError(
-                f"hardware.pin_huge_pages=true: this process started without GLIBC_TUNABLES={THP_TUNABLE}, which "
-                "glibc reads only then (python -m experiments.run sets it itself)"
-            )
+        check_huge_pages(numbers)
         pin_by_register(numbers.pin_threads)
         free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3)  # the first call makes the context
     stages.device = device
@@ -252,6 +248,19 @@ KV_FILL_TEXT = {
 }
 
 
+def check_huge_pages(numbers: preflight.RunNumbers) -> None:
+    """A run that pins by threads must have glibc's huge-page tunable exactly when it asks for huge pages: glibc
+    reads its tunables when a process starts, so a job cannot change them (python -m experiments.run restarts
+    itself with it; a fresh job gets it as its settings ask)."""
+    if numbers.pin_threads and numbers.pin_huge_pages != huge_pages_enabled():
+        raise ConfigError(
+            f"hardware.pin_huge_pages={str(numbers.pin_huge_pages).lower()} but this process started "
+            + ("without" if numbers.pin_huge_pages else "with")
+            + f" GLIBC_TUNABLES={THP_TUNABLE}: python -m experiments.run sets it for its own config; a sweep "
+            "mixing true and false needs job_process=fresh; else set or unset it in the environment"
+        )
+
+
 class StageMarks:
     """Each stage's wall time and the device's peak allocation so far at its end: startup (the process's age when
     the run begins: imports, Hydra), device (the driver's and a context's start), measure, weights, allocate, fill,
@@ -310,12 +319,12 @@ def run_generation(
 
         def filled():
             nonlocal bar_d
+            if on_filled is not None:
+                on_filled()
             bar_p.close()
             bar_d = bars.enter_context(
                 tqdm(total=gen_tokens - 1, desc="decode", unit="tok", file=sys.stderr, leave=False)
             )
-            if on_filled is not None:
-                on_filled()
 
         def on_token(_):
             if on_first_token is not None and bar_d.n == 0:

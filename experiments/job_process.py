@@ -34,12 +34,16 @@ def hydra_flags(hc) -> list[str]:
     return flags
 
 
-def run_in_fresh_process(flags: list[str], overrides: list[str], path: Path, output_dir: str) -> dict:
-    """job_process=fresh: the job as a single run of this command in a new Python process, so that it inherits no
-    thread pool (numba's, OpenMP's, a fetch worker's), allocator reserve or compiled state from the jobs before it."""
+def run_in_fresh_process(
+    flags: list[str], overrides: list[str], path: Path, output_dir: str, env: dict[str, str] | None = None
+) -> dict:
+    """job_process=fresh: the job as a single run of this command in a new Python process (environment `env`, or
+    this one's), so that it inherits no thread pool (numba's, OpenMP's, a fetch worker's), allocator reserve or
+    compiled state from the jobs before it."""
     argv = [sys.executable, "-m", "experiments.run", *flags, *overrides, f"hydra.run.dir={output_dir}"]
     before = record_stamp(path)
-    return child_outcome(subprocess.run(argv, check=False).returncode, "fresh process", overrides, path, before)
+    code = subprocess.run(argv, check=False, env=env).returncode
+    return child_outcome(code, "fresh process", overrides, path, before)
 
 
 def run_in_forked_child(job: Callable[[], dict], overrides: list[str], path: Path) -> dict:

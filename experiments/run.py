@@ -83,8 +83,11 @@ def task(cfg: DictConfig) -> dict:
         return {"status": "skipped", "error": None, "record": str(path)}
     in_sweep = hc.mode == RunMode.MULTIRUN
     mode = preflight.choice(cfg.job_process, "job_process", JOB_PROCESSES) if in_sweep else "inline"
-    if mode == "fresh":
-        return run_in_fresh_process(hydra_flags(hc), overrides, path, hc.runtime.output_dir)
+    if mode == "fresh":  # with glibc's huge-page tunable as the job's settings ask (the sweep may mix them)
+        env = thp_env(
+            dict(os.environ), on=preflight.switch(cfg.hardware.get("pin_huge_pages", False), "hardware.pin_huge_pages")
+        )
+        return run_in_fresh_process(hydra_flags(hc), overrides, path, hc.runtime.output_dir, env)
     job = lambda: run_job(cfg, path, overrides, identity, choices, in_sweep)  # noqa: E731
     return run_in_forked_child(job, overrides, path) if mode == "fork" else job()
 
@@ -165,7 +168,7 @@ def cli() -> None:
     jobs = cli_checks.refuse_unknown_keys(jobs=True)  # before Hydra composes: a typo or bad value, one line
     if any(n is not None and n.pin_huge_pages for n in jobs) and not huge_pages_enabled():
         # glibc reads its tunables when a process starts: this command again, in a process that has them
-        os.execve(sys.executable, [sys.executable, "-m", "experiments.run", *sys.argv[1:]], thp_env(dict(os.environ)))
+        os.execve(sys.executable, sys.orig_argv, thp_env(dict(os.environ)))
     main()
 
 

@@ -33,10 +33,13 @@ def plain_annotations(target: str) -> dict[str, tuple[type, ...]]:
     types it allows."""
     from hydra.utils import get_class
 
-    cls = get_class(target)
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values())
-    settings = getattr(cls, "settings_class", None) if takes_any else None  # __init__(**settings): its dataclass's
-    hints = typing.get_type_hints(settings or cls.__init__)
+    try:
+        cls = get_class(target)
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values())
+        settings = getattr(cls, "settings_class", None) if takes_any else None  # __init__(**settings): its dataclass
+        hints = typing.get_type_hints(settings or cls.__init__)
+    except Exception:  # noqa: BLE001 - a target that does not import, or annotations that do not resolve: the job's
+        return {}  # to meet when it builds the system, and to record
     plain = {}
     for name, hint in hints.items():
         union = typing.get_origin(hint) in (typing.Union, types.UnionType)
@@ -58,4 +61,5 @@ def check_system_settings(system: dict) -> None:
         if kinds is not None and not any(fits(value, k) for k in kinds):
             expected = " or ".join(PLAIN[k] for k in kinds)
             owner = target.rsplit(".", 1)[-1]
-            raise ConfigError(f"system.{key}={value!r}: expected {expected} ({owner}'s {key})")
+            quote = " (YAML reads on/off/yes/no as true/false: quote them)" if isinstance(value, bool) else ""
+            raise ConfigError(f"system.{key}={value!r}: expected {expected} ({owner}'s {key}){quote}")

@@ -344,3 +344,13 @@ def test_every_shown_run_command_passes_the_job_check():
     commands = [shlex.split(cmd.split("#")[0].split("`")[0]) for cmd in shown_commands("experiments.run")]
     assert len(commands) >= 20
     assert sum(len(check_jobs(argv)) for argv in commands) > len(commands)  # the sweeps' jobs counted
+
+
+def test_a_system_target_the_type_check_cannot_read_is_left_to_the_job():
+    """A _target_ that does not import is the job's to meet and record, not a crash of the whole command."""
+    check_system_settings({"_target_": "baselines.nowhere.Nothing", "sink": "abc"})
+
+
+def test_a_yaml_boolean_given_for_a_string_setting_says_to_quote_it():
+    with pytest.raises(ConfigError, match=r"system.graphs=True: expected a string .*quote them"):
+        check_system_settings({"_target_": "baselines.retroinfer.RetroInfer", "graphs": True})

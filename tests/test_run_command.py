@@ -7,9 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from kvoffload.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["model.weights=synthetic", "workload.prompt=random", "workload.gen_tokens=4", "wandb.enabled=false"]
@@ -295,6 +298,34 @@ def test_huge_pages_restart_the_run_with_glibcs_tunable(tmp_path):
     assert rec["environment"]["host_huge_pages_gb_after_allocate"] >= 0
     assert os.environ.get("GLIBC_TUNABLES") == env_before
     assert "needs hardware.pin_threads > 0" in bad(tmp_path, "hardware.pin_huge_pages=true", "seqlen=64", *FAST)
+
+
+def test_a_fresh_sweep_gives_each_job_the_huge_pages_it_asks(tmp_path):
+    args = ("--multirun", "hardware.pin_threads=2", "hardware.pin_huge_pages=false,true", "job_process=fresh")
+    run(*args, "seqlen=64", *FAST, tmp=tmp_path)
+    recs = {r["config"]["hardware"]["pin_huge_pages"]: r["environment"] for r in records(tmp_path).values()}
+    assert "glibc.malloc.hugetlb=1" in recs[True]["glibc_tunables"]
+    assert "hugetlb" not in (recs[False]["glibc_tunables"] or "")
+
+
+@pytest.mark.parametrize("asks,has", [(True, False), (False, True)])
+def test_a_run_whose_process_has_other_huge_pages_than_it_asks_is_refused(monkeypatch, asks, has):
+    from experiments import execute, preflight
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1" if has else "glibc.malloc.arena_max=2")
+    numbers = preflight.RunNumbers(64, 1, 0, 4, 0, 0.5, None, None, pin_threads=4, pin_huge_pages=asks)
+    with pytest.raises(ConfigError, match="mixing true and false needs job_process=fresh"):
+        execute.check_huge_pages(numbers)
+    execute.check_huge_pages(replace(numbers, pin_threads=0, pin_huge_pages=False))  # cudaHostAlloc: no matter
+
+
+def test_thp_env_adds_or_removes_only_the_huge_page_tunable():
+    from kvoffload.offload.host import thp_env
+
+    env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0", "X": "1"}
+    assert thp_env(env)["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert thp_env(env, on=False) == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "X": "1"}
+    assert thp_env({"X": "1"}, on=False) == {"X": "1"}
 
 
 def test_gpu_budget_too_small(tmp_path):

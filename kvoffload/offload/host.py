@@ -40,10 +40,13 @@ def pin_by_register(threads: int) -> None:
 THP_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
-def thp_env(env: dict[str, str]) -> dict[str, str]:
-    """env with glibc's huge-page tunable added to its GLIBC_TUNABLES (for a process about to start)."""
+def thp_env(env: dict[str, str], on: bool = True) -> dict[str, str]:
+    """env for a process about to start, with glibc's huge-page tunable in its GLIBC_TUNABLES (on) or not (off);
+    any other tunable kept."""
     tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb")]
-    return env | {"GLIBC_TUNABLES": ":".join([*tunables, THP_TUNABLE])}
+    tunables += [THP_TUNABLE] if on else []
+    rest = {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"}
+    return rest | ({"GLIBC_TUNABLES": ":".join(tunables)} if tunables else {})
 
 
 def huge_pages_enabled() -> bool:
