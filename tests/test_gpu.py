@@ -320,6 +320,46 @@ def test_memory_pinned_by_register_is_read_over_uva_and_copied():
     assert torch.equal(host.to(CUDA, non_blocking=True).cpu(), host)
 
 
+HUGE_PAGE_CHECK = """
+import torch
+from kvoffload.kernels.uva_gather import copy_blocks_ref, uva_copy_blocks
+from kvoffload.offload.host import anon_huge_gib, host_buffer, pin_by_register
+pin_by_register(4)
+before = anon_huge_gib()
+host = host_buffer((1 << 17, 8, 2, 64), torch.bfloat16, pinned=True)  # 256 MiB, first touched by 4 threads
+huge = anon_huge_gib() - before
+host.copy_(torch.randn(host.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16))
+src = torch.randint(0, host.shape[0], (300,), dtype=torch.int32)
+dst = torch.randperm(400)[:300].int()
+want = torch.zeros(400, 8, 2, 64, dtype=torch.bfloat16)
+copy_blocks_ref(host, src, want, dst)
+got = torch.zeros(400, 8, 2, 64, dtype=torch.bfloat16, device="cuda")
+uva_copy_blocks(host, src.cuda(), got, dst.cuda())
+print(host.is_pinned(), torch.equal(got.cpu(), want), huge)
+"""
+
+
+def test_memory_pinned_by_register_on_huge_pages_is_read_over_uva():
+    """hardware.pin_huge_pages: in a process started with glibc's huge-page tunable, memory pinned by threads and
+    cudaHostRegister lies on transparent huge pages (the system's THP mode allowing madvise) and is read exactly
+    over UVA."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvoffload.offload.host import thp_env
+
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("no transparent huge pages on this host")
+    env = thp_env(dict(os.environ))
+    out = subprocess.run([sys.executable, "-c", HUGE_PAGE_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pinned, exact, huge = out.stdout.split()
+    assert pinned == "True" and exact == "True" and float(huge) >= 0.2, out.stdout
+
+
 @pytest.mark.parametrize("topk_ratio", [0.1, 1.0])
 def test_clo_graph_replay_generates_the_eager_tokens(topk_ratio):
     """The whole CLO step (lookup, retrieval, UVA transfer on the side stream, hybrid attention) replayed from a
