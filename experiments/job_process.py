@@ -63,9 +63,11 @@ def run_in_forked_child(job: Callable[[], dict], overrides: list[str], path: Pat
             # no Python thread but this one: the others are native pools that re-form in the child (OpenBLAS's
             # fork handlers); a Python thread (a worker left running) keeps Python's multi-threaded-fork warning
             warnings.simplefilter("ignore", DeprecationWarning)
+        parent = os.getpid()
         pid = os.fork()
     if pid == 0:
         code = 1
+        die_with_parent(parent)
         os.environ["TMPDIR"] = tempfile.tempdir = job_tmp
         try:
             code = 0 if job()["status"] == "ok" else 1
@@ -84,6 +86,16 @@ def run_in_forked_child(job: Callable[[], dict], overrides: list[str], path: Pat
     finally:
         shutil.rmtree(job_tmp, ignore_errors=True)
     return child_outcome(os.waitstatus_to_exitcode(status), "forked child", overrides, path, before)
+
+
+def die_with_parent(parent: int) -> None:
+    """In a forked job: SIGTERM when the sweep's process dies however it dies (killed by pid, SIGKILL), so that no
+    job goes on holding the GPU after its sweep (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the call took effect
+        os._exit(1)
 
 
 def stop_child(pid: int, grace_s: float = 10.0) -> None:

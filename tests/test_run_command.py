@@ -1,6 +1,7 @@
 """The run command as a user runs it: the default needle run, a sweep that survives a failing run and resumes,
 W&B offline logging, and bad input refused with a clear message before any long work."""
 
+import contextlib
 import json
 import os
 import signal
@@ -581,6 +582,34 @@ def test_stop_child_ends_and_reaps_a_job_that_outlives_its_sweep():
     assert 0.5 <= time.monotonic() - start < 10  # the grace period, then SIGKILL
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, 0)  # reaped
+
+
+def test_a_forked_job_ends_when_its_sweep_is_killed(tmp_path):
+    """A sweep process killed by pid (SIGKILL: no handler runs) takes its forked job with it."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    child_pid = tmp_path / "child.pid"
+    code = (
+        "import os, time, pathlib; from experiments.job_process import run_in_forked_child\n"
+        f"def job():\n    pathlib.Path({str(child_pid)!r}).write_text(str(os.getpid())); time.sleep(120)\n"
+        f"run_in_forked_child(job, [], pathlib.Path({str(tmp_path / 'record.json')!r}))\n"
+    )
+    sweep = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not child_pid.exists() or not child_pid.read_text():
+        assert time.monotonic() < deadline and sweep.poll() is None
+        time.sleep(0.1)
+    job = int(child_pid.read_text())
+    sweep.kill()
+    sweep.wait()
+    deadline = time.monotonic() + 10
+    try:
+        while Path(f"/proc/{job}").exists() and Path(f"/proc/{job}/stat").read_text().split(")")[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the job outlived its sweep"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(job, signal.SIGKILL)
 
 
 def test_a_forked_job_leaves_no_temporary_files(tmp_path, monkeypatch):
