@@ -17,6 +17,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/site:$PWD
 mkdir -p "${OUT:-/tmp}"  # OUT=$OUT/b: a second sweep's packed output beside the first's
 out=$(mktemp -d /tmp/gpu_session.XXXX)  # fresh: a machine kept warm between calls keeps /tmp, and runs skip existing records
+# RESUME=<folder>: an earlier call's runs/ (from its gpu_session.tgz, in a git-ignored folder the call carries); its
+# records of this commit are copied in, so a sweep cut short by that call's 10 minutes goes on where it stopped
+[[ -z "${RESUME:-}" ]] || python3 scripts/resume_runs.py "$RESUME" "$out/runs" "$commit" | tee "$out/resume.log"
 stage() {  # stage <name> <seconds> <command...>
   local name=$1 secs=$2
   shift 2

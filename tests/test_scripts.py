@@ -17,3 +17,29 @@ def test_touch_host_memory_refuses_more_than_available_and_touches_what_fits():
     assert p.returncode == 1 and "must lie in (0," in p.stderr and p.stdout == ""
     p = subprocess.run([sys.executable, script, "--gb", "1"], capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.startswith("touched 1 GiB"), p.stderr
+
+
+def test_resume_takes_the_earlier_calls_ok_records_of_this_commit(tmp_path):
+    """scripts/resume_runs.py: a record of this commit that ended ok is copied under its run's folder name (so the
+    sweep skips that point); one of another commit, a failed one and a damaged one are not."""
+    import json
+
+    earlier, runs = tmp_path / "earlier", tmp_path / "runs"
+
+    def record(name: str, status: str = "ok", commit: str = "abc1234", text: str | None = None) -> None:
+        (earlier / name).mkdir(parents=True)
+        rec = {"status": status, "environment": {"git": {"commit": commit}}}
+        (earlier / name / "record.json").write_text(text if text is not None else json.dumps(rec))
+
+    record("seqlen=8k,system=clo-1")
+    record("seqlen=8k,system=retroinfer-2", commit="def5678")
+    record("seqlen=8k,system=infinigen-3", status="failed")
+    record("seqlen=8k,system=fullattn-4", text="{")
+    script = str(ROOT / "scripts/resume_runs.py")
+    p = subprocess.run([sys.executable, script, str(earlier), str(runs), "abc1234def"], capture_output=True, text=True)
+    assert p.returncode == 0 and "resumed 1 of 4 records" in p.stdout, p.stderr
+    assert [q.relative_to(runs).as_posix() for q in runs.rglob("record.json")] == ["seqlen=8k,system=clo-1/record.json"]
+    p = subprocess.run(
+        [sys.executable, script, str(tmp_path / "nowhere"), str(runs), "abc"], capture_output=True, text=True
+    )
+    assert p.returncode == 2 and p.stderr.startswith("error: RESUME=")

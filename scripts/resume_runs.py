@@ -1,0 +1,48 @@
+"""Copies an earlier device call's run records into this call's results folder, so that a sweep cut short by a
+call's time limit goes on where it stopped, at the same commit: experiments.run skips a point whose record exists.
+Only records of `commit` that ended ok are taken (a figure is drawn from one commit; a failed point runs again).
+
+    python3 scripts/resume_runs.py <earlier call's runs/> <this call's runs/> <commit>
+
+scripts/gpu_session.sh calls it with RESUME=<folder> (the earlier call's packed runs/, extracted into a git-ignored
+folder that the call carries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+
+def resumable(record: Path, commit: str) -> bool:
+    try:
+        rec = json.loads(record.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    ran = (rec.get("environment") or {}).get("git", {}).get("commit") or ""
+    return rec.get("status") == "ok" and bool(ran) and (ran.startswith(commit) or commit.startswith(ran))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("earlier", type=Path)
+    ap.add_argument("runs", type=Path)
+    ap.add_argument("commit")
+    args = ap.parse_args(argv)
+    if not args.earlier.is_dir():
+        print(f"error: RESUME={args.earlier}: no such folder", file=sys.stderr)
+        sys.exit(2)
+    records = sorted(args.earlier.rglob("record.json"))
+    taken = [r for r in records if resumable(r, args.commit)]
+    for record in taken:
+        dest = args.runs / record.parent.relative_to(args.earlier)
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(record, dest / record.name)
+    print(f"resumed {len(taken)} of {len(records)} records (ok, commit {args.commit}) from {args.earlier}")
+
+
+if __name__ == "__main__":
+    main()
