@@ -352,7 +352,7 @@ def gb(n: float) -> str:
     """Bytes as GB for a message: one decimal from 1 GB up, two significant digits below (a 0.01 GB budget must
     not read "0.0")."""
     v = n / GB
-    if v >= 1 or v == 0:
+    if v >= 0.995 or v == 0:  # from where two significant digits would round to "1"
         return f"{v:.1f}"
     return f"{v:.2g}" if v >= 1e-3 else "<0.001"
 

@@ -81,7 +81,8 @@ def test_a_small_budget_is_named_as_given(device):
     """A budget under 1 GB keeps two significant digits: 0.01 must not read "0.0 GB"."""
     with pytest.raises(ConfigError, match=r"the budget is 0\.01 GB"):
         preflight.kv_budget(llama3(), spec(llama3(), 4096), 0.01)
-    assert [preflight.gb(n) for n in (0, 0.25 * GB, 15 * GB, GB // 10**7)] == ["0.0", "0.25", "15.0", "<0.001"]
+    sizes = (0, 0.25 * GB, 0.997 * GB, 15 * GB, GB // 10**7)
+    assert [preflight.gb(n) for n in sizes] == ["0.0", "0.25", "1.0", "15.0", "<0.001"]
 
 
 def test_free_memory_below_the_weights_is_refused(monkeypatch):
