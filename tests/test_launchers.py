@@ -199,3 +199,23 @@ def test_a_sweep_over_two_gpus_pins_each_worker_and_keeps_records_skips_and_the_
     again = sweep(tmp_path, "seqlen=64,96")
     assert again.returncode == 0 and "[sweep] 2 jobs: 0 ok, 2 skipped, 0 failed" in again.stderr, again.stderr[-3000:]
     assert time.monotonic() - t0 < 240
+
+
+def test_the_multi_gpu_comparison_runs_one_sweep_both_ways(tmp_path):
+    """experiments.multi_gpu_sweep (issue 20's evidence): the same sweep over a pool of GPUs and on its first one,
+    each into its own folder, both wall times in one record (on a CPU host the named pool is notional)."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="hydra-joblib-launcher is not installed")
+    out = tmp_path / "multi_gpu.json"
+    cmd = [sys.executable, "-m", "experiments.multi_gpu_sweep", "--out", str(out), "--runs", str(tmp_path / "runs")]
+    p = subprocess.run(
+        [*cmd, "--gpus", "7,9", "--", "seqlen=64,96", *FAST], cwd=ROOT, capture_output=True, text=True, timeout=400
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["gpus"] == ["7", "9"] and rec["speedup"] > 0
+    for way in ("every_gpu", "one_gpu"):
+        assert rec[way]["exit"] == 0 and rec[way]["wall_s"] > 0
+        assert sorted(j["status"] for j in rec[way]["jobs"].values()) == ["ok", "ok"]
+    assert "2 jobs:" in p.stdout
+    p = subprocess.run([*cmd, "--gpus", "0", "--", "seqlen=64"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.startswith("error: multi_gpu_sweep needs a pool of 2 GPUs")
