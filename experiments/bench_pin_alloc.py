@@ -5,8 +5,8 @@ touched by N threads, then cudaHostRegister (hardware.pin_threads=N), the same w
 chunks MADV_HUGEPAGE and the first touch places 2 MiB pages where the system's THP mode is "madvise"), and
 cudaHostAlloc called from P threads at once, a buffer each (--alloc-threads: whether the driver pins in parallel,
 keeping cudaHostAlloc's memory). Pinning is most of a large Figure 10 point's setup (each record's
-`stages.allocate`); memory pinned by threads was read more slowly by row gathers (4 KiB pages), which huge pages
-may mend. Each row says how much of the process's memory was on huge pages once pinned (`anon_huge_gib`).
+`stages.allocate`); memory pinned by threads was read more slowly by row gathers, and its pages are 4 KiB ones:
+whether huge pages mend that is what this measures. Each row says how much of the process's memory was on huge pages once pinned (`anon_huge_gib`).
 
 Each way runs in a fresh process (the allocator's setting and its cache of pinned blocks are per process): it
 allocates --gib in --layer-gib buffers (a layer's host store each, as kvoffload/offload/host.py allocates them),
