@@ -4,7 +4,7 @@ same run). Graph rows are the GPU's own time (the call replayed from a CUDA grap
 runs it); eager rows include the host's launch overhead. flashinfer's batch decode is planned once per length
 outside the graph, as FullAttn plans it once per step; its host planning time is reported beside it.
 
-    python -m experiments.bench_decode_attention --batches 1,2,4,8,16 --lengths 32k,64k,128k \
+    python -m experiments.bench_decode_attention --batches 1,2,4,8,16 --lengths 32k,64k,128k \\
         --out results/bench/decode_attention.json
 """
 

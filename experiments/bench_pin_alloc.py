@@ -6,7 +6,8 @@ chunks MADV_HUGEPAGE and the first touch places 2 MiB pages where the system's T
 cudaHostAlloc called from P threads at once, a buffer each (--alloc-threads: whether the driver pins in parallel,
 keeping cudaHostAlloc's memory). Pinning is most of a large Figure 10 point's setup (each record's
 `stages.allocate`); memory pinned by threads was read more slowly by row gathers, and its pages are 4 KiB ones:
-whether huge pages mend that is what this measures. Each row says how much of the process's memory was on huge pages once pinned (`anon_huge_gib`).
+whether huge pages mend that is what this measures. Each row says how much of the process's memory was on huge
+pages once pinned (`anon_huge_gib`).
 
 Each way runs in a fresh process (the allocator's setting and its cache of pinned blocks are per process): it
 allocates --gib in --layer-gib buffers (a layer's host store each, as kvoffload/offload/host.py allocates them),
@@ -14,7 +15,7 @@ times that and the free, and between the two measures the link on memory pinned 
 at one volume: a bulk copy, the UVA gather, the CPU gather with 16 threads). On a CPU device nothing is pinned:
 that run only checks the command and the record.
 
-    python -m experiments.bench_pin_alloc --gib 64 --threads 0,16 --thp-threads 16 --alloc-threads 16 \
+    python -m experiments.bench_pin_alloc --gib 64 --threads 0,16 --thp-threads 16 --alloc-threads 16 \\
         --out pin_alloc.json                                                                             # GPU
 """
 

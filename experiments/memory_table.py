@@ -4,8 +4,8 @@ reports. Runs on a CPU: the device buffers are ordinary tensors there, the sizes
 --estimate-from on, whose buffers would not fit this machine's RAM, come from the systems' estimate_parts, which
 equals the allocated parts (tests/test_system_contract.py, and every measured row here, which records both).
 
-    python -m experiments.memory_table --seqlens 32k,64k,128k,256k,512k --estimate-from 128k \
-        --clo-override system.layer_time_ms=0.164 --clo-override system.link_gb_s=54.6 \
+    python -m experiments.memory_table --seqlens 32k,64k,128k,256k,512k --estimate-from 128k \\
+        --clo-override system.layer_time_ms=0.164 --clo-override system.link_gb_s=54.6 \\
         --out results/tab6_memory/llama3.json
 """
 

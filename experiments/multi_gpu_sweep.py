@@ -3,16 +3,20 @@
 record gives both wall times, their ratio against the GPU count, and each job's decode tokens/s both ways (jobs
 that run side by side share the host's cores, RAM and memory bandwidth, which the host-bound baselines feel).
 
-    python -m experiments.multi_gpu_sweep --out multi_gpu.json --runs <dir> -- +experiment=fig10_throughput \
+    python -m experiments.multi_gpu_sweep --out multi_gpu.json --runs <new dir> -- +experiment=fig10_throughput \\
         seqlen=8k batch=1,2,4,8                                            # on a host with several GPUs
 
 --gpus names the pool (default: the visible GPUs, as the launcher takes them); on a host without GPUs a named pool
-runs the jobs on the CPU, which only checks the command and the record.
+runs the jobs on the CPU, which only checks the command and the record. --runs must be new or empty: a sweep skips
+the points whose records exist, and a comparison of skipped sweeps would time nothing. The launcher needs
+hydra-joblib-launcher and joblib (on the GPU machine: `fetch-wheels.sh hydra-joblib-launcher==1.2.0
+joblib==1.6.0`, README).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -50,15 +54,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="+", help="the sweep's overrides (after --)")
     args = ap.parse_args(argv)
     gpus = args.gpus.split(",") if args.gpus else visible_gpus()
+    problem = None
     if len(gpus) < 2:
-        print(
-            f"error: multi_gpu_sweep needs a pool of 2 GPUs or more; this host shows {gpus or 'none'}", file=sys.stderr
-        )
+        problem = f"multi_gpu_sweep needs a pool of 2 GPUs or more; this host shows {gpus or 'none'}"
+    elif args.runs.exists() and any(args.runs.iterdir()):
+        problem = f"--runs {args.runs} is not empty: its records would be skipped, not timed; give a new folder"
+    elif importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None:
+        problem = "hydra/launcher=gpus needs hydra-joblib-launcher and joblib (README: several GPUs of one host)"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     env = {**os.environ, "WANDB_SILENT": "true"}
     pool = ["hydra/launcher=gpus", f"hydra.callbacks.one_gpu_per_job.gpus=[{','.join(gpus)}]"]
     pool.append(f"hydra.callbacks.one_gpu_per_job.lock_dir={args.runs / 'locks'}")
     every = run_sweep(args.overrides, args.runs / "all", env, pool)
+    if every["exit"] == 2 or not every["jobs"]:  # refused before any job (its error is printed): nothing to compare
+        sys.exit(every["exit"] or 2)
     one = run_sweep(args.overrides, args.runs / "one", {**env, "CUDA_VISIBLE_DEVICES": gpus[0]}, [])
     speedup = one["wall_s"] / max(every["wall_s"], 1e-3)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

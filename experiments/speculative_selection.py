@@ -12,7 +12,7 @@ for S = hash (HATA) top-k of the real query, hash top-k of the speculative query
 query. Reported per layer and KV head, and as means over the hard heads (Eq. 11: the persistent and prefetch
 candidates) and the others.
 
-    python -m experiments.speculative_selection system=clo seqlen=3k workload.gen_tokens=32 \
+    python -m experiments.speculative_selection system=clo seqlen=3k workload.gen_tokens=32 \\
         workload.stop_at_eos=false [+selection_out=results/speculative_selection_smollm2/record.json]
 """
 

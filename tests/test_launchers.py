@@ -219,3 +219,9 @@ def test_the_multi_gpu_comparison_runs_one_sweep_both_ways(tmp_path):
     assert "2 jobs:" in p.stdout
     p = subprocess.run([*cmd, "--gpus", "0", "--", "seqlen=64"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.startswith("error: multi_gpu_sweep needs a pool of 2 GPUs")
+    p = subprocess.run([*cmd, "--gpus", "7,9", "--", "seqlen=64"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and "is not empty: its records would be skipped, not timed" in p.stderr  # a rerun
+    cmd[cmd.index("--runs") + 1] = str(tmp_path / "runs2")
+    p = subprocess.run([*cmd, "--gpus", "7,9", "--", "seqlen=abc"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.count("error:") == 1 and "seqlen='abc'" in p.stderr  # refused once
+    assert json.loads(out.read_text()) == rec  # and nothing written

@@ -1,7 +1,7 @@
 """lm-eval's own command line, offline, with the `clo` model registered (lm-eval finds a model only once the module
 that registers it is imported, which its `lm-eval` script does not do):
 
-    python -m experiments.accuracy.lm_eval_cli run --model clo --model_args system=clo system.eta=0.7 \
+    python -m experiments.accuracy.lm_eval_cli run --model clo --model_args system=clo system.eta=0.7 \\
         --tasks niah_single_1 ruler_vt --metadata max_seq_lengths=[2048] --limit 5 --device cpu
 
 Every `--model_args` entry is a Hydra override over conf/ (experiments.accuracy.config). RULER's tasks size their
