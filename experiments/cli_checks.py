@@ -181,9 +181,25 @@ def job_overrides(argv: list[str]) -> list[list[str]]:
     try:
         params = compose(fixed, hydra=True).hydra.sweeper.get("params") or {}
     except HydraException as e:  # as Hydra's own sweep would end, before any job
-        raise ConfigError(composition_error(e, fixed)) from e
+        swept = {o.key_or_group: t for t, o in zip(overrides, parsed) if o.is_sweep_override()}
+        raise ConfigError(sweep_composition_error(composition_error(e, fixed), fixed, swept)) from e
     bundle = [f"{k}={v}" for k, v in params.items()]
     return BasicSweeper.split_arguments(parser.parse_overrides(bundle + overrides), None)[0]
+
+
+def sweep_composition_error(message: str, fixed: list[str], swept: dict[str, str]) -> str:
+    """Hydra composes a --multirun's config from its overrides that do not sweep, so a setting of a swept group's
+    options (`system=clo,retroinfer system.sink=32`) meets the group's default, which may lack it: say so and give
+    the override that sets it in each job (`++`: add or replace)."""
+    key = message.split(":", 1)[0]
+    group = key.split(".", 1)[0]
+    text = next((t for t in fixed if t.lstrip("+~").split("=", 1)[0] == key), None)
+    if group not in swept or "has no setting" not in message or text is None:
+        return message
+    return (
+        f"{key}: a --multirun composes its config before it sweeps {swept[group]}, with the default {group}, which "
+        f"has no setting {key.split('.', 1)[1]!r}; write ++{text.lstrip('+')} to set it in each job"
+    )
 
 
 def composition_error(error: Exception, job: list[str]) -> str:
@@ -206,7 +222,19 @@ def missing_setting(key: str, job: list[str]) -> str | None:
     have = [g for g in group_options(group) if has_setting(CONF / group / f"{g}.yaml", setting)]
     which = f"{group}={chosen}" if chosen else f"this run's {group} (its default)"
     where = f"{', '.join(have)} {'has' if len(have) == 1 else 'have'} it" if have else f"no {group} config has it"
-    return f"{key}: {which} has no setting {setting!r}; {where}"
+    near = [] if have or not chosen else close_settings(CONF / group / f"{chosen}.yaml", setting)
+    return f"{key}: {which} has no setting {setting!r}; {where}" + (f" (did you mean {near[0]}?)" if near else "")
+
+
+def close_settings(path: Path, setting: str) -> list[str]:
+    """The top-level settings of a config file spelt like `setting` (a typo's likely meaning)."""
+    from omegaconf import OmegaConf
+
+    try:
+        keys = [str(k) for k in OmegaConf.load(path).keys() if not str(k).startswith("_")]
+    except OSError:
+        return []
+    return difflib.get_close_matches(setting, keys, n=1)
 
 
 def has_setting(path: Path, dotted: str) -> bool:

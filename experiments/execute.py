@@ -167,7 +167,8 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and decode_mode != "graph")
     system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
     stages.mark("allocate")
-    huge_gb = anon_huge_gib() if numbers.pin_threads else None  # what of the pinned stores is on huge pages
+    # the process's memory on huge pages once its stores are pinned (by threads; CUDA only: a CPU run pins nothing)
+    huge_gb = anon_huge_gib() if numbers.pin_threads and device.type == "cuda" else None
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
     trace = Path(cfg.trace_dir) / "decode_step.trace.json" if cfg.get("trace_dir") else None
     gen = run_generation(
@@ -211,7 +212,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         "environment": {
             **environment(device),
             "device_free_gb_at_start": free_at_start,
-            "host_huge_pages_gb_after_allocate": huge_gb,
+            "process_huge_pages_gb_after_allocate": huge_gb,
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         },
         "metrics": metrics(

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from experiments.job_process import JOB_PROCESSES
 from kvoffload.errors import ConfigError
 from kvoffload.generate import DECODE_MODES, KV_FILLS
 from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
@@ -115,6 +116,7 @@ class RunNumbers:
     kv_fill: str = "prefill"
     pin_threads: int = 0
     pin_huge_pages: bool = False
+    job_process: str = "inline"
 
 
 def check_decode_workload(cfg) -> None:
@@ -151,6 +153,7 @@ def check_numbers(cfg) -> RunNumbers:
         kv_fill=choice(cfg.workload.get("kv_fill", "prefill"), "workload.kv_fill", KV_FILLS),
         pin_threads=threads,
         pin_huge_pages=huge,
+        job_process=choice(cfg.get("job_process", "inline"), "job_process", JOB_PROCESSES),
     )
 
 

@@ -22,6 +22,7 @@ from experiments import cli_checks, preflight
 from experiments.job_process import JOB_PROCESSES, hydra_flags, run_in_forked_child, run_in_fresh_process
 from experiments.records import config_error, finished, one_line, record_path, refuse, run_identity
 from experiments.wandb_log import log_wandb
+from kvoffload.errors import ConfigError
 from kvoffload.offload.host import huge_pages_enabled, thp_env
 from kvoffload.paths import write_json_atomic
 
@@ -166,6 +167,14 @@ def release_memory() -> None:
 
 def cli() -> None:
     jobs = cli_checks.refuse_unknown_keys(jobs=True)  # before Hydra composes: a typo or bad value, one line
+    pinning = [n for n in jobs if n is not None and n.pin_threads]
+    if len({n.pin_huge_pages for n in pinning}) > 1 and any(n.job_process != "fresh" for n in pinning):
+        refuse(
+            ConfigError(  # glibc's tunables are the process's: only a fresh process per job can differ
+                "a sweep mixing hardware.pin_huge_pages=true and false needs job_process=fresh (each job a new "
+                "process, started with or without glibc's huge-page tunable)"
+            )
+        )
     if any(n is not None and n.pin_huge_pages for n in jobs) and not huge_pages_enabled():
         # glibc reads its tunables when a process starts: this command again, in a process that has them
         os.execve(sys.executable, sys.orig_argv, thp_env(dict(os.environ)))

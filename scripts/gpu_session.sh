@@ -90,7 +90,8 @@ stage trace_baselines 240 $run +experiment=fig2_breakdown system=retroinfer,infi
 # paper Figure 10's points under the 48 GB budget; FIG10 narrows the sweep (e.g. "seqlen=32k batch=16 system=clo"),
 # FIG10_SECS bounds it (a timeout around this script would end the script but not the sweep it started)
 stage fig10 ${FIG10_SECS:-540} $run +experiment=fig10_throughput ${FIG10:-}
-# issue 20: one sweep across every GPU of the host (hydra/launcher=gpus), then on one GPU, wall times compared
+# issue 20: one sweep across every GPU of the host (hydra/launcher=gpus), then on one GPU, wall times compared;
+# the carried .whl must hold hydra-joblib-launcher and joblib (README, "Several GPUs of one host")
 stage multi_gpu 580 python3 -m experiments.multi_gpu_sweep --out "$out/multi_gpu.json" --runs "$out/multi_gpu" \
   -- +experiment=fig10_throughput ${MULTI:-seqlen=8k batch=1,2,4,8}
 # Figure 10 points with one steady step traced (the record's trace_phase_ms splits a graph step by its kernels):

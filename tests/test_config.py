@@ -311,6 +311,11 @@ def test_the_beyond_bundle_is_figure_10s_settings_on_its_own_grid():
         (["system=clo", "system.eta=x"], ["system.eta='x': expected a number (CLO's eta)"]),  # via its CLOConfig
         (["system=clo", "system.hash_weights=3"], ["expected a string or null"]),
         (["--multirun", "system=infinigen", "system.oracle_query=true,2"], ["expected true or false", "job 2 of 2"]),
+        (["system=clo", "system.etaa=0.5"], ["system=clo has no setting 'etaa'", "(did you mean eta?)"]),
+        (
+            ["--multirun", "system=clo,retroinfer", "system.sink=32"],  # Hydra composes the sweep with fullattn
+            ["before it sweeps system=clo,retroinfer", "write ++system.sink=32 to set it in each job"],
+        ),
     ],
 )
 def test_a_run_command_is_refused_before_its_first_job(argv, words, capsys):

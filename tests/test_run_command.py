@@ -291,14 +291,16 @@ def test_profile_overwrites_with_force_true(tmp_path):
 
 def test_huge_pages_restart_the_run_with_glibcs_tunable(tmp_path):
     """hardware.pin_huge_pages: experiments.run starts itself again with glibc's huge-page tunable (read only when
-    a process starts), and the record says what was on huge pages once the stores were allocated."""
+    a process starts), and the record says its tunables (on a CPU nothing is pinned: no huge-page figure)."""
     env_before = os.environ.get("GLIBC_TUNABLES")
     run("hardware.pin_threads=2", "hardware.pin_huge_pages=true", "seqlen=64", *FAST, tmp=tmp_path)
     (rec,) = records(tmp_path).values()
     assert "glibc.malloc.hugetlb=1" in rec["environment"]["glibc_tunables"]
-    assert rec["environment"]["host_huge_pages_gb_after_allocate"] >= 0
+    assert rec["environment"]["process_huge_pages_gb_after_allocate"] is None
     assert os.environ.get("GLIBC_TUNABLES") == env_before
     assert "needs hardware.pin_threads > 0" in bad(tmp_path, "hardware.pin_huge_pages=true", "seqlen=64", *FAST)
+    mixed = bad(tmp_path, "--multirun", "hardware.pin_threads=2", "hardware.pin_huge_pages=false,true", *FAST)
+    assert "mixing hardware.pin_huge_pages=true and false needs job_process=fresh" in mixed
 
 
 def test_a_fresh_sweep_gives_each_job_the_huge_pages_it_asks(tmp_path):

@@ -20,8 +20,9 @@ def check_budget(topk_ratio: float, sink: int, recent: int, dense_layers: int) -
     """The settings every sparse system shares, refused before any work."""
     if not 0.0 < topk_ratio <= 1.0:
         raise ConfigError(f"topk_ratio={topk_ratio}: top-k must be a fraction of the context in (0, 1]")
-    if min(sink, recent, dense_layers) < 0:
-        raise ConfigError("sink, recent and dense_layers must be >= 0")
+    negative = [f"{k}={v}" for k, v in (("sink", sink), ("recent", recent), ("dense_layers", dense_layers)) if v < 0]
+    if negative:
+        raise ConfigError(f"{', '.join(negative)}: sink, recent and dense_layers must be >= 0")
 
 
 def select_budget(prompt_len: int, topk_ratio: float, sink: int, recent: int) -> int:
