@@ -61,5 +61,9 @@ def check_system_settings(system: dict) -> None:
         if kinds is not None and not any(fits(value, k) for k in kinds):
             expected = " or ".join(PLAIN[k] for k in kinds)
             owner = target.rsplit(".", 1)[-1]
-            quote = " (YAML reads on/off/yes/no as true/false: quote them)" if isinstance(value, bool) else ""
+            quote = (
+                f"; true/false/on/off/yes/no are read as booleans: give one of its words, quoted (system.{key}='on')"
+                if isinstance(value, bool) and str in kinds
+                else ""
+            )
             raise ConfigError(f"system.{key}={value!r}: expected {expected} ({owner}'s {key}){quote}")

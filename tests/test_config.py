@@ -357,5 +357,5 @@ def test_a_system_target_the_type_check_cannot_read_is_left_to_the_job():
 
 
 def test_a_yaml_boolean_given_for_a_string_setting_says_to_quote_it():
-    with pytest.raises(ConfigError, match=r"system.graphs=True: expected a string .*quote them"):
+    with pytest.raises(ConfigError, match=r"system.graphs=True: expected a string .*one of its words, quoted"):
         check_system_settings({"_target_": "baselines.retroinfer.RetroInfer", "graphs": True})
