@@ -21,8 +21,6 @@ from pathlib import Path
 
 from kvoffload.paths import write_json_atomic
 
-JOB_PROCESSES = ("inline", "fork", "fresh")
-
 
 def hydra_flags(hc) -> list[str]:
     """The sweep's own config flags, which a job's fresh process must be given again: its --config-name and each

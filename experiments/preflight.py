@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from experiments.job_process import JOB_PROCESSES
 from kvoffload.errors import ConfigError
 from kvoffload.generate import DECODE_MODES, KV_FILLS
 from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
@@ -99,6 +98,7 @@ def switch(value: Any, key: str) -> bool:
 
 
 _MISSING = object()
+JOB_PROCESSES = ("inline", "fork", "fresh")  # where a sweep's job runs (experiments/job_process.py)
 MAX_PIN_THREADS = 128  # torch's pinned_num_register_threads limit
 
 

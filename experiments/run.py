@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import cli_checks, preflight
-from experiments.job_process import JOB_PROCESSES, hydra_flags, run_in_forked_child, run_in_fresh_process
+from experiments.job_process import hydra_flags, run_in_forked_child, run_in_fresh_process
 from experiments.records import config_error, finished, one_line, record_path, refuse, run_identity
 from experiments.wandb_log import log_wandb
 from kvoffload.errors import ConfigError
@@ -83,7 +83,7 @@ def task(cfg: DictConfig) -> dict:
         print(f"[run] skip: {path} exists (force=true repeats it)", file=sys.stderr)
         return {"status": "skipped", "error": None, "record": str(path)}
     in_sweep = hc.mode == RunMode.MULTIRUN
-    mode = preflight.choice(cfg.job_process, "job_process", JOB_PROCESSES) if in_sweep else "inline"
+    mode = preflight.choice(cfg.job_process, "job_process", preflight.JOB_PROCESSES) if in_sweep else "inline"
     if mode == "fresh":  # with glibc's huge-page tunable as the job's settings ask (the sweep may mix them)
         env = thp_env(
             dict(os.environ), on=preflight.switch(cfg.hardware.get("pin_huge_pages", False), "hardware.pin_huge_pages")
