@@ -182,35 +182,31 @@ def job_overrides(argv: list[str]) -> list[list[str]]:
         params = compose(fixed, hydra=True).hydra.sweeper.get("params") or {}
     except HydraException as e:  # as Hydra's own sweep would end, before any job
         swept = {o.key_or_group: t for t, o in zip(overrides, parsed) if o.is_sweep_override()}
-        raise ConfigError(sweep_composition_error(composition_error(e, fixed), fixed, swept)) from e
+        raise ConfigError(composition_error(e, fixed, swept)) from e
     bundle = [f"{k}={v}" for k, v in params.items()]
     return BasicSweeper.split_arguments(parser.parse_overrides(bundle + overrides), None)[0]
 
 
-def sweep_composition_error(message: str, fixed: list[str], swept: dict[str, str]) -> str:
-    """Hydra composes a --multirun's config from its overrides that do not sweep, so a setting of a swept group's
-    options (`system=clo,retroinfer system.sink=32`) meets the group's default, which may lack it: say so and give
-    the override that sets it in each job (`++`: add or replace)."""
-    key = message.split(":", 1)[0]
-    group = key.split(".", 1)[0]
-    text = next((t for t in fixed if t.lstrip("+~").split("=", 1)[0] == key), None)
-    if group not in swept or "has no setting" not in message or text is None:
-        return message
-    return (
-        f"{key}: a --multirun composes its config before it sweeps {swept[group]}, with the default {group}, which "
-        f"has no setting {key.split('.', 1)[1]!r}; write ++{text.lstrip('+')} to set it in each job"
-    )
-
-
-def composition_error(error: Exception, job: list[str]) -> str:
+def composition_error(error: Exception, job: list[str], swept: dict[str, str] | None = None) -> str:
     """Hydra's composition error as one line; a setting the job's config group option lacks (Hydra: `Key 'eta' is
-    not in struct`, and a `+system.eta` hint that the key check then refuses) names the options that have it."""
+    not in struct`, and a `+system.eta` hint that the key check then refuses) names the options that have it.
+    swept: a --multirun's sweeps by key, whose config Hydra composes from the overrides that do not sweep, so a
+    setting of a swept group's options (`system=clo,retroinfer system.sink=32`) meets the group's default: that
+    is said, with the override that sets it in each job (`++`: add or replace)."""
     message = f"{error}\n{error.__cause__ or ''}"
     lines = [x.strip() for x in message.splitlines() if x.strip()]
     m = re.match(r"Could not override '([\w.]+)'", lines[0]) if lines else None
-    if m and any("not in struct" in x for x in lines):
-        return missing_setting(m.group(1), job) or lines[0]
-    return lines[0] if lines else message
+    if not (m and any("not in struct" in x for x in lines)):
+        return lines[0] if lines else message
+    key = m.group(1)
+    group, _, setting = key.partition(".")
+    text = next((t for t in job if t.lstrip("+~").split("=", 1)[0] == key), None)
+    if swept and group in swept and group in top_level_keys()[1] and text is not None:
+        return (
+            f"{key}: a --multirun composes its config before it sweeps {swept[group]}, with the default {group}, "
+            f"which has no setting {setting!r}; write ++{text.lstrip('+')} to set it in each job"
+        )
+    return missing_setting(key, job) or lines[0]
 
 
 def missing_setting(key: str, job: list[str]) -> str | None:
