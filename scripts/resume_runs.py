@@ -16,14 +16,15 @@ import shutil
 import sys
 from pathlib import Path
 
+from plots.records import commit_of
+
 
 def resumable(record: Path, commit: str) -> bool:
     try:
         rec = json.loads(record.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    ran = (rec.get("environment") or {}).get("git", {}).get("commit") or ""
-    return rec.get("status") == "ok" and bool(ran) and (ran.startswith(commit) or commit.startswith(ran))
+    return rec.get("status") == "ok" and commit_of(rec) == commit[:7]  # not a dirty tree's: commit_of marks it
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@ def test_touch_host_memory_refuses_more_than_available_and_touches_what_fits():
 
 def test_resume_takes_the_earlier_calls_ok_records_of_this_commit(tmp_path):
     """scripts/resume_runs.py: a record of this commit that ended ok is copied under its run's folder name (so the
-    sweep skips that point); one of another commit, a failed one and a damaged one are not."""
+    sweep skips that point); one of another commit or of a dirty tree, a failed one and a damaged one are not."""
     import json
 
     earlier, runs = tmp_path / "earlier", tmp_path / "runs"
@@ -35,9 +35,12 @@ def test_resume_takes_the_earlier_calls_ok_records_of_this_commit(tmp_path):
     record("seqlen=8k,system=retroinfer-2", commit="def5678")
     record("seqlen=8k,system=infinigen-3", status="failed")
     record("seqlen=8k,system=fullattn-4", text="{")
+    (earlier / "dirty").mkdir()
+    dirty = {"status": "ok", "environment": {"git": {"commit": "abc1234", "dirty": True}}}
+    (earlier / "dirty" / "record.json").write_text(json.dumps(dirty))
     script = str(ROOT / "scripts/resume_runs.py")
     p = subprocess.run([sys.executable, script, str(earlier), str(runs), "abc1234def"], capture_output=True, text=True)
-    assert p.returncode == 0 and "resumed 1 of 4 records" in p.stdout, p.stderr
+    assert p.returncode == 0 and "resumed 1 of 5 records" in p.stdout, p.stderr
     assert [q.relative_to(runs).as_posix() for q in runs.rglob("record.json")] == ["seqlen=8k,system=clo-1/record.json"]
     p = subprocess.run(
         [sys.executable, script, str(tmp_path / "nowhere"), str(runs), "abc"], capture_output=True, text=True
