@@ -16,6 +16,7 @@ from plots import (
     fig10_throughput,
     paper_tables,
     tab4_hit_rate,
+    tab4_hit_rate_batch,
     tab5_ablation,
     tab5_accuracy,
     tab6_memory,
@@ -239,6 +240,15 @@ def test_throughput_from_run_records(tmp_path):
     assert "| 128K b1 | 6.67 | 8.33 / 4.00 = 2.08x (100 MB, hit 0.800 / 0.500) | 10.00 / 4.00 = 2.50x" in table
     assert "12.50 / 4.00 = 3.12x (100 MB) | 1.00x |" in table
     assert "No device budget. " in table
+    hits = tab4_hit_rate_batch.plot(tmp_path, tmp_path / "tab4_batch.png")  # Table 4 by batch from the same runs
+    assert [(r["batch"], r["clo"]["hit_rate_with_refreshes"], r["plan"]["prefetch"]) for r in hits["rows"]] == [
+        (1, 0.5, 1),
+        (4, 0.5, 1),
+    ]
+    assert len(hits["records"]) == 4  # CLO's and RetroInfer-style's runs, not the others'
+    assert "| 128K | 4 | 3/1/- | 80.0% | 50.0% | 100.0 | 80.0% | 100.0 | - |" in paper_tables.tab4_batch_table(
+        tmp_path, "fig10"
+    )
     budgeted = run_record("clo", batch=8, **{"config.hardware": {"gpu_mem_gb": 48}})  # the paper's grid beside it
     write(tmp_path / "clo_8", {"record.json": budgeted})
     with pytest.raises(RecordError, match=r"several device budgets .*\(none, 48 GB; hardware.gpu_mem_gb\)"):
