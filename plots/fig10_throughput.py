@@ -75,6 +75,11 @@ def data(root: Path, allow_mixed: bool = False) -> dict:
     }
 
 
+def budget_text(budget_gb: float | None) -> str:
+    """A figure's device budget in words: 'a 48 GB device budget' or 'no device budget'."""
+    return f"a {budget_gb:g} GB device budget" if budget_gb else "no device budget"
+
+
 def budget_of(rec: dict) -> float | None:
     """The device budget a run record ran under (hardware.gpu_mem_gb; None: none)."""
     return (rec.get("config") or {}).get("hardware", {}).get("gpu_mem_gb")
@@ -131,11 +136,7 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
             ax2.set_xscale("log", base=2)
         ax2.set_xlabel("batch")
         ax2.legend(fontsize=7)
-    commits = d["records"].commits
-    budget = f"a {d['budget_gb']:g} GB device budget" if d["budget_gb"] else "no device budget"
-    fig.suptitle(
-        f"Fig. 10: {d['model']}, {budget}, commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}", fontsize=9
-    )
+    fig.suptitle(f"Fig. 10: {d['model']}, {budget_text(d['budget_gb'])}, {d['records'].commits_label}", fontsize=9)
     save(fig, out)
     return d
 

@@ -177,7 +177,7 @@ def tab4_batch_table(root: Path, folder: str) -> str:
         "RetroInfer-style MB/step",
         f"{paper.TAB4}: CLO",
     ]
-    budget = f"a {d['budget_gb']:g} GB device budget" if d["budget_gb"] else "no device budget"
+    budget = fig10_throughput.budget_text(d["budget_gb"])
     return (
         md(head, rows)
         + f"\n\n{d['model']} with synthetic weights, Figure 10's workload and runs (each point's fastest), {budget}; "

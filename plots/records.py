@@ -75,6 +75,11 @@ class Records:
     def commit(self) -> str:
         return ", ".join(self.commits)
 
+    @property
+    def commits_label(self) -> str:
+        """'commit abc1234' or 'commits abc1234, def5678', for a figure's title."""
+        return f"commit{'s' if len(self.commits) > 1 else ''} {self.commit}"
+
 
 def read_json(path: Path) -> Any:
     try:

@@ -91,13 +91,8 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
         ax.set_xlabel("batch")
         ax.set_ylabel("cache hit rate, %")
         ax.legend(fontsize=6, loc="lower left")
-    budget = f"a {d['budget_gb']:g} GB device budget" if d["budget_gb"] else "no device budget"
-    commits = d["records"].commits
-    fig.suptitle(
-        f"Tab. 4 by batch: {d['model']}, Figure 10's runs, {budget}, commit{'s' if len(commits) > 1 else ''} "
-        f"{', '.join(commits)}",
-        fontsize=9,
-    )
+    budget = fig10_throughput.budget_text(d["budget_gb"])
+    fig.suptitle(f"Tab. 4 by batch: {d['model']}, Figure 10's runs, {budget}, {d['records'].commits_label}", fontsize=9)
     save(fig, out)
     return d
 
