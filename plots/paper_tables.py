@@ -150,8 +150,8 @@ def tab4_batch_table(root: Path, folder: str) -> str:
     rows = []
     for r in d["rows"]:
         c, ri, plan = r["clo"], r["retroinfer"], r["plan"]
-        lo, hi = paper.TAB4_HIT_RATE_PERCENT["clo"] if r["seqlen"] == tab4_hit_rate_batch.PAPER_SEQLEN else (0, 0)
-        rows += [
+        band = "{}-{}%".format(*paper.TAB4_HIT_RATE_PERCENT["clo"])
+        rows.append(
             [
                 tokens(r["seqlen"]),
                 r["batch"],
@@ -163,9 +163,9 @@ def tab4_batch_table(root: Path, folder: str) -> str:
                 f1(c["bytes_h2d_per_step"] / 1e6) if c else None,
                 pct(ri, "hit_rate"),
                 f1(ri["bytes_h2d_per_step"] / 1e6) if ri else None,
-                f"{lo}-{hi}%" if hi else None,
+                band if r["seqlen"] == tab4_hit_rate_batch.PAPER_SEQLEN else None,
             ]
-        ]
+        )
     head = [
         "seqlen",
         "batch",
