@@ -82,6 +82,31 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     preflight.check_length(model_cfg, seqlen, gen_tokens)
     stages = StageMarks()
     device = preflight.resolve_device(cfg.device)
+    dtype = preflight.resolve_dtype(cfg.dtype, device)
+    system = build_system(cfg.system, system_name)
+    chunk, fill = numbers.prefill_chunk, numbers.kv_fill
+    what = f"system={system_name} model={model_cfg.name} seqlen={preflight.tokens_text(seqlen)} batch={batch}"
+
+    def plan_of(s: KVSpec) -> preflight.MemoryPlan:  # a changed run, planned by a fresh system: the ways out
+        return preflight.plan_memory(model_cfg, build_system(cfg.system, system_name), s, s.prompt_tokens, chunk, fill)
+
+    def estimate(s: KVSpec) -> preflight.MemoryPlan:  # the same under the run's device budget
+        return plan_of(replace(s, gpu_budget_bytes=preflight.kv_budget(model_cfg, s, numbers.gpu_mem_gb, chunk, fill)))
+
+    shapes = KVSpec(
+        model_cfg.num_layers,
+        batch,
+        seqlen + gen_tokens,
+        model_cfg.num_heads,
+        model_cfg.num_kv_heads,
+        model_cfg.head_dim,
+        dtype,
+        device,
+        prompt_len=seqlen,
+        **preflight.UNMEASURED,
+    )
+    # a point beyond the host's RAM is refused before the device's context starts and anything is measured
+    preflight.check_host_first(model_cfg, system, shapes, chunk, fill, what, plan_of)
     free_at_start = None
     if device.type == "cuda":
         check_huge_pages(numbers)
@@ -89,7 +114,6 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3)  # the first call makes the context
     stages.device = device
     stages.mark("device")  # the driver's start and a context's (on a CPU run: nothing)
-    dtype = preflight.resolve_dtype(cfg.dtype, device)
     source = weights_source(cfg.model)
     if numbers.kv_fill != "prefill" and source != "synthetic":
         raise ConfigError(
@@ -104,31 +128,16 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         key_process = KeyProcess.from_profile(
             cfg.model.synthetic_keys, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, numbers.seed
         )
-    system = build_system(cfg.system, system_name)
     # the link and one layer's dense time are measured first: the system's plan, its memory estimate and its
     # allocation all read them
-    spec = KVSpec(
-        model_cfg.num_layers,
-        batch,
-        seqlen + gen_tokens,
-        model_cfg.num_heads,
-        model_cfg.num_kv_heads,
-        model_cfg.head_dim,
-        dtype,
-        device,
-        prompt_len=seqlen,
+    spec = replace(
+        shapes,
         link_gb_s=link_gb_s(device),
         layer_time_s=model_layer_time_s(model_cfg, batch, device, dtype),
+        gpu_budget_bytes=None,
     )
-    chunk, fill = numbers.prefill_chunk, numbers.kv_fill
     spec = replace(spec, gpu_budget_bytes=preflight.kv_budget(model_cfg, spec, numbers.gpu_mem_gb, chunk, fill))
     plan = preflight.plan_memory(model_cfg, system, spec, seqlen, chunk, fill)
-    what = f"system={system_name} model={model_cfg.name} seqlen={preflight.tokens_text(seqlen)} batch={batch}"
-
-    def estimate(s: KVSpec) -> preflight.MemoryPlan:  # a changed run, planned by a fresh system: the ways out
-        s = replace(s, gpu_budget_bytes=preflight.kv_budget(model_cfg, s, numbers.gpu_mem_gb, chunk, fill))
-        return preflight.plan_memory(model_cfg, build_system(cfg.system, system_name), s, s.prompt_tokens, chunk, fill)
-
     preflight.check_memory(plan, device, numbers.gpu_mem_gb, what, estimate, spec, model_cfg.name)
     decode_mode = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
     if cfg.workload.prompt not in PROMPTS:

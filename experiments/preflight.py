@@ -421,10 +421,15 @@ def shortfall(plan: MemoryPlan, limits: Limits) -> tuple[str, str] | None:
             if plan.kv_host_pinned > plan.kv_host
             else ""
         )
-        return "host", (
-            f"needs about {gb(host_need)} GB of RAM on this host (weights {gb(plan.weights)}, KV "
-            f"{gb(plan.kv_device + plan.kv_host)}{pinned}, activations {gb(plan.activations)}) but "
-            f"{gb(limits.host)} GB is available"
+        held = (  # a GPU run's RAM holds the KV's host stores; a CPU run's holds everything
+            f"weights {gb(plan.weights)}, KV {gb(plan.kv_device + plan.kv_host)}{pinned}, activations "
+            f"{gb(plan.activations)}"
+            if limits.device.type == "cpu"
+            else f"the KV's host stores {gb(plan.kv_host)}{pinned}"
+        )
+        return (
+            "host",
+            f"needs about {gb(host_need)} GB of RAM on this host ({held}) but {gb(limits.host)} GB is available",
         )
     if limits.budget is not None and plan.device_total > limits.budget:
         where = f" ({limits.where})" if limits.where else ""
@@ -444,6 +449,35 @@ def largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
+
+
+# A plan made before the device is measured holds these in place of the link, a layer's time and the budget: no
+# system's host stores depend on the first two, and a budget of 0 leaves each its smallest device share, so its host
+# stores at their least (tests/test_preflight.py checks every system): the host's check then never refuses a run
+# that the full check, after the measurements, would let run.
+UNMEASURED = {"link_gb_s": 1.0, "layer_time_s": 1e-3, "gpu_budget_bytes": 0}
+
+
+def check_host_first(
+    cfg: ModelConfig,
+    system: KVOffloadSystem,
+    spec: KVSpec,
+    chunk: int | None,
+    kv_fill: str,
+    what: str,
+    estimate: Callable[[KVSpec], MemoryPlan],
+) -> None:
+    """On CUDA, refuses a run whose pinned host stores the host's RAM cannot hold before the device's context starts
+    and the link and a layer are measured (`spec` holds UNMEASURED in their place): a sweep's points beyond the
+    host's RAM end without them. The ways out are those that fit the host; the full check follows the measurements
+    (check_memory)."""
+    if spec.device.type != "cuda":  # a CPU run's RAM also holds what a GPU's memory would: the full check decides
+        return
+    plan = plan_memory(cfg, system, spec, spec.prompt_tokens, chunk, kv_fill)
+    limits = Limits(spec.device, host_available_bytes(), None)
+    short = shortfall(plan, limits)
+    if short is not None:
+        raise ConfigError(f"{what} {short[1]}. {ways_out(plan, limits, 'host', estimate, spec, cfg.name)}")
 
 
 def ways_out(

@@ -127,3 +127,38 @@ def test_a_host_short_of_the_pinned_stores_is_refused_saying_so():
     short, why = shortfall(plan, limits)
     assert short == "host" and "pinned as 64.0" in why and "62.0 GB is available" in why
     assert shortfall(replace(plan, kv_host_pinned=60 * GB), limits) is None
+
+
+SYSTEM_NAMES = sorted(p.stem for p in (CONF / "system").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("system", SYSTEM_NAMES)
+def test_the_unmeasured_plan_holds_each_systems_least_host_stores(system):
+    """check_host_first plans with preflight.UNMEASURED in place of the link, a layer's time and the budget: that
+    holds only while no system's host stores depend on the first two and a budget of 0 gives its least."""
+    mc, spec, estimate = setup("llama3", system, 32768, 4, torch.bfloat16)
+    cuda = replace(spec, device=torch.device("cuda"))
+    least = estimate(replace(cuda, **preflight.UNMEASURED))
+    for link, layer_s in ((55.0, 2e-4), (5.0, 5e-2)):
+        same = estimate(replace(cuda, **(preflight.UNMEASURED | {"link_gb_s": link, "layer_time_s": layer_s})))
+        assert (same.kv_host, same.kv_host_pinned) == (least.kv_host, least.kv_host_pinned)
+        for budget in (None, 2 * GB, 8 * GB):
+            p = estimate(replace(cuda, link_gb_s=link, layer_time_s=layer_s, gpu_budget_bytes=budget))
+            assert p.kv_host_pinned >= least.kv_host_pinned, (budget, p.kv_host_pinned, least.kv_host_pinned)
+    assert least.kv_host > 0 or system == "fullattn"
+
+
+def test_a_run_beyond_the_hosts_ram_is_refused_before_any_measurement(monkeypatch):
+    """A CUDA run whose pinned stores the host cannot hold is refused from the unmeasured plan, with the batch that
+    fits the host; a CPU run is left to the full check (its RAM also holds the device's share)."""
+    monkeypatch.setattr(preflight, "host_available_bytes", lambda: 100 * GB)
+    mc, spec, estimate = setup("llama3", "clo", 131072, 8, torch.bfloat16)
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        system = instantiate(compose("config", overrides=["model=llama3", "system=clo"]).system)
+    cuda = replace(spec, device=torch.device("cuda"), **preflight.UNMEASURED)
+    with pytest.raises(ConfigError) as e:
+        preflight.check_host_first(mc, system, cuda, None, "prefill", "this run", estimate)
+    assert re.match(r"this run needs about \S+ GB of RAM on this host .* 100\.0 GB is available", str(e.value))
+    assert "batch=4 or smaller" in str(e.value) and "a machine with more RAM" in str(e.value)
+    preflight.check_host_first(mc, system, replace(cuda, batch=4), None, "prefill", "this run", estimate)
+    preflight.check_host_first(mc, system, spec, None, "prefill", "this run", estimate)  # CPU: not checked here
