@@ -113,7 +113,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         pin_by_register(numbers.pin_threads)
         free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3)  # the first call makes the context
     stages.device = device
-    stages.mark("device")  # the driver's start and a context's (on a CPU run: nothing)
+    stages.mark("device")  # the system's build, the host's check, the driver's start and a context's
     source = weights_source(cfg.model)
     if numbers.kv_fill != "prefill" and source != "synthetic":
         raise ConfigError(
@@ -273,9 +273,9 @@ def check_huge_pages(numbers: preflight.RunNumbers) -> None:
 
 class StageMarks:
     """Each stage's wall time and the device's peak allocation so far at its end: startup (the process's age when
-    the run begins: imports, Hydra), device (the driver's and a context's start), measure, weights, allocate, fill,
-    first_step (the first decode step, eager), decode. Where a sweep's time goes, and which stage set the record's
-    peak_device_gb."""
+    the run begins: imports, Hydra), device (the system's build and the host's check, then the driver's and a
+    context's start), measure, weights, allocate, fill, first_step (the first decode step, eager), decode. Where a
+    sweep's time goes, and which stage set the record's peak_device_gb."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device, self.last = device, time.perf_counter()
