@@ -38,8 +38,7 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> int:
 
 
 def main() -> None:
-    ap = plot_arguments(__doc__)
-    ap.add_argument("--allow-mixed-commits", action="store_true", help="draw records of several commits, labelled")
+    ap = plot_arguments(__doc__, mixed=True)
     args = ap.parse_args()
     print(f"{plot(args.root, args.out, args.allow_mixed_commits)} runs -> {args.out}")
 

@@ -209,11 +209,14 @@ def save(fig, out: Path) -> list[Path]:
     return paths
 
 
-def plot_arguments(doc: str | None) -> argparse.ArgumentParser:
-    """The command line every plot module takes: a records folder and the output's stem (PNG and PDF)."""
+def plot_arguments(doc: str | None, mixed: bool = False) -> argparse.ArgumentParser:
+    """The command line every plot module takes: a records folder and the output's stem (PNG and PDF); with
+    `mixed`, --allow-mixed-commits (args.allow_mixed_commits) for a figure that may draw several commits."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root", type=Path)
     ap.add_argument("--out", type=Path, required=True)
+    if mixed:
+        ap.add_argument("--allow-mixed-commits", action="store_true", help="draw records of several commits")
     return ap
 
 

@@ -98,8 +98,7 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
 
 
 def main() -> None:
-    ap = plot_arguments(__doc__)
-    ap.add_argument("--allow-mixed-commits", action="store_true", help="draw records of several commits")
+    ap = plot_arguments(__doc__, mixed=True)
     args = ap.parse_args()
     d = plot(args.root, args.out, args.allow_mixed_commits)
     for r in d["rows"]:
