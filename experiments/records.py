@@ -5,6 +5,7 @@ atomically; and the end-of-sweep summary (a Hydra callback)."""
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -139,15 +140,22 @@ def git_commit(repo: Path) -> dict[str, Any]:
 THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "NUMBA_")
 
 
-def environment(device: torch.device) -> dict[str, Any]:
-    import transformers
+def package_version(distribution: str) -> str | None:
+    """An installed distribution's version, read from its metadata: importing the package to read its __version__
+    would cost every forked sweep job that does not use it a second or more (flashinfer, transformers)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
+
+def environment(device: torch.device) -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "transformers": package_version("transformers"),
         "device": str(device),
         # which physical GPU a job of a multi-GPU sweep ran on (experiments.gpu_assign pins it here)
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -160,12 +168,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
         env["gpu_mem_total_gb"] = round(torch.cuda.get_device_properties(device).total_memory / 1024**3, 1)
-    try:
-        import flashinfer
-
-        env["flashinfer"] = flashinfer.__version__
-    except ImportError:
-        env["flashinfer"] = None
+    env["flashinfer"] = package_version("flashinfer-python")
     return env
 
 

@@ -539,6 +539,18 @@ def test_the_record_names_the_thread_runtimes_settings(monkeypatch):
     assert got["OMP_WAIT_POLICY"] == "ACTIVE" and "SECRET_TOKEN" not in got
 
 
+def test_the_record_reads_package_versions_without_importing_them():
+    """A forked sweep job imports nothing for its record's versions: importing transformers (and flashinfer on a
+    GPU) to read __version__ cost each job a second or more."""
+    code = (
+        "import sys, torch; from experiments.records import environment; e = environment(torch.device('cpu')); "
+        "print(sorted(m for m in ('transformers', 'flashinfer') if m in sys.modules)); "
+        "import transformers; print(e['transformers'] == transformers.__version__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.split() == ["[]", "True"]
+
+
 def test_a_forked_job_killed_without_a_record_gets_a_failed_one(tmp_path):
     """A child that dies by a signal (the OOM killer's) leaves no record: the sweep writes a failed one and goes on,
     also where a failed record of an earlier sweep lay (its old error is not this run's)."""
