@@ -130,13 +130,9 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         )
     # the link and one layer's dense time are measured first: the system's plan, its memory estimate and its
     # allocation all read them
-    spec = replace(
-        shapes,
-        link_gb_s=link_gb_s(device),
-        layer_time_s=model_layer_time_s(model_cfg, batch, device, dtype),
-        gpu_budget_bytes=None,
-    )
-    spec = replace(spec, gpu_budget_bytes=preflight.kv_budget(model_cfg, spec, numbers.gpu_mem_gb, chunk, fill))
+    link, layer_s = link_gb_s(device), model_layer_time_s(model_cfg, batch, device, dtype)
+    budget = preflight.kv_budget(model_cfg, shapes, numbers.gpu_mem_gb, chunk, fill)  # reads neither placeholder
+    spec = replace(shapes, link_gb_s=link, layer_time_s=layer_s, gpu_budget_bytes=budget)
     plan = preflight.plan_memory(model_cfg, system, spec, seqlen, chunk, fill)
     preflight.check_memory(plan, device, numbers.gpu_mem_gb, what, estimate, spec, model_cfg.name)
     decode_mode = preflight.resolve_decode_mode(cfg.decode_mode, device, system)

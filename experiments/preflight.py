@@ -474,10 +474,7 @@ def check_host_first(
     if spec.device.type != "cuda":  # a CPU run's RAM also holds what a GPU's memory would: the full check decides
         return
     plan = plan_memory(cfg, system, spec, spec.prompt_tokens, chunk, kv_fill)
-    limits = Limits(spec.device, host_available_bytes(), None)
-    short = shortfall(plan, limits)
-    if short is not None:
-        raise ConfigError(f"{what} {short[1]}. {ways_out(plan, limits, 'host', estimate, spec, cfg.name)}")
+    refuse_if_short(plan, Limits(spec.device, host_available_bytes(), None), what, estimate, spec, cfg.name)
 
 
 def ways_out(
@@ -553,8 +550,20 @@ def check_memory(
     say which changes would fit). Returns the KV system's device-memory budget in bytes, or None where no budget
     applies (a CPU run without hardware.gpu_mem_gb). On a CPU run, gpu_mem_gb emulates a card's memory."""
     limits = memory_limits(device, gpu_mem_gb)
+    refuse_if_short(plan, limits, what, estimate, spec, model_name)
+    return None if limits.budget is None else limits.budget - plan.weights - plan.activations
+
+
+def refuse_if_short(
+    plan: MemoryPlan,
+    limits: Limits,
+    what: str,
+    estimate: Callable[[KVSpec], MemoryPlan] | None,
+    spec: KVSpec | None,
+    model_name: str | None,
+) -> None:
+    """The refusal of a plan that `limits` cannot hold: which memory is short, by how much, and the ways out."""
     short = shortfall(plan, limits)
     if short is not None:
         kind, sentence = short
         raise ConfigError(f"{what} {sentence}. {ways_out(plan, limits, kind, estimate, spec, model_name)}")
-    return None if limits.budget is None else limits.budget - plan.weights - plan.activations
