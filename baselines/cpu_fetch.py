@@ -33,7 +33,7 @@ CHUNK_ROWS = 32768
 # against every core, in one device call) of results/infinigen_threads/. It lies between the largest fetch where
 # half the cores stepped fastest at BSZ > 1 and the smallest where every core did. At BSZ 1 half the cores stepped
 # fastest at every length measured up to 128K (not explained); the one BSZ 1 fetch above ALL_CORES_FETCH_BYTES_BSZ1
-# measured (512K) ran fastest on every core, in a run of its own, not a pair (results/fig10_throughput_512k/)
+# measured (512K) ran fastest on every core, in a run of its own, not a pair (results/LEDGER.md, fig10_throughput_512k)
 ALL_CORES_FETCH_BYTES = 32 << 20
 ALL_CORES_FETCH_BYTES_BSZ1 = 128 << 20
 
