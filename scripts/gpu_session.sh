@@ -20,11 +20,21 @@ out=$(mktemp -d /tmp/gpu_session.XXXX)  # fresh: a machine kept warm between cal
 # RESUME=<folder>: an earlier call's runs/ (from its gpu_session.tgz, in a git-ignored folder the call carries); its
 # records of this commit are copied in, so a sweep cut short by that call's 10 minutes goes on where it stopped
 [[ -z "${RESUME:-}" ]] || python3 scripts/resume_runs.py "$RESUME" "$out/runs" "$commit" | tee "$out/resume.log"
+# CALL_SECS: the device call's limit (run's timeout_s; 600 s). Each stage's box is cut to what is left of it less
+# PACK_SECS, so that the pack after the stage runs before the call ends: a stage the call's limit killed would take
+# the output of its whole box with it (a sweep's records, a resume's starting point)
+deadline=$((SECONDS + ${CALL_SECS:-600} - ${PACK_SECS:-20}))
 stage() {  # stage <name> <seconds> <command...>
   local name=$1 secs=$2
   shift 2
   [[ "$only" == "  " || "$only" == *" $name "* ]] || return 0
-  echo "== $name" | tee -a "$out/summary.log"
+  local left=$((deadline - SECONDS))
+  if ((left < 5)); then
+    echo "== $name: not run, ${left} s left before the call's end (CALL_SECS)" | tee -a "$out/summary.log"
+    return 0
+  fi
+  ((left < secs)) && secs=$left
+  echo "== $name (box ${secs} s)" | tee -a "$out/summary.log"
   timeout "$secs" "$@" > "$out/$name.log" 2>&1
   echo "   exit $?" | tee -a "$out/summary.log"
   grep -v '%|' "$out/$name.log" | tail -5 | tee -a "$out/summary.log"

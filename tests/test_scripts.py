@@ -11,6 +11,23 @@ def test_gpu_session_script_parses():
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts/gpu_session.sh")]).returncode == 0
 
 
+def test_gpu_session_cuts_each_stage_to_the_calls_end(tmp_path):
+    """A stage's box is cut to what is left of the call (CALL_SECS) less the pack's margin, and a stage with no time
+    left is not started: the pack after each stage must run before the device call ends."""
+    import os
+
+    def session(call_secs: int) -> str:
+        env = {**os.environ, "OUT": str(tmp_path), "CALL_SECS": str(call_secs), "PACK_SECS": "20"}
+        cmd = ["bash", "scripts/gpu_session.sh", "abc1234", "skew_eigh"]
+        subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=120)
+        return (tmp_path / "summary.log").read_text()
+
+    first = session(30).splitlines()[0]  # skew_eigh's own box is 60 s
+    assert first.startswith("== skew_eigh (box ") and 0 < int(first.split("box ")[1].split()[0]) <= 10, first
+    assert (tmp_path / "gpu_session.tgz").exists()
+    assert session(21).startswith("== skew_eigh: not run, ")
+
+
 def test_touch_host_memory_refuses_more_than_available_and_touches_what_fits():
     script = str(ROOT / "scripts/touch_host_memory.py")
     p = subprocess.run([sys.executable, script, "--gb", "1e9"], capture_output=True, text=True)
