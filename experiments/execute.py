@@ -105,8 +105,9 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         prompt_len=seqlen,
         **preflight.UNMEASURED,
     )
-    # a point beyond the host's RAM is refused before the device's context starts and anything is measured
-    preflight.check_host_first(model_cfg, system, shapes, chunk, fill, what, plan_of)
+    # a point beyond the host's RAM or the budget is refused before the device's context starts and anything is
+    # measured
+    preflight.check_before_measuring(model_cfg, system, shapes, chunk, fill, what, plan_of, numbers.gpu_mem_gb)
     free_at_start = None
     if device.type == "cuda":
         check_huge_pages(numbers)

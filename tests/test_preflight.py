@@ -133,9 +133,10 @@ SYSTEM_NAMES = sorted(p.stem for p in (CONF / "system").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("system", SYSTEM_NAMES)
-def test_the_unmeasured_plan_holds_each_systems_least_host_stores(system):
-    """check_host_first plans with preflight.UNMEASURED in place of the link, a layer's time and the budget: that
-    holds only while no system's host stores depend on the first two and a budget of 0 gives its least."""
+def test_the_unmeasured_plan_holds_each_systems_least_stores(system):
+    """check_before_measuring plans with preflight.UNMEASURED in place of the link, a layer's time and the budget:
+    that holds only while no system's host stores depend on the first two and a budget of 0 gives its least host
+    stores and its least device share."""
     mc, spec, estimate = setup("llama3", system, 32768, 4, torch.bfloat16)
     cuda = replace(spec, device=torch.device("cuda"))
     least = estimate(replace(cuda, **preflight.UNMEASURED))
@@ -145,20 +146,45 @@ def test_the_unmeasured_plan_holds_each_systems_least_host_stores(system):
         for budget in (None, 2 * GB, 8 * GB):
             p = estimate(replace(cuda, link_gb_s=link, layer_time_s=layer_s, gpu_budget_bytes=budget))
             assert p.kv_host_pinned >= least.kv_host_pinned, (budget, p.kv_host_pinned, least.kv_host_pinned)
+            assert p.device_total >= least.device_total, (budget, p.device_total, least.device_total)
     assert least.kv_host > 0 or system == "fullattn"
+
+
+def before_measuring(monkeypatch, system: str, seqlen: int, batch: int, gpu_mem_gb: float | None, device="cuda"):
+    """preflight.check_before_measuring for a run of Llama-3 shapes on a host with 100 GB of RAM; the device's
+    memory is never queried (its function fails the test)."""
+    monkeypatch.setattr(preflight, "host_available_bytes", lambda: 100 * GB)
+    monkeypatch.setattr(preflight, "device_memory", lambda device: pytest.fail("the device was queried"))
+    mc, spec, estimate = setup("llama3", system, seqlen, batch, torch.bfloat16)
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        built = instantiate(compose("config", overrides=["model=llama3", f"system={system}"]).system)
+    run = replace(spec, device=torch.device(device), **preflight.UNMEASURED)
+    preflight.check_before_measuring(mc, built, run, None, "prefill", "this run", estimate, gpu_mem_gb)
 
 
 def test_a_run_beyond_the_hosts_ram_is_refused_before_any_measurement(monkeypatch):
     """A CUDA run whose pinned stores the host cannot hold is refused from the unmeasured plan, with the batch that
     fits the host; a CPU run is left to the full check (its RAM also holds the device's share)."""
-    monkeypatch.setattr(preflight, "host_available_bytes", lambda: 100 * GB)
-    mc, spec, estimate = setup("llama3", "clo", 131072, 8, torch.bfloat16)
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        system = instantiate(compose("config", overrides=["model=llama3", "system=clo"]).system)
-    cuda = replace(spec, device=torch.device("cuda"), **preflight.UNMEASURED)
     with pytest.raises(ConfigError) as e:
-        preflight.check_host_first(mc, system, cuda, None, "prefill", "this run", estimate)
+        before_measuring(monkeypatch, "clo", 131072, 8, None)
     assert re.match(r"this run needs about \S+ GB of RAM on this host .* 100\.0 GB is available", str(e.value))
     assert "batch=4 or smaller" in str(e.value) and "a machine with more RAM" in str(e.value)
-    preflight.check_host_first(mc, system, replace(cuda, batch=4), None, "prefill", "this run", estimate)
-    preflight.check_host_first(mc, system, spec, None, "prefill", "this run", estimate)  # CPU: not checked here
+    before_measuring(monkeypatch, "clo", 131072, 4, None)
+    before_measuring(monkeypatch, "clo", 131072, 8, None, device="cpu")  # CPU: not checked here
+
+
+def test_a_run_beyond_the_budget_is_refused_before_any_measurement(monkeypatch):
+    """FullAttn's KV beyond hardware.gpu_mem_gb is refused from the unmeasured plan, without querying the device,
+    with the largest batch the budget holds; an offloading system's least device plan fits where FullAttn's does
+    not. A budget below the weights is left to kv_budget's message (the weights alone)."""
+    with pytest.raises(ConfigError) as e:
+        before_measuring(monkeypatch, "fullattn", 32768, 8, 48)
+    msg = str(e.value)
+    assert re.match(r"this run needs about \S+ GB of GPU memory .* but the budget is 48\.0 GB \(hardware", msg)
+    largest = int(re.search(r"batch=(\d+) or smaller", msg).group(1))
+    assert "an offloading system" in msg and "a larger hardware.gpu_mem_gb" in msg
+    before_measuring(monkeypatch, "fullattn", 32768, largest, 48)
+    with pytest.raises(ConfigError):
+        before_measuring(monkeypatch, "fullattn", 32768, largest + 1, 48)
+    before_measuring(monkeypatch, "clo", 32768, 8, 48)
+    before_measuring(monkeypatch, "fullattn", 32768, 8, 10)  # below the weights (15 GB): not this check's refusal
