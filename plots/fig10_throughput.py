@@ -33,6 +33,8 @@ from plots.records import (  # noqa: E402
 )
 
 BASELINES = ("retroinfer", "infinigen")  # the offloading baselines CLO is compared with
+REFUSED_MARKERS = {"OOM": "x", "RAM": "+"}
+REFUSED_LABELS = {"OOM": "refused: device budget (OOM)", "RAM": "refused: host RAM"}
 
 
 def data(root: Path, allow_mixed: bool = False) -> dict:
@@ -115,11 +117,12 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
             if xs:
                 ax.plot(xs, [pts[(s, n, b)]["decode_tokens_per_s"] for b in xs], "o-", color=f"C{i}", label=SYSTEMS[s])
         floor = ax.get_ylim()[0]
-        for i, s in enumerate(SYSTEMS):  # refused: the point does not fit the budget (OOM) or the host (RAM)
-            for why, marker in (("OOM", "x"), ("RAM", "+")):
+        for why, marker in REFUSED_MARKERS.items():  # the point does not fit the budget (OOM) or the host (RAM)
+            for i, s in enumerate(SYSTEMS):  # in the system's colour; the legend names the kind once, in grey
                 xs = [b for x, m, b, w in d["refused"] if x == s and m == n and w == why]
-                if xs:
-                    ax.plot(xs, [floor] * len(xs), marker, color=f"C{i}", ms=9, label=f"{SYSTEMS[s]}: {why}")
+                ax.plot(xs, [floor] * len(xs), marker, color=f"C{i}", ms=9)
+            if any(m == n and w == why for _, m, _, w in d["refused"]):
+                ax.plot([], [], marker, color="gray", ms=9, label=REFUSED_LABELS[why])
         ax.set_xscale("log", base=2)
         ax.set_title(f"{tokens(n)}", fontsize=9)
         ax.set_xlabel("batch")
