@@ -16,9 +16,17 @@ export CLO_GIT_COMMIT=$commit PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD
 mkdir -p "${OUT:-/tmp}"  # OUT=$OUT/b: a second sweep's packed output beside the first's
-out=$(mktemp -d /tmp/gpu_session.XXXX)  # fresh: a machine kept warm between calls keeps /tmp, and runs skip existing records
+tmp=${GPU_SESSION_TMP:-/tmp}
+out=$(mktemp -d "$tmp/gpu_session.XXXX")  # fresh: a machine kept warm between calls keeps /tmp, and runs skip existing records
 # RESUME=<folder>: an earlier call's runs/ (from its gpu_session.tgz, in a git-ignored folder the call carries); its
-# records of this commit are copied in, so a sweep cut short by that call's 10 minutes goes on where it stopped
+# records of this commit are copied in, so a sweep cut short by that call's 10 minutes goes on where it stopped.
+# RESUME=warm: the runs/ of this machine's last call, when the machine is still the one that made it (it stays
+# warm a short while between calls); on a fresh machine nothing is resumed
+if [[ "${RESUME:-}" == warm ]]; then
+  RESUME=$(ls -td "$tmp"/gpu_session.*/runs 2>/dev/null | grep -v "^$out/" | head -1)
+  [[ -n "$RESUME" ]] || echo "RESUME=warm: no earlier call's runs on this machine (a fresh one): nothing resumed" |
+    tee "$out/resume.log"
+fi
 [[ -z "${RESUME:-}" ]] || python3 scripts/resume_runs.py "$RESUME" "$out/runs" "$commit" | tee "$out/resume.log"
 # CALL_SECS: the device call's limit (run's timeout_s; 600 s). Each stage's box is cut to what is left of it less
 # PACK_SECS, so that the pack after the stage runs before the call ends: a stage the call's limit killed would take

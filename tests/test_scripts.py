@@ -17,7 +17,8 @@ def test_gpu_session_cuts_each_stage_to_the_calls_end(tmp_path):
     import os
 
     def session(call_secs: int) -> str:
-        env = {**os.environ, "OUT": str(tmp_path), "CALL_SECS": str(call_secs), "PACK_SECS": "20"}
+        env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_TMP": str(tmp_path), "CALL_SECS": str(call_secs)}
+        env["PACK_SECS"] = "20"
         cmd = ["bash", "scripts/gpu_session.sh", "abc1234", "skew_eigh"]
         subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=120)
         return (tmp_path / "summary.log").read_text()
@@ -26,6 +27,23 @@ def test_gpu_session_cuts_each_stage_to_the_calls_end(tmp_path):
     assert first.startswith("== skew_eigh (box ") and 0 < int(first.split("box ")[1].split()[0]) <= 10, first
     assert (tmp_path / "gpu_session.tgz").exists()
     assert session(21).startswith("== skew_eigh: not run, ")
+
+
+def test_gpu_session_resumes_the_last_call_on_a_warm_machine(tmp_path):
+    """RESUME=warm takes the runs/ of the newest earlier session folder on this machine (GPU_SESSION_TMP stands for
+    /tmp), and says so when there is none."""
+    import json
+    import os
+
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_SESSION_TMP": str(tmp_path), "RESUME": "warm"}
+    cmd = ["bash", "scripts/gpu_session.sh", "abc1234", "no_such_stage"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert "nothing resumed" in p.stdout, p.stdout + p.stderr
+    record = tmp_path / "gpu_session.old1" / "runs" / "seqlen=8k,system=clo-1" / "record.json"
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"status": "ok", "environment": {"git": {"commit": "abc1234"}}}))
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert f"resumed 1 of 1 records (ok, commit abc1234) from {record.parents[1]}" in p.stdout, p.stdout + p.stderr
 
 
 def test_touch_host_memory_refuses_more_than_available_and_touches_what_fits():
