@@ -452,9 +452,11 @@ def largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
 
 
 # A plan made before the device is measured holds these in place of the link, a layer's time and the budget: no
-# system's host stores depend on the first two, and a budget of 0 leaves each its smallest device share and its host
-# stores at their least (tests/test_preflight.py checks every system): the check before measuring then never
-# refuses a run that the full check, after the measurements, would let run.
+# system's host stores depend on the first two, and a budget of 0 leaves each its host stores at their least
+# (tests/test_preflight.py checks every system), so the host's check before measuring never refuses a run that the
+# full check, after the measurements, would let run. A system's least device share is not always at budget 0 (CLO
+# at a top-k near 1 grows when it demotes a persistent head), so the budget is checked then only for a plan that
+# keeps no host stores, whose device share depends on no measurement (FullAttn's).
 UNMEASURED = {"link_gb_s": 1.0, "layer_time_s": 1e-3, "gpu_budget_bytes": 0}
 
 
@@ -469,14 +471,14 @@ def check_before_measuring(
     gpu_mem_gb: float | None,
 ) -> None:
     """On CUDA, refuses before the device's context starts and the link and a layer are measured (`spec` holds
-    UNMEASURED in their place) a run whose pinned host stores the host's RAM cannot hold, or whose least device plan
-    hardware.gpu_mem_gb cannot: a sweep's points beyond either end in a fraction of a second, without a context. A
-    budget below the weights is left to kv_budget's message; the budget above the device's memory and the full
-    check follow the measurements (check_memory), with the free memory in the message."""
+    UNMEASURED in their place) a run whose pinned host stores the host's RAM cannot hold, or that keeps all its KV
+    on the device beyond hardware.gpu_mem_gb: a sweep's points beyond either end without a context. A budget below
+    the weights is left to kv_budget's message; an offloading system's budget, the budget above the device's memory
+    and the full check follow the measurements (check_memory), with the free memory in the message."""
     if spec.device.type != "cuda":  # a CPU run's RAM also holds what a GPU's memory would: the full check decides
         return
     plan = plan_memory(cfg, system, spec, spec.prompt_tokens, chunk, kv_fill)
-    budget = None if gpu_mem_gb is None else int(gpu_mem_gb * GB)
+    budget = None if gpu_mem_gb is None or plan.kv_host else int(gpu_mem_gb * GB)
     if budget is not None and budget <= plan.weights:
         budget = None
     limits = Limits(spec.device, host_available_bytes(), budget, "hardware.gpu_mem_gb", emulated=True)

@@ -120,7 +120,8 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
         for why, marker in REFUSED_MARKERS.items():  # the point does not fit the budget (OOM) or the host (RAM)
             for i, s in enumerate(SYSTEMS):  # in the system's colour; the legend names the kind once, in grey
                 xs = [b for x, m, b, w in d["refused"] if x == s and m == n and w == why]
-                ax.plot(xs, [floor] * len(xs), marker, color=f"C{i}", ms=9)
+                if xs:
+                    ax.plot(xs, [floor] * len(xs), marker, color=f"C{i}", ms=9)
             if any(m == n and w == why for _, m, _, w in d["refused"]):
                 ax.plot([], [], marker, color="gray", ms=9, label=REFUSED_LABELS[why])
         ax.set_xscale("log", base=2)

@@ -16,15 +16,20 @@ export CLO_GIT_COMMIT=$commit PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD
 mkdir -p "${OUT:-/tmp}"  # OUT=$OUT/b: a second sweep's packed output beside the first's
-tmp=${GPU_SESSION_TMP:-/tmp}
-out=$(mktemp -d "$tmp/gpu_session.XXXX")  # fresh: a machine kept warm between calls keeps /tmp, and runs skip existing records
+# SWEEP names this sweep's session folder (default "main"; a second sweep in the same call takes another name, as
+# it takes OUT=$OUT/b), so that RESUME=warm finds the right one
+tmp=${GPU_SESSION_TMP:-/tmp} sweep=${SWEEP:-main}
+[[ "$sweep" =~ ^[A-Za-z0-9_-]+$ ]] || { echo "error: SWEEP=$sweep: letters, digits, _ and - only" >&2; exit 2; }
+# the newest earlier session folder of this sweep on this machine (a machine kept warm between calls keeps /tmp)
+last=$(ls -td "$tmp/gpu_session.$sweep".*/runs 2>/dev/null | head -1)
+out=$(mktemp -d "$tmp/gpu_session.$sweep.XXXX")  # fresh: runs skip existing records
 # RESUME=<folder>: an earlier call's runs/ (from its gpu_session.tgz, in a git-ignored folder the call carries); its
 # records of this commit are copied in, so a sweep cut short by that call's 10 minutes goes on where it stopped.
-# RESUME=warm: the runs/ of this machine's last call, when the machine is still the one that made it (it stays
-# warm a short while between calls); on a fresh machine nothing is resumed
+# RESUME=warm: the runs/ of this machine's last call of the same SWEEP, while the machine is still the one that made
+# it (it stays warm a short while between calls); on a fresh machine nothing is resumed
 if [[ "${RESUME:-}" == warm ]]; then
-  RESUME=$(ls -td "$tmp"/gpu_session.*/runs 2>/dev/null | grep -v "^$out/" | head -1)
-  [[ -n "$RESUME" ]] || echo "RESUME=warm: no earlier call's runs on this machine (a fresh one): nothing resumed" |
+  RESUME=$last
+  [[ -n "$RESUME" ]] || echo "RESUME=warm: no earlier call's runs of SWEEP=$sweep on this machine: nothing resumed" |
     tee "$out/resume.log"
 fi
 [[ -z "${RESUME:-}" ]] || python3 scripts/resume_runs.py "$RESUME" "$out/runs" "$commit" | tee "$out/resume.log"
@@ -43,7 +48,7 @@ stage() {  # stage <name> <seconds> <command...>
   fi
   ((left < secs)) && secs=$left
   echo "== $name (box ${secs} s)" | tee -a "$out/summary.log"
-  timeout "$secs" "$@" > "$out/$name.log" 2>&1
+  timeout -k 5 "$secs" "$@" > "$out/$name.log" 2>&1  # killed 5 s after its TERM: the pack's margin holds
   echo "   exit $?" | tee -a "$out/summary.log"
   grep -v '%|' "$out/$name.log" | tail -5 | tee -a "$out/summary.log"
   tar -czf "${OUT:-/tmp}/gpu_session.tgz" -C "$out" .  # after every stage: a call cut short keeps what finished

@@ -3,6 +3,7 @@ machine does not have before touching anything, and touches what it is asked to.
 
 import subprocess
 import sys
+from pathlib import Path
 
 from kvoffload.paths import ROOT
 
@@ -11,39 +12,61 @@ def test_gpu_session_script_parses():
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts/gpu_session.sh")]).returncode == 0
 
 
+def gpu_session(tmp_path, *stages: str, **env: str) -> subprocess.CompletedProcess:
+    """scripts/gpu_session.sh with commit abc1234 and the stages named, its session folders under tmp_path (for
+    /tmp) and stand-ins first on PATH: nvidia-smi and python3 do nothing (no wheels installed, no stage's command
+    run) but scripts/resume_runs.py, which runs in this interpreter."""
+    import os
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    (bin_ / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (bin_ / "python3").write_text(
+        f'#!/bin/sh\ncase "$1" in scripts/resume_runs.py) exec "{sys.executable}" "$@";; esac\nexit 0\n'
+    )
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    full = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    full |= {"GPU_SESSION_TMP": str(tmp_path), **env}
+    cmd = ["bash", "scripts/gpu_session.sh", "abc1234", *stages]
+    return subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=60)
+
+
 def test_gpu_session_cuts_each_stage_to_the_calls_end(tmp_path):
     """A stage's box is cut to what is left of the call (CALL_SECS) less the pack's margin, and a stage with no time
     left is not started: the pack after each stage must run before the device call ends."""
-    import os
-
-    def session(call_secs: int) -> str:
-        env = {**os.environ, "OUT": str(tmp_path), "GPU_SESSION_TMP": str(tmp_path), "CALL_SECS": str(call_secs)}
-        env["PACK_SECS"] = "20"
-        cmd = ["bash", "scripts/gpu_session.sh", "abc1234", "skew_eigh"]
-        subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=120)
-        return (tmp_path / "summary.log").read_text()
-
-    first = session(30).splitlines()[0]  # skew_eigh's own box is 60 s
-    assert first.startswith("== skew_eigh (box ") and 0 < int(first.split("box ")[1].split()[0]) <= 10, first
-    assert (tmp_path / "gpu_session.tgz").exists()
-    assert session(21).startswith("== skew_eigh: not run, ")
+    gpu_session(tmp_path, "skew_eigh", CALL_SECS="30", PACK_SECS="20")
+    first = (tmp_path / "out" / "summary.log").read_text().splitlines()[0]  # skew_eigh's own box is 60 s
+    assert first.startswith("== skew_eigh (box ") and 5 <= int(first.split("box ")[1].split()[0]) <= 10, first
+    assert (tmp_path / "out" / "gpu_session.tgz").exists()
+    gpu_session(tmp_path, "skew_eigh", CALL_SECS="21", PACK_SECS="20")
+    assert (tmp_path / "out" / "summary.log").read_text().startswith("== skew_eigh: not run, ")
 
 
-def test_gpu_session_resumes_the_last_call_on_a_warm_machine(tmp_path):
-    """RESUME=warm takes the runs/ of the newest earlier session folder on this machine (GPU_SESSION_TMP stands for
-    /tmp), and says so when there is none."""
+def test_gpu_session_resumes_the_last_call_of_its_sweep_on_a_warm_machine(tmp_path):
+    """RESUME=warm takes the runs/ of the newest earlier session folder of the same SWEEP on this machine, and says
+    so when there is none."""
     import json
     import os
 
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_SESSION_TMP": str(tmp_path), "RESUME": "warm"}
-    cmd = ["bash", "scripts/gpu_session.sh", "abc1234", "no_such_stage"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    p = gpu_session(tmp_path, "no_such_stage", RESUME="warm")
     assert "nothing resumed" in p.stdout, p.stdout + p.stderr
-    record = tmp_path / "gpu_session.old1" / "runs" / "seqlen=8k,system=clo-1" / "record.json"
-    record.parent.mkdir(parents=True)
-    record.write_text(json.dumps({"status": "ok", "environment": {"git": {"commit": "abc1234"}}}))
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert f"resumed 1 of 1 records (ok, commit abc1234) from {record.parents[1]}" in p.stdout, p.stdout + p.stderr
+
+    def earlier(name: str, age_s: int, sweep: str = "main") -> Path:
+        runs = tmp_path / f"gpu_session.{sweep}.{name}" / "runs"
+        record = runs / f"seqlen=8k,system={name}-1" / "record.json"
+        record.parent.mkdir(parents=True)
+        record.write_text(json.dumps({"status": "ok", "environment": {"git": {"commit": "abc1234"}}}))
+        os.utime(runs, (runs.stat().st_mtime - age_s,) * 2)
+        return runs
+
+    earlier("old1", 100)
+    newest = earlier("new1", 10)
+    earlier("other", 0, sweep="b")  # newer, of another sweep
+    p = gpu_session(tmp_path, "no_such_stage", RESUME="warm")
+    assert f"resumed 1 of 1 records (ok, commit abc1234) from {newest}" in p.stdout, p.stdout + p.stderr
+    p = gpu_session(tmp_path, "no_such_stage", RESUME="warm", SWEEP="b c")
+    assert p.returncode == 2 and "SWEEP=b c: letters" in p.stderr
 
 
 def test_touch_host_memory_refuses_more_than_available_and_touches_what_fits():
