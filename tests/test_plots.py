@@ -209,6 +209,19 @@ def test_committed_hit_rates_and_memory(tmp_path):
     assert [round(r["vs_base_percent"], 1) for r in gpu.values()] == [0.0, -36.1, -38.1, -50.9]
 
 
+def test_the_committed_figure_10_readme_quotes_its_records():
+    """results/fig10_throughput/README.md's tables are the ones its records give (plots.paper_tables.fig10_table),
+    and the range of ratios it states is theirs: 1.51-2.41x over 16 points."""
+    from plots import paper_tables
+
+    table = paper_tables.fig10_table(RESULTS / "fig10_throughput", "fig10_throughput")
+    readme = (RESULTS / "fig10_throughput" / "README.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) > 40 and all(row in readme for row in rows), [r for r in rows if r not in readme][:3]
+    ratios = fig10_throughput.data(RESULTS / "fig10_throughput")["speedup"].values()
+    assert len(ratios) == 16 and f"{min(ratios):.2f}-{max(ratios):.2f}x" == "1.51-2.41x"
+
+
 def test_throughput_from_run_records(tmp_path):
     recs = {}
     for s, tps in (("clo", 120.0), ("retroinfer", 100.0), ("infinigen", 80.0), ("fullattn", 150.0)):
