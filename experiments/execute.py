@@ -76,6 +76,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     # ---- everything that can be refused is checked before any weight is loaded --------------------------
     preflight.check_decode_workload(cfg)
     numbers = preflight.check_numbers(cfg)
+    preflight.check_kv_fill(cfg, numbers.kv_fill)
     check_system_settings(OmegaConf.to_container(cfg.system, resolve=True))
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
     seqlen, batch, gen_tokens = numbers.seqlen, numbers.batch, numbers.gen_tokens
@@ -116,16 +117,10 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     stages.device = device
     stages.mark("device")  # the system's build, the host's check, the driver's start and a context's
     source = weights_source(cfg.model)
-    if numbers.kv_fill != "prefill" and source != "synthetic":
-        raise ConfigError(
-            f"workload.kv_fill={numbers.kv_fill} is for synthetic weights (speed runs); real weights prefill"
-        )
     key_process = None
     if numbers.kv_fill == "key_process":  # loads and checks its profile now
         from experiments.key_process import KeyProcess
 
-        if not cfg.model.get("synthetic_keys"):
-            raise ConfigError(f"workload.kv_fill=key_process: model {cfg.model.name} has no synthetic_keys profile")
         key_process = KeyProcess.from_profile(
             cfg.model.synthetic_keys, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, numbers.seed
         )

@@ -125,6 +125,16 @@ def check_decode_workload(cfg) -> None:
         raise ConfigError("workload=accuracy runs lm-eval tasks: python -m experiments.accuracy [overrides] (README)")
 
 
+def check_kv_fill(cfg, kv_fill: str) -> None:
+    """A KV filled without a prefill (projection, key process) is for synthetic weights, and the key process needs
+    the model's synthetic_keys profile: bad input for every job of that model, refused before a sweep's first."""
+    weights = "hf" if cfg.model.get("path") else cfg.model.weights
+    if kv_fill != "prefill" and weights != "synthetic":
+        raise ConfigError(f"workload.kv_fill={kv_fill} is for synthetic weights (speed runs); real weights prefill")
+    if kv_fill == "key_process" and not cfg.model.get("synthetic_keys"):
+        raise ConfigError(f"workload.kv_fill=key_process: model {cfg.model.name} has no synthetic_keys profile")
+
+
 def check_numbers(cfg) -> RunNumbers:
     """Every top-level number and switch of a run, checked: one ConfigError naming the key and its value."""
     for key in ("force", "profile_phases", "workload.stop_at_eos", "wandb.enabled"):

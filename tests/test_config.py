@@ -307,6 +307,14 @@ def test_the_beyond_bundle_is_figure_10s_settings_on_its_own_grid():
         (["system.eta=0.5"], ["system.eta: this run's system (its default) has no setting 'eta'; clo has it"]),
         (["system=retroinfer", "system.topk_x=1"], ["system=retroinfer has no setting 'topk_x'; no system config"]),
         (["workload=accuracy"], ["python -m experiments.accuracy"]),
+        (  # the bundle fills the KV by its key process: real SmolLM2 weights prefill instead, in every job
+            ["--multirun", "+experiment=fig10_throughput", "model=smollm2", "seqlen=1k"],
+            ["workload.kv_fill=key_process is for synthetic weights", "(job 1 of 28"],
+        ),
+        (
+            ["workload.kv_fill=key_process", "model.weights=synthetic", "model.synthetic_keys=null"],
+            ["no synthetic_keys"],
+        ),
         (["system=retroinfer", "system.sink=abc"], ["system.sink='abc': expected an integer (RetroInfer's sink)"]),
         (["system=clo", "system.eta=x"], ["system.eta='x': expected a number (CLO's eta)"]),  # via its CLOConfig
         (["system=clo", "system.hash_weights=3"], ["expected a string or null"]),
