@@ -80,6 +80,19 @@ FIGURES = (
         {"allow_mixed": True},
     ),
     Figure(
+        "fig10_throughput_nobudget",
+        "fig10_throughput_nobudget",
+        fig10_throughput.plot,
+        "paper Fig. 10's grid without a device budget",
+    ),
+    Figure(
+        "fig10_beyond",
+        "fig10_beyond",
+        fig10_throughput.plot,
+        "beyond Fig. 10: BSZ 128-256 at 1K-4K, 768K-1M at BSZ 1",
+        {"allow_mixed": True},
+    ),
+    Figure(
         "fig10_throughput_qwen25",
         "fig10_throughput_qwen25",
         fig10_throughput.plot,
