@@ -35,7 +35,7 @@ def report(results: Path, out: Path, figures: Path) -> str:
         image = f"![{f.name}]({link})" if png.exists() else f"(figure not built: `python -m plots.all --out {figures}`)"
         parts.append(f"## {f.what}\n\n{image}\n\n{body}")
     if not parts:
-        raise NoRecords(f"no records under {results}")
+        raise NoRecords(f"no figure folder under {results} has records (a results/-style tree: plots.all's folders)")
     head = (
         f"# Ours vs the paper (generated)\n\nWritten by `python -m experiments.report` from the records under "
         f"`{results.name}/`; do not edit by hand. The paper's numbers are `plots/paper.py`'s, each with its figure "

@@ -58,7 +58,7 @@ def summary(rec: dict) -> str:
             else []
         ),
         f"   KV memory: device {m['kv_device_gb']:.3f} GB, host {m['kv_host_gb']:.3f} GB; hit rate "
-        f"{m['hit_rate'] if m['hit_rate'] is not None else 'n/a'};"
+        f"{'n/a' if m['hit_rate'] is None else round(m['hit_rate'], 3)};"
         f" host->device {m['bytes_h2d_per_step'] / 1e6:.2f} MB/step",
     ]
     return "\n".join(lines)

@@ -1,7 +1,9 @@
 """Rebuild every figure and table that has records under the results folder, PNG and PDF, the paper's numbers
 beside ours wherever it gives them. One line per figure: ok (its records and commit), `no records yet: <folder>`
 (its producer has not run), or failed (why: mixed commits, an unknown system...); the others are still drawn,
-and the exit status is 1 if any failed. A results folder that does not exist is refused (exit 2).
+and the exit status is 1 if any failed. A results folder that does not exist is refused (exit 2). It reads a
+results/-style tree, each figure from its own folder (FIGURES below: fig10_throughput/, tab4_hit_rate/, ...); a
+sweep's own folder is drawn by that figure's module, e.g. `python -m plots.fig10_throughput <folder> --out fig10`.
 
     python -m plots.all [--results results] [--out results/figures]
 """
@@ -150,14 +152,17 @@ def build(results: Path, out: Path, figures=FIGURES, log=print) -> dict[str, str
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--results", type=Path, default=Path("results"))
+    ap.add_argument("--results", type=Path, default=Path("results"), help="a results/-style tree of figure folders")
     ap.add_argument("--out", type=Path, default=Path("results/figures"))
     args = ap.parse_args(argv)
     if not args.results.is_dir():
         raise NoRecords(f"no results folder {args.results}")
     status = build(args.results, args.out)
     if all(s == "no records" for s in status.values()):
-        raise NoRecords(f"no figure has records under {args.results}")
+        raise NoRecords(
+            f"no figure has records under {args.results}: it reads a results/-style tree of figure folders; draw a "
+            "sweep's folder with its figure's module (python -m plots.fig10_throughput <folder>)"
+        )
     if any(s.startswith("failed") for s in status.values()):
         sys.exit(1)
 

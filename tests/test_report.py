@@ -35,7 +35,7 @@ def test_tables_from_fake_records(tmp_path):
 def test_report_refuses_an_empty_folder(tmp_path, capsys):
     (tmp_path / "results").mkdir()
     args = ["--results", str(tmp_path / "results"), "--out", str(tmp_path / "R.md")]
-    assert "no records under" in refused(lambda: report.main(args), capsys)
+    assert "has records (a results/-style tree" in refused(lambda: report.main(args), capsys)
     assert not (tmp_path / "R.md").exists()
     mixed = fig2_folder(tmp_path / "results" / "fig2_breakdown_128k")
     write(mixed, {"record_clo.json": run_record("clo", "def5678")})
