@@ -32,10 +32,6 @@ from kvoffload.model.weights import build_decoder
 from kvoffload.offload.host import THP_TUNABLE, anon_huge_gib, huge_pages_enabled, pin_by_register
 
 
-def weights_source(model_cfg: DictConfig) -> str:
-    return "hf" if model_cfg.get("path") else model_cfg.weights
-
-
 def load_tokenizer(source: str, model_cfg: DictConfig):
     if source == "synthetic":
         return None
@@ -116,7 +112,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3)  # the first call makes the context
     stages.device = device
     stages.mark("device")  # the system's build, the host's check, the driver's start and a context's
-    source = weights_source(cfg.model)
+    source = preflight.weights_source(cfg.model)
     key_process = None
     if numbers.kv_fill == "key_process":  # loads and checks its profile now
         from experiments.key_process import KeyProcess

@@ -125,11 +125,15 @@ def check_decode_workload(cfg) -> None:
         raise ConfigError("workload=accuracy runs lm-eval tasks: python -m experiments.accuracy [overrides] (README)")
 
 
+def weights_source(model_cfg) -> str:
+    """Where a model's weights come from: "hf" when model.path is set, else model.weights."""
+    return "hf" if model_cfg.get("path") else model_cfg.weights
+
+
 def check_kv_fill(cfg, kv_fill: str) -> None:
     """A KV filled without a prefill (projection, key process) is for synthetic weights, and the key process needs
     the model's synthetic_keys profile: bad input for every job of that model, refused before a sweep's first."""
-    weights = "hf" if cfg.model.get("path") else cfg.model.weights
-    if kv_fill != "prefill" and weights != "synthetic":
+    if kv_fill != "prefill" and weights_source(cfg.model) != "synthetic":
         raise ConfigError(f"workload.kv_fill={kv_fill} is for synthetic weights (speed runs); real weights prefill")
     if kv_fill == "key_process" and not cfg.model.get("synthetic_keys"):
         raise ConfigError(f"workload.kv_fill=key_process: model {cfg.model.name} has no synthetic_keys profile")

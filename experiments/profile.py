@@ -17,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from baselines.fullattn import FullAttn
 from experiments import cli_checks, preflight
-from experiments.execute import load_tokenizer, weights_source
+from experiments.execute import load_tokenizer
+from experiments.preflight import weights_source
 from experiments.records import environment, refuse, write_measurement
 from experiments.timing import link_gb_s
 from experiments.workloads import build_prompt

@@ -148,9 +148,9 @@ def tab4_batch_table(root: Path, folder: str) -> str:
     d = tab4_hit_rate_batch.data(root, allow_mixed=True)
     pct = lambda m, key: f1(m[key] * 100, "%") if m else None
     rows = []
+    band = "{}-{}%".format(*paper.TAB4_HIT_RATE_PERCENT["clo"])
     for r in d["rows"]:
         c, ri, plan = r["clo"], r["retroinfer"], r["plan"]
-        band = "{}-{}%".format(*paper.TAB4_HIT_RATE_PERCENT["clo"])
         rows.append(
             [
                 tokens(r["seqlen"]),

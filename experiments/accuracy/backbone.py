@@ -14,7 +14,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import preflight
-from experiments.execute import build_system, load_tokenizer, weights_source
+from experiments.execute import build_system, load_tokenizer
+from experiments.preflight import weights_source
 from experiments.timing import link_gb_s, model_layer_time_s
 from kvoffload.errors import ConfigError
 from kvoffload.generate import sync_device
