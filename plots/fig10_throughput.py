@@ -108,7 +108,7 @@ def refusals(root: Path) -> list[tuple[tuple[str, int, int, str], float | None]]
 def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
     d = data(root, allow_mixed)
     pts = d["points"]
-    seqlens = sorted({n for _, n, _ in pts})
+    seqlens = sorted({n for _, n, _ in pts} | {n for _, n, _, _ in d["refused"]})  # a length may have only refusals
     fig, axes = plt.subplots(2, len(seqlens), figsize=(4 * len(seqlens) + 1, 6.5), squeeze=False)
     for j, n in enumerate(seqlens):
         ax = axes[0][j]
@@ -120,8 +120,9 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
         for why, marker in REFUSED_MARKERS.items():  # the point does not fit the budget (OOM) or the host (RAM)
             for i, s in enumerate(SYSTEMS):  # in the system's colour; the legend names the kind once, in grey
                 xs = [b for x, m, b, w in d["refused"] if x == s and m == n and w == why]
-                if xs:
-                    ax.plot(xs, [floor] * len(xs), marker, color=f"C{i}", ms=9)
+                if xs:  # each system's cross a little apart: several systems refused at one batch all show
+                    shift = 2 ** (0.06 * (i - (len(SYSTEMS) - 1) / 2))
+                    ax.plot([b * shift for b in xs], [floor] * len(xs), marker, color=f"C{i}", ms=9)
             if any(m == n and w == why for _, m, _, w in d["refused"]):
                 ax.plot([], [], marker, color="gray", ms=9, label=REFUSED_LABELS[why])
         ax.set_xscale("log", base=2)
@@ -138,11 +139,13 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
         ax2.axhline(1, color="black", lw=0.5)
         if xs:  # a length where no baseline ran (refused, or not yet run) has no ratio to draw
             ax2.set_xscale("log", base=2)
+        else:
+            ax2.text(0.5, 0.15, "CLO and a baseline ran at no batch", transform=ax2.transAxes, ha="center", fontsize=8)
         ax2.set_xlabel("batch")
         ax2.legend(fontsize=7)
     fig.suptitle(f"Fig. 10: {d['model']}, {budget_text(d['budget_gb'])}, {d['records'].commits_label}", fontsize=9)
     save(fig, out)
-    return d
+    return d | {"panels": seqlens}
 
 
 def main() -> None:
