@@ -320,6 +320,30 @@ def test_memory_pinned_by_register_is_read_over_uva_and_copied():
     assert torch.equal(host.to(CUDA, non_blocking=True).cpu(), host)
 
 
+def test_host_stores_packed_in_one_pinned_block_are_read_over_uva():
+    """Stores whose size is no power of two share pinned blocks (host.store_packs): each is a view at an offset
+    into its block, pinned, and gathered over UVA and copied exactly."""
+    from kvoffload.kernels.uva_gather import copy_blocks_ref, uva_copy_blocks
+    from kvoffload.offload.host import host_stores, store_packs
+
+    spec = KVSpec(5, 1, 3003, 32, 8, 64, torch.bfloat16, CUDA, prompt_len=3000)  # stores of 3000 rows: packed
+    stores = host_stores(spec, 1, 3000)
+    assert store_packs(stores[1].nbytes, 4)[0] > 1
+    g = torch.Generator().manual_seed(2)
+    for s in stores[1:]:
+        assert s.is_pinned()
+        s.copy_(torch.randn(s.shape, generator=g).to(torch.bfloat16))
+    last = stores[-1].view(-1, 8, 2, 64)  # [rows, heads, 2, D] over the store's memory
+    src = torch.randint(0, last.shape[0], (300,), dtype=torch.int32)
+    dst = torch.randperm(400)[:300].int()
+    want = torch.zeros(400, 8, 2, 64, dtype=torch.bfloat16)
+    copy_blocks_ref(last, src, want, dst)
+    got = torch.zeros(400, 8, 2, 64, dtype=torch.bfloat16, device=CUDA)
+    uva_copy_blocks(last, src.to(CUDA), got, dst.to(CUDA))
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(stores[2].to(CUDA, non_blocking=True).cpu(), stores[2])
+
+
 HUGE_PAGE_CHECK = """
 import torch
 from kvoffload.kernels.uva_gather import copy_blocks_ref, uva_copy_blocks

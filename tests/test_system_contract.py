@@ -112,6 +112,28 @@ def test_estimate_equals_what_is_allocated_and_decode_runs(name, t0):
     assert isinstance(system.describe(), dict)
 
 
+def test_host_stores_share_pinned_blocks_where_their_size_is_no_power_of_two():
+    """Torch pins powers of two: 30 stores of 3 GiB (768K tokens of Llama-3-8B) pinned one a block take 120 GiB,
+    packed five to a 16 GiB block 100. Each store is a contiguous view of its own memory."""
+    from kvoffload.offload import host
+
+    gib = 2**30
+    assert host.store_packs(3 * gib, 30) == [5, 5, 5, 5, 5, 2, 2, 1]
+    assert host.store_packs(2 * gib, 3) == [1, 1, 1]  # a power of two: nothing to save
+    for store, n in ((3 * gib, 30), (96 * 2**20, 30), (5, 7), (1000, 1), (3 * gib, 0)):
+        packs = host.store_packs(store, n)
+        blocks = [host.pinned_bytes(m * store) for m in packs]
+        assert sum(packs) == n and max(blocks, default=0) <= max(host.PACK_BYTES, host.pinned_bytes(store))
+        assert sum(blocks) <= n * host.pinned_bytes(store)
+    spec = KVSpec(6, 3, 103, 9, 3, 64, torch.float32, torch.device("cpu"), prompt_len=100)
+    stores = host.host_stores(spec, 2, 100)
+    assert stores[:2] == [None, None] and len(stores) == 6
+    assert all(s.shape == (3, 3, 100, 2, 64) and s.is_contiguous() for s in stores[2:])
+    for i, s in enumerate(stores[2:]):
+        s.fill_(i)
+    assert [s.unique().tolist() for s in stores[2:]] == [[0.0], [1.0], [2.0], [3.0]]
+
+
 @pytest.mark.parametrize("name", SYSTEMS)
 def test_the_pinned_host_estimate_counts_each_store_in_torchs_block_sizes(name, monkeypatch):
     """On CUDA the host stores are pinned, and torch's pinned allocator hands out powers of two: what the preflight

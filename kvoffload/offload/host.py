@@ -76,12 +76,31 @@ def pinned_bytes(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
+# The largest block store_packs asks torch for: pinning one block of tens of GB can fail where smaller ones succeed
+PACK_BYTES = 16 * 2**30
+
+
+def store_packs(store: int, n: int) -> list[int]:
+    """How many of n host stores of `store` bytes each pinned block holds, in order. Torch's pinned allocator hands
+    out powers of two, so a 3 GiB store alone pins 4 GiB (768K tokens of Llama-3-8B: 30 layers pin 120 GiB, more
+    than a 128 GiB host has); several stores in one block leave less unused. A power-of-two store has a block of
+    its own: nothing to save, and the stores stay separate allocations."""
+    if store & (store - 1) == 0:
+        return [1] * n
+    packs = []
+    while n:
+        block = min(PACK_BYTES, 1 << ((n * store).bit_length() - 1))  # the largest power of two n stores fill
+        packs.append(min(n, max(1, block // store)))
+        n -= packs[-1]
+    return packs
+
+
 def host_stores_pinned(spec: KVSpec, dense_layers: int, rows: int) -> tuple[int, int]:
     """(bytes, bytes pinned) of host_stores(spec, dense_layers, rows)'s buffers: one [B, Hkv, rows, 2, D] store per
-    sparse layer."""
+    sparse layer, packed into pinned blocks by store_packs."""
     sparse = spec.num_layers - min(dense_layers, spec.num_layers)
     store = spec.batch * spec.num_kv_heads * rows * spec.row_bytes
-    return sparse * store, sparse * pinned_bytes(store)
+    return sparse * store, sum(pinned_bytes(m * store) for m in store_packs(store, sparse))
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
@@ -102,8 +121,12 @@ def host_stores(spec: KVSpec, dense_layers: int, rows: int | None) -> list[torch
     if rows is None:
         return [None] * spec.num_layers
     shape = (spec.batch, spec.num_kv_heads, rows, 2, spec.head_dim)
-    pinned = spec.device.type == "cuda"
-    return [None if i < dense_layers else host_buffer(shape, spec.dtype, pinned) for i in range(spec.num_layers)]
+    dense = min(dense_layers, spec.num_layers)
+    stores: list[torch.Tensor | None] = [None] * dense
+    for m in store_packs(math.prod(shape) * spec.dtype.itemsize, spec.num_layers - dense):
+        block = host_buffer((m, *shape), spec.dtype, spec.device.type == "cuda")
+        stores += list(block.unbind(0))  # each layer's store a contiguous view of the block
+    return stores
 
 
 class Offload:
