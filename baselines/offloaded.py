@@ -8,7 +8,7 @@ import torch
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload.budget import check_budget, select_budget, split_prompt
-from kvoffload.offload.host import Offload, host_buffer, host_stores, host_stores_pinned
+from kvoffload.offload.host import Offload, host_stores, host_stores_pinned, layer_store
 from kvoffload.offload.layers import DenseLayers, prompt_window
 from kvoffload.offload.retrieval import check_topk_method
 from kvoffload.offload.transfer import TransferEngine
@@ -105,8 +105,7 @@ class OffloadedBaseline(KVOffloadSystem):
         rows = k.new_empty(b, hkv, self.host_rows(t0), 2, d)
         rows[:, :, :n_mid, 0], rows[:, :, :n_mid, 1] = k[:, :, sink : sink + n_mid], v[:, :, sink : sink + n_mid]
         rows[:, :, n_mid:].zero_()  # RetroInfer's padding of a head's last block
-        if self.host[layer] is None or self.host[layer].shape != rows.shape:
-            self.host[layer] = host_buffer(rows.shape, spec.dtype, spec.device.type == "cuda")
+        layer_store(self.host, layer, spec, self.dense_layers, rows.shape[2])
         # keys: a view, not a copy: a copy would be one more of the layer's K beside the prefill (1 GB at a 64 GiB
         # batch)
         self.prefill_sparse(layer, k[:, :, sink : sink + n_mid], n_mid, rows)

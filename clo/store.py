@@ -16,7 +16,6 @@ from kvoffload.kernels.append_kv import append_kv
 from kvoffload.kernels.decode_attention import hybrid_attention
 from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.budget import split_prompt
-from kvoffload.offload.host import host_buffer
 from kvoffload.offload.layers import prompt_window
 from kvoffload.offload.retrieval import select_topk, topk_work
 from kvoffload.offload.transfer import to_device
@@ -49,11 +48,11 @@ class LayerStore:
         persistent: list[int],
         prefetch: list[int],
         group: int,
+        host: torch.Tensor,
         topk: str = "radix",
-        host: torch.Tensor | None = None,
     ):
         """kv [B, Hkv, T0, 2, D]: the prompt's K/V, its heads already in store_order (clo.prefill.staged_kv). host:
-        the buffer its host copy goes to (None, or another shape: allocated here); making that copy is the
+        the buffer of kv's shape its host copy goes to (kvoffload.offload.host.layer_store); making that copy is the
         caller's (kvoffload.offload.host.Offload), so is setting tau and weights. Nothing here waits for the device."""
         b, hkv, t0, _, d = kv.shape
         dev, dtype = spec.device, spec.dtype
@@ -67,8 +66,6 @@ class LayerStore:
         self.cached = torch.arange(self.nc, device=dev)  # head ids in the permuted order
         self.persistent = torch.arange(self.nc, hkv, device=dev)
         self.every_head = torch.arange(hkv, device=dev)
-        if host is None or host.shape != kv.shape:
-            host = host_buffer(kv.shape, dtype, dev.type == "cuda")
         self.host = host
         self.window = prompt_window(kv[..., 0, :], kv[..., 1, :], self.sink, self.recent, spec.max_len)
         self.prefetch_mask = to_device([h in prefetch for h in cached], dev, torch.bool)

@@ -28,7 +28,7 @@ from clo.store import LayerStore, Selection, store_order
 from kvoffload.kernels.decode_attention import SplitAttention
 from kvoffload.kernels.head_cache import lookup_and_update
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
-from kvoffload.offload.host import Offload, host_stores, host_stores_pinned
+from kvoffload.offload.host import Offload, host_stores, host_stores_pinned, layer_store
 from kvoffload.offload.layers import DenseLayers
 from kvoffload.offload.retrieval import make_retriever
 from kvoffload.offload.transfer import TransferEngine, to_device
@@ -114,8 +114,9 @@ class CLO(KVOffloadSystem):
         order = store_order(spec.num_kv_heads, persistent)
         kv = staged_kv(k, v, order)
         k_sel = k_select(cfg, kv.shape[2])
-        host, self.hosts[layer] = self.hosts[layer], None
-        store = LayerStore(kv, spec, cfg.sink, cfg.recent, k_sel, persistent, heads.prefetch[layer], g, cfg.topk, host)
+        host = layer_store(self.hosts, layer, spec, cfg.dense_layers, kv.shape[2])
+        self.hosts[layer] = None  # the store holds it from here
+        store = LayerStore(kv, spec, cfg.sink, cfg.recent, k_sel, persistent, heads.prefetch[layer], g, host, cfg.topk)
         cached = order[: store.nc]
         store.tau = to_device(self.plan.tau[layer, cached], spec.device)
         store.weights = to_device(self.plan.importance[layer, cached].repeat_interleave(g).view(-1, g), spec.device)

@@ -171,7 +171,7 @@ def test_a_run_beyond_the_hosts_ram_is_refused_before_any_measurement(monkeypatc
         before_measuring(monkeypatch, "clo", 131072, 8, None)
     assert re.match(r"this run needs about \S+ GB of RAM on this host .* 100\.0 GB is available", str(e.value))
     # BSZ 6's 30 stores of 3 GiB, five to a 16 GiB pinned block (kvoffload/offload/host.py, store_packs), pin
-    # exactly 100 GiB; one store a block would pin 4 GiB each, 120 GiB
+    # 96 GiB; one store a block would pin 4 GiB each, 120 GiB
     assert "batch=6 or smaller" in str(e.value) and "a machine with more RAM" in str(e.value)
     before_measuring(monkeypatch, "clo", 131072, 6, None)
     before_measuring(monkeypatch, "clo", 131072, 8, None, "cpu")  # CPU: not checked here

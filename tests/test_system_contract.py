@@ -114,11 +114,15 @@ def test_estimate_equals_what_is_allocated_and_decode_runs(name, t0):
 
 def test_host_stores_share_pinned_blocks_where_their_size_is_no_power_of_two():
     """Torch pins powers of two: 30 stores of 3 GiB (768K tokens of Llama-3-8B) pinned one a block take 120 GiB,
-    packed five to a 16 GiB block 100. Each store is a contiguous view of its own memory."""
+    packed five to a 16 GiB block 96. Each store is a contiguous view of its own memory; a list made before the
+    prompt's length was known is filled, packed, at the first sparse layer's prefill, and a prefill of another
+    length than the one pinned for is refused."""
     from kvoffload.offload import host
 
     gib = 2**30
-    assert host.store_packs(3 * gib, 30) == [5, 5, 5, 5, 5, 2, 2, 1]
+    assert host.store_packs(3 * gib, 30) == [5] * 6
+    assert host.store_packs(int(2.5 * gib), 30) == [6] * 5  # 80 GiB, not 120
+    assert host.store_packs(17 * gib, 2) == [1, 1]  # above PACK_BYTES: a block each
     assert host.store_packs(2 * gib, 3) == [1, 1, 1]  # a power of two: nothing to save
     for store, n in ((3 * gib, 30), (96 * 2**20, 30), (5, 7), (1000, 1), (3 * gib, 0)):
         packs = host.store_packs(store, n)
@@ -132,6 +136,11 @@ def test_host_stores_share_pinned_blocks_where_their_size_is_no_power_of_two():
     for i, s in enumerate(stores[2:]):
         s.fill_(i)
     assert [s.unique().tolist() for s in stores[2:]] == [[0.0], [1.0], [2.0], [3.0]]
+    late = host.host_stores(spec, 2, None)
+    assert late == [None] * 6
+    assert host.layer_store(late, 2, spec, 2, 100).shape == (3, 3, 100, 2, 64) and late[5] is not None
+    with pytest.raises(RuntimeError, match="holds 100 rows a head but its prefill offloads 90"):
+        host.layer_store(late, 3, spec, 2, 90)
 
 
 @pytest.mark.parametrize("name", SYSTEMS)
@@ -142,8 +151,8 @@ def test_the_pinned_host_estimate_counts_each_store_in_torchs_block_sizes(name, 
 
     sizes, real = [], host.host_buffer
 
-    def recording(shape, dtype, pinned):
-        t = real(shape, dtype, pinned)
+    def recording(shape, dtype, pinned, what="a layer's"):
+        t = real(shape, dtype, pinned, what)
         sizes.append(t.nbytes)
         return t
 

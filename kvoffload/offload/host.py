@@ -81,16 +81,23 @@ PACK_BYTES = 16 * 2**30
 
 
 def store_packs(store: int, n: int) -> list[int]:
-    """How many of n host stores of `store` bytes each pinned block holds, in order. Torch's pinned allocator hands
-    out powers of two, so a 3 GiB store alone pins 4 GiB (768K tokens of Llama-3-8B: 30 layers pin 120 GiB, more
-    than a 128 GiB host has); several stores in one block leave less unused. A power-of-two store has a block of
-    its own: nothing to save, and the stores stay separate allocations."""
+    """How many of n host stores of `store` bytes each pinned block holds. Torch's pinned allocator hands out
+    powers of two, so a 3 GiB store alone pins 4 GiB (768K tokens of Llama-3-8B: 30 layers pin 120 GiB, more than
+    a 128 GiB host has); several stores in one block leave less unused (30 x 3 GiB: six 16 GiB blocks of five,
+    96 GiB). The packing pins the least (fewest blocks among equals) with no block above PACK_BYTES (or the one
+    block a larger store needs). A power-of-two store has a block of its own: nothing to save, and the stores stay
+    separate allocations."""
     if store & (store - 1) == 0:
         return [1] * n
+    most = max(1, min(n, max(PACK_BYTES, pinned_bytes(store)) // store))  # stores one block may hold
+    best: list[tuple[int, int, int]] = [(0, 0, 0)]  # best[k]: (bytes pinned, blocks, stores in the last) for k
+    for k in range(1, n + 1):
+        best.append(
+            min((best[k - m][0] + pinned_bytes(m * store), best[k - m][1] + 1, m) for m in range(1, min(k, most) + 1))
+        )
     packs = []
     while n:
-        block = min(PACK_BYTES, 1 << ((n * store).bit_length() - 1))  # the largest power of two n stores fill
-        packs.append(min(n, max(1, block // store)))
+        packs.append(best[n][2])
         n -= packs[-1]
     return packs
 
@@ -103,13 +110,13 @@ def host_stores_pinned(spec: KVSpec, dense_layers: int, rows: int) -> tuple[int,
     return sparse * store, sum(pinned_bytes(m * store) for m in store_packs(store, sparse))
 
 
-def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, what: str = "a layer's") -> torch.Tensor:
     try:
         return torch.empty(shape, dtype=dtype, pin_memory=pinned)
     except RuntimeError as e:  # pinning tens of GB can fail well below the RAM size
         raise ConfigError(
-            f"could not allocate {math.prod(shape) * dtype.itemsize / 2**30:.1f} GiB of pinned host memory for a "
-            f"layer's offloaded KV ({e}); lower seqlen or batch"
+            f"could not allocate {math.prod(shape) * dtype.itemsize / 2**30:.1f} GiB of pinned host memory for "
+            f"{what} offloaded KV ({e}); lower seqlen or batch"
         ) from e
 
 
@@ -124,9 +131,28 @@ def host_stores(spec: KVSpec, dense_layers: int, rows: int | None) -> list[torch
     dense = min(dense_layers, spec.num_layers)
     stores: list[torch.Tensor | None] = [None] * dense
     for m in store_packs(math.prod(shape) * spec.dtype.itemsize, spec.num_layers - dense):
-        block = host_buffer((m, *shape), spec.dtype, spec.device.type == "cuda")
+        block = host_buffer(
+            (m, *shape), spec.dtype, spec.device.type == "cuda", f"{m} layers'" if m > 1 else "a layer's"
+        )
         stores += list(block.unbind(0))  # each layer's store a contiguous view of the block
     return stores
+
+
+def layer_store(
+    stores: list[torch.Tensor | None], layer: int, spec: KVSpec, dense_layers: int, rows: int
+) -> torch.Tensor:
+    """stores[layer], host_stores' list (filled in place), for a prefill that offloads `rows` rows a head. A list
+    made before the prompt's length was known (every entry None) is filled at the first sparse layer's prefill,
+    packed as host_stores packs it, so that what is pinned is what host_stores_pinned counts."""
+    shape = (spec.batch, spec.num_kv_heads, rows, 2, spec.head_dim)
+    if stores[layer] is None:
+        stores[:] = host_stores(spec, dense_layers, rows)
+    if tuple(stores[layer].shape) != shape:  # the estimate and the pinning were for another prompt
+        raise RuntimeError(
+            f"layer {layer}'s host store holds {stores[layer].shape[2]} rows a head but its prefill offloads {rows}: "
+            "the KVSpec's prompt_len must be the prompt's length"
+        )
+    return stores[layer]
 
 
 class Offload:
