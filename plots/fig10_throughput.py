@@ -24,6 +24,7 @@ from plots.records import (  # noqa: E402
     SYSTEMS,
     RecordError,
     cli,
+    fit_refusal,
     load_records,
     one_value,
     plot_arguments,
@@ -94,7 +95,7 @@ def refusals(root: Path) -> list[tuple[tuple[str, int, int, str], float | None]]
     out = []
     for path in sorted(Path(root).rglob("record*.json")):
         rec = read_json(path)
-        if not isinstance(rec, dict) or rec.get("error_kind") != "config" or "needs about" not in str(rec.get("error")):
+        if not fit_refusal(rec):
             continue  # a crash is not a refusal: plots.all reports the folder's other runs only
         over = dict(x.split("=", 1) for x in rec.get("overrides", []) if "=" in x and not x.startswith("+"))
         if {"system", "seqlen", "batch"} <= set(over):

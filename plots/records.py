@@ -81,6 +81,12 @@ class Records:
         return f"commit{'s' if len(self.commits) > 1 else ''} {self.commit}"
 
 
+def fit_refusal(rec: Any) -> bool:
+    """Whether a run record is the preflight's refusal of a point that does not fit (the device budget or the
+    host's RAM), recorded with its estimate: a result to draw, where a crash or other bad input is not."""
+    return isinstance(rec, dict) and rec.get("error_kind") == "config" and "needs about" in str(rec.get("error"))
+
+
 def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())

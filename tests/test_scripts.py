@@ -104,3 +104,35 @@ def test_resume_takes_the_earlier_calls_ok_records_of_this_commit(tmp_path):
         [sys.executable, script, str(tmp_path / "nowhere"), str(runs), "abc"], capture_output=True, text=True
     )
     assert p.returncode == 2 and p.stderr.startswith("error: RESUME=")
+
+
+def test_pack_records_names_each_point_and_leaves_failures_out(tmp_path):
+    """scripts/pack_records.py: each run's record and each fit refusal is copied as record_<system>_<seqlen>_b<batch>
+    .json, byte for byte; a crash or bad input is listed, not packed; two records of one point are refused before
+    anything is written."""
+    import json
+
+    runs, out = tmp_path / "runs", tmp_path / "packed"
+
+    def record(name: str, **rec) -> None:
+        (runs / name).mkdir(parents=True)
+        identity = ["+experiment=fig10_throughput", *name.split(",")]
+        (runs / name / "record.json").write_text(json.dumps({"identity": identity, **rec}, indent=2))
+
+    record("batch=4,seqlen=8k,system=clo", status="ok")
+    record("batch=64,seqlen=128k,system=fullattn", status="failed", error_kind="config", error="... needs about 9 GB")
+    record("batch=1,seqlen=1m,system=clo", status="failed", error_kind="config", error="seqlen exceeds\nits positions")
+    record("batch=2,seqlen=8k,system=clo", status="failed", error_kind="runtime", error="CUDA error")
+    script = str(ROOT / "scripts/pack_records.py")
+    p = subprocess.run([sys.executable, script, str(runs), "--out", str(out)], capture_output=True, text=True)
+    assert p.returncode == 0 and "packed 2 records" in p.stdout and "not packed: 2 failed" in p.stdout, p.stderr
+    assert "seqlen exceeds" in p.stdout and "CUDA error" in p.stdout
+    assert sorted(q.name for q in out.iterdir()) == ["record_clo_8k_b4.json", "record_fullattn_128k_b64.json"]
+    assert (out / "record_clo_8k_b4.json").read_text() == (
+        runs / "batch=4,seqlen=8k,system=clo/record.json"
+    ).read_text()
+    record("batch=4,seqlen=8k,system=clo,force=true", status="ok")  # the same point again
+    p = subprocess.run(
+        [sys.executable, script, str(runs), "--out", str(tmp_path / "again")], capture_output=True, text=True
+    )
+    assert p.returncode == 2 and "are both record_clo_8k_b4.json" in p.stderr and not (tmp_path / "again").exists()

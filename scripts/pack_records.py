@@ -1,0 +1,74 @@
+"""Copies a sweep's run records into a results/ folder under names that say what each point is:
+`record_<system>_<seqlen>_b<batch>.json` by default (`--keys` picks the overrides that name it, `--batch-prefix`
+the batch's). A point the preflight refused for its fit (the device budget or the host's RAM, with the estimate)
+is packed as a run's record is; any other failure (a crash, bad input) is not a result and is listed instead.
+Two records that would take one name (a point run twice, at two commits) are refused before anything is
+written: results/ holds one record a point.
+
+    python3 scripts/pack_records.py <runs/> [<runs/> ...] --out results/fig10_beyond
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvoffload.paths import write_json_atomic
+from plots.records import fit_refusal
+
+
+def point(rec: dict, keys: list[str]) -> dict[str, str] | None:
+    """The record's values of `keys`, from its overrides (the run's identity); None if one is missing."""
+    given = dict(x.split("=", 1) for x in rec.get("identity") or rec.get("overrides", []) if "=" in x)
+    given = {k: v for k, v in given.items() if not k.startswith("+")}
+    return {k: given[k] for k in keys} if all(k in given for k in keys) else None
+
+
+def packed_name(values: dict[str, str], batch_prefix: str) -> str:
+    parts = [f"{batch_prefix}{v}" if k == "batch" else v for k, v in values.items()]
+    return "record_" + "_".join(parts) + ".json"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", type=Path, nargs="+", help="sweep folders (results_dir) holding <run>/record.json")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--keys", default="system,seqlen,batch", help="the overrides that name a point, in order")
+    ap.add_argument("--batch-prefix", default="b")
+    args = ap.parse_args(argv)
+    keys = [k for k in args.keys.split(",") if k]
+    names: dict[str, Path] = {}
+    failed, unnamed = [], []
+    for folder in args.runs:
+        if not folder.is_dir():
+            print(f"error: {folder}: no such folder", file=sys.stderr)
+            sys.exit(2)
+        for path in sorted(folder.rglob("record.json")):
+            rec = json.loads(path.read_text())
+            if rec.get("status") != "ok" and not fit_refusal(rec):
+                failed.append(path)
+                continue
+            values = point(rec, keys)
+            if values is None:
+                unnamed.append(path)
+                continue
+            name = packed_name(values, args.batch_prefix)
+            if name in names:
+                print(f"error: {names[name]} and {path} are both {name}: pack one of them", file=sys.stderr)
+                sys.exit(2)
+            names[name] = path
+    if unnamed:
+        print(f"error: {unnamed[0]} (and {len(unnamed) - 1} more) override none of {','.join(keys)}", file=sys.stderr)
+        sys.exit(2)
+    for name, path in names.items():
+        write_json_atomic(args.out / name, json.loads(path.read_text()))
+    print(f"packed {len(names)} records into {args.out}" + (f"; not packed: {len(failed)} failed" if failed else ""))
+    for path in failed:
+        error = str(json.loads(path.read_text()).get("error") or "no error recorded").splitlines()[0]
+        print(f"  failed: {path}: {error[:160]}")
+
+
+if __name__ == "__main__":
+    main()
