@@ -3,7 +3,7 @@
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
 # Stages: host_warmup (before host-bound runs) pytest_gpu (~5 min) fig3_13 bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
 # bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
-# memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) multi_gpu (MULTI; several GPUs, ~4 min) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather lru block_copy (~1 min each) pin_alloc (~4 min) skew_eigh (seconds) fig2 fig2_untimed (~3.5 min each) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
+# memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) fig10_beyond (FIG10B) multi_gpu (MULTI; several GPUs, ~4 min) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather lru block_copy (~1 min each) pin_alloc (~4 min) skew_eigh (seconds) fig2 fig2_untimed (~3.5 min each) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
 # It installs the carried wheels (hardware.md), runs the GPU tests, the kernel benchmarks and the system runs,
 # and packs every record and log into $OUT/gpu_session.tgz (one file: the device returns at most 8).
@@ -113,6 +113,8 @@ stage trace_baselines 240 $run +experiment=fig2_breakdown system=retroinfer,infi
 # paper Figure 10's points under the 48 GB budget; FIG10 narrows the sweep (e.g. "seqlen=32k batch=16 system=clo"),
 # FIG10_SECS bounds it (a timeout around this script would end the script but not the sweep it started)
 stage fig10 ${FIG10_SECS:-540} $run +experiment=fig10_throughput ${FIG10:-}
+# beyond the paper's grid (BSZ 128/256 at 1K-4K; FIG10B='seqlen=704k,768k batch=1' for the long line)
+stage fig10_beyond ${FIG10B_SECS:-540} $run +experiment=fig10_beyond ${FIG10B:-}
 # issue 20: one sweep across every GPU of the host (hydra/launcher=gpus), then on one GPU, wall times compared;
 # the carried .whl must hold hydra-joblib-launcher and joblib (README, "Several GPUs of one host")
 stage multi_gpu 580 python3 -m experiments.multi_gpu_sweep --out "$out/multi_gpu.json" --runs "$out/multi_gpu" \
