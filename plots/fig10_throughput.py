@@ -27,6 +27,7 @@ from plots.records import (  # noqa: E402
     fit_refusal,
     load_records,
     one_value,
+    override_values,
     plot_arguments,
     read_json,
     save,
@@ -97,7 +98,7 @@ def refusals(root: Path) -> list[tuple[tuple[str, int, int, str], float | None]]
         rec = read_json(path)
         if not fit_refusal(rec):
             continue  # a crash is not a refusal: plots.all reports the folder's other runs only
-        over = dict(x.split("=", 1) for x in rec.get("overrides", []) if "=" in x and not x.startswith("+"))
+        over = override_values(rec.get("overrides", []))
         if {"system", "seqlen", "batch"} <= set(over):
             n = over["seqlen"].lower()
             seqlen = int(float(n[:-1]) * 1024 ** (1 if n[-1] == "k" else 2)) if n[-1] in "km" else int(n)

@@ -81,6 +81,11 @@ class Records:
         return f"commit{'s' if len(self.commits) > 1 else ''} {self.commit}"
 
 
+def override_values(overrides: list[str]) -> dict[str, str]:
+    """key -> value of a run's `key=value` overrides, less the `+experiment=...` kind that adds a config."""
+    return dict(x.split("=", 1) for x in overrides if "=" in x and not x.startswith("+"))
+
+
 def fit_refusal(rec: Any) -> bool:
     """Whether a run record is the preflight's refusal of a point that does not fit (the device budget or the
     host's RAM), recorded with its estimate: a result to draw, where a crash or other bad input is not."""

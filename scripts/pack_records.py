@@ -16,13 +16,12 @@ import sys
 from pathlib import Path
 
 from kvoffload.paths import write_json_atomic
-from plots.records import fit_refusal
+from plots.records import fit_refusal, override_values
 
 
 def point(rec: dict, keys: list[str]) -> dict[str, str] | None:
     """The record's values of `keys`, from its overrides (the run's identity); None if one is missing."""
-    given = dict(x.split("=", 1) for x in rec.get("identity") or rec.get("overrides", []) if "=" in x)
-    given = {k: v for k, v in given.items() if not k.startswith("+")}
+    given = override_values(rec.get("identity") or rec.get("overrides", []))
     return {k: given[k] for k in keys} if all(k in given for k in keys) else None
 
 

@@ -102,12 +102,24 @@ def store_packs(store: int, n: int) -> list[int]:
     return packs
 
 
+def store_shape(spec: KVSpec, rows: int) -> tuple[int, ...]:
+    """A sparse layer's host store: [B, Hkv, rows, 2, D]."""
+    return (spec.batch, spec.num_kv_heads, rows, 2, spec.head_dim)
+
+
+def store_layout(spec: KVSpec, dense_layers: int, rows: int) -> tuple[tuple[int, ...], int, list[int]]:
+    """(a store's shape, its bytes, store_packs of the sparse layers' stores): what host_stores allocates and
+    host_stores_pinned counts, from one place."""
+    shape = store_shape(spec, rows)
+    store = math.prod(shape) * spec.dtype_bytes
+    return shape, store, store_packs(store, spec.num_layers - min(dense_layers, spec.num_layers))
+
+
 def host_stores_pinned(spec: KVSpec, dense_layers: int, rows: int) -> tuple[int, int]:
-    """(bytes, bytes pinned) of host_stores(spec, dense_layers, rows)'s buffers: one [B, Hkv, rows, 2, D] store per
-    sparse layer, packed into pinned blocks by store_packs."""
-    sparse = spec.num_layers - min(dense_layers, spec.num_layers)
-    store = spec.batch * spec.num_kv_heads * rows * spec.row_bytes
-    return sparse * store, sum(pinned_bytes(m * store) for m in store_packs(store, sparse))
+    """(bytes, bytes pinned) of host_stores(spec, dense_layers, rows)'s buffers: one store per sparse layer, packed
+    into pinned blocks by store_packs."""
+    _, store, packs = store_layout(spec, dense_layers, rows)
+    return sum(packs) * store, sum(pinned_bytes(m * store) for m in packs)
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool, what: str = "a layer's") -> torch.Tensor:
@@ -127,10 +139,9 @@ def host_stores(spec: KVSpec, dense_layers: int, rows: int | None) -> list[torch
     prompt's length not known yet): None for every layer (the prefill allocates them)."""
     if rows is None:
         return [None] * spec.num_layers
-    shape = (spec.batch, spec.num_kv_heads, rows, 2, spec.head_dim)
-    dense = min(dense_layers, spec.num_layers)
-    stores: list[torch.Tensor | None] = [None] * dense
-    for m in store_packs(math.prod(shape) * spec.dtype.itemsize, spec.num_layers - dense):
+    shape, _, packs = store_layout(spec, dense_layers, rows)
+    stores: list[torch.Tensor | None] = [None] * (spec.num_layers - sum(packs))  # the dense layers'
+    for m in packs:
         block = host_buffer(
             (m, *shape), spec.dtype, spec.device.type == "cuda", f"{m} layers'" if m > 1 else "a layer's"
         )
@@ -144,7 +155,7 @@ def layer_store(
     """stores[layer], host_stores' list (filled in place), for a prefill that offloads `rows` rows a head. A list
     made before the prompt's length was known (every entry None) is filled at the first sparse layer's prefill,
     packed as host_stores packs it, so that what is pinned is what host_stores_pinned counts."""
-    shape = (spec.batch, spec.num_kv_heads, rows, 2, spec.head_dim)
+    shape = store_shape(spec, rows)
     if stores[layer] is None:
         stores[:] = host_stores(spec, dense_layers, rows)
     if tuple(stores[layer].shape) != shape:  # the estimate and the pinning were for another prompt
