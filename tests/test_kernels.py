@@ -79,6 +79,36 @@ def test_decode_attention_triton_broadcast_lengths_and_fp32():
     assert (got - want).norm() / want.norm() < 1e-2  # tl.dot may use tf32 for fp32 inputs
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cuda", marks=pytest.mark.gpu),
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(
+                os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run the kernel on the CPU"
+            ),
+        ),
+    ],
+)
+def test_decode_attention_over_a_batch_spanning_2_31_elements(device):
+    """Dense layers keep a batch's KV in one [B, Hkv, T, 2, D] buffer: at Llama-3's 32K and BSZ 32 it spans more
+    than 2^31 elements, so the last sequences' offsets must not be computed in int32 (they wrapped negative)."""
+    pytest.importorskip("triton")
+    from kvoffload.kernels.decode_attention import decode_attention_ref, decode_attention_triton
+
+    b, hkv, t, d, n = 33, 2, 2**18, 64, 70  # (b - 1) * stride_b = 32 * 2^26 = 2^31 elements
+    buf = torch.empty(b, hkv, t, 2, d, dtype=torch.float16, device=device)  # 4.4 GB, only n rows written
+    gen = torch.Generator().manual_seed(0)
+    buf[:, :, :n] = torch.randn(b, hkv, n, 2, d, generator=gen).to(buf)
+    k, v = buf[:, :, :, 0].transpose(1, 2), buf[:, :, :, 1].transpose(1, 2)
+    q = torch.randn(b, hkv * 2, d, generator=gen).to(buf)
+    lengths = torch.full((b,), n, device=device)
+    got = decode_attention_triton(q, k, v, lengths, programs=b * hkv).float()
+    want = decode_attention_ref(q, k[:, :n], v[:, :n], lengths).float()
+    assert ((got - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2))).max() < 1e-2
+
+
 def check_hybrid_attention(
     device, b, hkv, g_, d, caps, dtype, n_indexed=0, persist_len=0, attention=None, permuted=False
 ):

@@ -132,8 +132,9 @@ if triton is not None:
         heads H0..H0+NH-1 (SplitAttention.split). With MAPPED, KV head kvh of the buffers reads the queries of
         head QHeads[kvh] of Q (the merge writes its output there): no permuted copy of the queries."""
         split = tl.program_id(1)
-        b = tl.program_id(0) // NH
-        kvh = H0 + tl.program_id(0) % NH
+        # int64: a batch of long sequences spans more than 2^31 elements (check_offsets bounds the rest)
+        b = (tl.program_id(0) // NH).to(tl.int64)
+        kvh = H0 + (tl.program_id(0) % NH).to(tl.int64)
         bh = b * HKV + kvh
         k_ptr = K + b * stride_kb + kvh * stride_kh
         v_ptr = V + b * stride_vb + kvh * stride_vh
@@ -393,9 +394,10 @@ class SplitAttention:
 
 
 def check_offsets(*buffers: torch.Tensor) -> None:
-    for x in buffers:  # the kernel's offsets are int32
-        assert sum((n - 1) * s for n, s in zip(x.shape, x.stride())) < 2**31, (
-            "a KV buffer spans 2^31 elements or more: the attention kernel's int32 offsets would overflow"
+    """x [B, T, Hkv, D]: the kernel offsets a sequence and a head in int64, a row within them in int32."""
+    for x in buffers:
+        assert (x.shape[1] - 1) * x.stride(1) + (x.shape[3] - 1) * x.stride(3) < 2**31, (
+            "a KV buffer's rows span 2^31 elements or more: the attention kernel's int32 row offsets would overflow"
         )
 
 
