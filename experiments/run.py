@@ -20,11 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments import cli_checks, preflight
 from experiments.job_process import hydra_flags, run_in_forked_child, run_in_fresh_process
-from experiments.records import config_error, finished, one_line, record_path, refuse, run_identity
+from experiments.records import config_error, finished, git_commit, one_line, record_path, refuse, run_identity
 from experiments.wandb_log import log_wandb
 from kvoffload.errors import ConfigError
 from kvoffload.offload.host import huge_pages_enabled, thp_env
-from kvoffload.paths import write_json_atomic
+from kvoffload.paths import ROOT, write_json_atomic
 
 
 def summary(rec: dict) -> str:
@@ -111,10 +111,9 @@ def run_job(cfg: DictConfig, path: Path, overrides: list[str], identity: list[st
         kind, message = (
             ("config", one_line(err)) if err is not None else ("crash", one_line(f"{type(e).__name__}: {e}"))
         )
-        write_json_atomic(
-            path,
-            {"status": "failed", "error_kind": kind, "error": message, "traceback": traceback.format_exc(), **base},
-        )
+        failed = {"status": "failed", "error_kind": kind, "error": message, "traceback": traceback.format_exc()}
+        # the commit too: a refusal is a result (drawn as the paper draws OOM) and a resumed sweep keeps it
+        write_json_atomic(path, {**failed, "environment": {"git": git_commit(ROOT)}, **base})
         if in_sweep:
             print(f"[run] FAILED ({kind}): {message}\n      recorded in {path}; the sweep continues", file=sys.stderr)
             return {"status": "failed", "error": message, "record": str(path)}

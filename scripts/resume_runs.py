@@ -1,6 +1,8 @@
 """Copies an earlier device call's run records into this call's results folder, so that a sweep cut short by a
 call's time limit goes on where it stopped, at the same commit: experiments.run skips a point whose record exists.
-Only records of `commit` that ended ok are taken (a figure is drawn from one commit; a failed point runs again).
+Only records of `commit` are taken (a figure is drawn from one commit) that ended ok or are the preflight's refusal
+of a point that does not fit, with its estimate (plots.records.fit_refusal: decided before anything is allocated,
+from the same estimate, on a machine of the same kind); a crashed point runs again.
 
     python3 scripts/resume_runs.py <earlier call's runs/> <this call's runs/> <commit>
 
@@ -16,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from plots.records import commit_of
+from plots.records import commit_of, fit_refusal
 
 
 def resumable(record: Path, commit: str) -> bool:
@@ -24,7 +26,8 @@ def resumable(record: Path, commit: str) -> bool:
         rec = json.loads(record.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return rec.get("status") == "ok" and commit_of(rec) == commit[:7]  # not a dirty tree's: commit_of marks it
+    kept = rec.get("status") == "ok" or fit_refusal(rec)
+    return kept and commit_of(rec) == commit[:7]  # not a dirty tree's: commit_of marks it
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         dest = args.runs / record.parent.relative_to(args.earlier)
         dest.mkdir(parents=True, exist_ok=True)
         shutil.copy2(record, dest / record.name)
-    print(f"resumed {len(taken)} of {len(records)} records (ok, commit {args.commit}) from {args.earlier}")
+    print(f"resumed {len(taken)} of {len(records)} records (ok or refused, commit {args.commit}) from {args.earlier}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,11 @@ def sweep_table(stderr: str) -> dict[str, tuple[str, str]]:
     return rows
 
 
+def ok_commit(recs: dict) -> str:
+    (commit,) = {r["environment"]["git"]["commit"] for r in recs.values() if r["status"] == "ok"}
+    return commit
+
+
 def test_sweep_survives_a_failing_run_and_resumes(tmp_path):
     p = run("--multirun", "seqlen=64,96,9000", *FAST, tmp=tmp_path, check=False)
     assert p.returncode == 1, p.stderr[-3000:]  # a job failed: the sweep ran on, then says so
@@ -82,6 +87,7 @@ def test_sweep_survives_a_failing_run_and_resumes(tmp_path):
     assert sorted(status.values()) == ["failed", "ok", "ok"], status
     failed = next(r for r in recs.values() if r["status"] == "failed")
     assert "max_position_embeddings" in failed["error"] and failed["error_kind"] == "config"
+    assert failed["environment"]["git"]["commit"] == ok_commit(recs)  # a failure names its commit as a run does
     assert "the sweep continues" in p.stderr
     assert "[sweep] 3 jobs: 2 ok, 0 skipped, 1 failed" in p.stderr
     table = sweep_table(p.stderr)

@@ -64,7 +64,7 @@ def test_gpu_session_resumes_the_last_call_of_its_sweep_on_a_warm_machine(tmp_pa
     newest = earlier("new1", 10)
     earlier("other", 0, sweep="b")  # newer, of another sweep
     p = gpu_session(tmp_path, "no_such_stage", RESUME="warm")
-    assert f"resumed 1 of 1 records (ok, commit abc1234) from {newest}" in p.stdout, p.stdout + p.stderr
+    assert f"resumed 1 of 1 records (ok or refused, commit abc1234) from {newest}" in p.stdout, p.stdout + p.stderr
     p = gpu_session(tmp_path, "no_such_stage", RESUME="warm", SWEEP="b c")
     assert p.returncode == 2 and "SWEEP=b c: letters" in p.stderr
 
@@ -77,29 +77,35 @@ def test_touch_host_memory_refuses_more_than_available_and_touches_what_fits():
     assert p.returncode == 0 and p.stdout.startswith("touched 1 GiB"), p.stderr
 
 
-def test_resume_takes_the_earlier_calls_ok_records_of_this_commit(tmp_path):
-    """scripts/resume_runs.py: a record of this commit that ended ok is copied under its run's folder name (so the
-    sweep skips that point); one of another commit or of a dirty tree, a failed one and a damaged one are not."""
+def test_resume_takes_the_earlier_calls_ok_records_and_refusals_of_this_commit(tmp_path):
+    """scripts/resume_runs.py: a record of this commit that ended ok, or that is a fit refusal, is copied under
+    its run's folder name (so the sweep skips that point); one of another commit or of a dirty tree, a crashed
+    one, a refusal of another commit and a damaged one are not."""
     import json
 
     earlier, runs = tmp_path / "earlier", tmp_path / "runs"
+    refused = {"status": "failed", "error_kind": "config", "error": "system=clo ... needs about 52.7 GB of GPU memory"}
+    crashed = {"status": "failed", "error_kind": "crash", "error": "AssertionError: a KV buffer spans 2^31"}
 
-    def record(name: str, status: str = "ok", commit: str = "abc1234", text: str | None = None) -> None:
+    def record(name: str, commit: str = "abc1234", text: str | None = None, **fields) -> None:
         (earlier / name).mkdir(parents=True)
-        rec = {"status": status, "environment": {"git": {"commit": commit}}}
+        rec = {"status": "ok", **fields, "environment": {"git": {"commit": commit}}}
         (earlier / name / "record.json").write_text(text if text is not None else json.dumps(rec))
 
     record("seqlen=8k,system=clo-1")
     record("seqlen=8k,system=retroinfer-2", commit="def5678")
-    record("seqlen=8k,system=infinigen-3", status="failed")
+    record("seqlen=8k,system=infinigen-3", **crashed)
     record("seqlen=8k,system=fullattn-4", text="{")
+    record("seqlen=32k,system=clo-5", **refused)
+    record("seqlen=32k,system=retroinfer-6", commit="def5678", **refused)
     (earlier / "dirty").mkdir()
     dirty = {"status": "ok", "environment": {"git": {"commit": "abc1234", "dirty": True}}}
     (earlier / "dirty" / "record.json").write_text(json.dumps(dirty))
     script = str(ROOT / "scripts/resume_runs.py")
     p = subprocess.run([sys.executable, script, str(earlier), str(runs), "abc1234def"], capture_output=True, text=True)
-    assert p.returncode == 0 and "resumed 1 of 5 records" in p.stdout, p.stderr
-    assert [q.relative_to(runs).as_posix() for q in runs.rglob("record.json")] == ["seqlen=8k,system=clo-1/record.json"]
+    assert p.returncode == 0 and "resumed 2 of 7 records" in p.stdout, p.stderr
+    taken = sorted(q.relative_to(runs).as_posix() for q in runs.rglob("record.json"))
+    assert taken == ["seqlen=32k,system=clo-5/record.json", "seqlen=8k,system=clo-1/record.json"]
     p = subprocess.run(
         [sys.executable, script, str(tmp_path / "nowhere"), str(runs), "abc"], capture_output=True, text=True
     )
