@@ -211,7 +211,11 @@ def test_committed_hit_rates_and_memory(tmp_path):
 
 @pytest.mark.parametrize(
     ("folder", "min_rows", "points", "span"),
-    [("fig10_throughput", 40, 16, "1.51-2.41x"), ("fig10_beyond", 10, 5, "0.33-2.31x")],
+    [
+        ("fig10_throughput", 40, 16, "1.51-2.41x"),
+        ("fig10_beyond", 10, 5, "0.33-2.31x"),
+        ("fig10_throughput_nobudget", 25, 14, "1.42-2.49x"),
+    ],
 )
 def test_the_committed_figure_10_readmes_quote_their_records(folder, min_rows, points, span):
     """A Figure 10 folder's README.md holds the tables its records give (plots.paper_tables.fig10_table), and the
