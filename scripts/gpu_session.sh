@@ -91,6 +91,15 @@ stage bench_clo_layer_speculative 300 python3 -m experiments.bench_clo_layer --p
   --out "$out/clo_layer_speculative.json" --trace "$out/traces_speculative" --uva-programs \
   ${LAYER_MS:+--layer-time-ms $LAYER_MS} ${LINK_GB_S:+--link-gb-s $LINK_GB_S}
 run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants its flags first
+export run
+sweeps() {  # sweeps <experiment> <override lists, ";" between sweeps>: each sweep in turn, into the same runs/
+  local rc=0 s parts
+  IFS=';' read -ra parts <<< "$2"
+  ((${#parts[@]})) || parts=("")
+  for s in "${parts[@]}"; do $run "+experiment=$1" $s || rc=$?; done  # $s unquoted: one word per override
+  return $rc
+}
+export -f sweeps
 stage clo_graph 240 $run +experiment=clo_synthetic system=clo,fullattn seqlen=${SEQLENS:-32k,128k} workload.gen_tokens=32
 # CLO's two persist_query modes at 128K; LAYER_MS and LINK_GB_S pin Eq. 12's inputs so that both runs get one plan
 stage clo_persist_query 420 $run +experiment=clo_synthetic system=clo system.persist_query=real,speculative \
@@ -110,11 +119,12 @@ stage fig2_untimed ${FIG2_SECS:-300} $run +experiment=fig2_breakdown workload.ge
 # one steady decode step of each offloading baseline at 128K as a Chrome trace (experiments.step_timeline)
 stage trace_baselines 240 $run +experiment=fig2_breakdown system=retroinfer,infinigen workload.gen_tokens=8 \
   'trace_dir='"$out"'/trace_${hydra:runtime.choices.system}'
-# paper Figure 10's points under the 48 GB budget; FIG10 narrows the sweep (e.g. "seqlen=32k batch=16 system=clo"),
-# FIG10_SECS bounds it (a timeout around this script would end the script but not the sweep it started)
-stage fig10 ${FIG10_SECS:-540} $run +experiment=fig10_throughput ${FIG10:-}
-# beyond the paper's grid (BSZ 128/256 at 1K-4K; FIG10B='seqlen=704k,768k batch=1' for the long line)
-stage fig10_beyond ${FIG10B_SECS:-540} $run +experiment=fig10_beyond ${FIG10B:-}
+# paper Figure 10's points under the 48 GB budget; FIG10 narrows the sweep (e.g. "seqlen=32k batch=16 system=clo")
+# or names several, ";" between them, run in turn (the blocks of a grid still missing, e.g. "seqlen=32k batch=32 ;
+# seqlen=512k"); FIG10_SECS bounds them together (a timeout around this script would end the script, not the sweep)
+stage fig10 ${FIG10_SECS:-540} bash -c 'sweeps "$@"' _ fig10_throughput "${FIG10:-}"
+# beyond the paper's grid (BSZ 128/256 at 1K-4K; FIG10B='seqlen=704k,768k batch=1' for the long line; ";" as FIG10)
+stage fig10_beyond ${FIG10B_SECS:-540} bash -c 'sweeps "$@"' _ fig10_beyond "${FIG10B:-}"
 # issue 20: one sweep across every GPU of the host (hydra/launcher=gpus), then on one GPU, wall times compared;
 # the carried .whl must hold hydra-joblib-launcher and joblib (README, "Several GPUs of one host")
 stage multi_gpu 580 python3 -m experiments.multi_gpu_sweep --out "$out/multi_gpu.json" --runs "$out/multi_gpu" \

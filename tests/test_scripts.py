@@ -15,14 +15,16 @@ def test_gpu_session_script_parses():
 def gpu_session(tmp_path, *stages: str, **env: str) -> subprocess.CompletedProcess:
     """scripts/gpu_session.sh with commit abc1234 and the stages named, its session folders under tmp_path (for
     /tmp) and stand-ins first on PATH: nvidia-smi and python3 do nothing (no wheels installed, no stage's command
-    run) but scripts/resume_runs.py, which runs in this interpreter."""
+    run; python3 writes its arguments to tmp_path/python3.args) but scripts/resume_runs.py, which runs in this
+    interpreter."""
     import os
 
     bin_ = tmp_path / "bin"
     bin_.mkdir(exist_ok=True)
     (bin_ / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
     (bin_ / "python3").write_text(
-        f'#!/bin/sh\ncase "$1" in scripts/resume_runs.py) exec "{sys.executable}" "$@";; esac\nexit 0\n'
+        f'#!/bin/sh\ncase "$1" in scripts/resume_runs.py) exec "{sys.executable}" "$@";; esac\n'
+        f'echo "$@" >> "{tmp_path}/python3.args"\nexit 0\n'
     )
     for f in bin_.iterdir():
         f.chmod(0o755)
@@ -41,6 +43,20 @@ def test_gpu_session_cuts_each_stage_to_the_calls_end(tmp_path):
     assert (tmp_path / "out" / "gpu_session.tgz").exists()
     gpu_session(tmp_path, "skew_eigh", CALL_SECS="21", PACK_SECS="20")
     assert (tmp_path / "out" / "summary.log").read_text().startswith("== skew_eigh: not run, ")
+
+
+def test_gpu_session_runs_each_of_fig10s_sweeps_in_turn(tmp_path):
+    """FIG10 with ";" between override lists runs one sweep per list, into the same runs/; without FIG10, one sweep
+    of the whole grid."""
+    gpu_session(tmp_path, "fig10", FIG10="hardware.gpu_mem_gb=null seqlen=32k batch=32 ; seqlen=512k")
+    sweeps = [a for a in (tmp_path / "python3.args").read_text().splitlines() if "experiments.run" in a]
+    assert len(sweeps) == 2 and len({a.split(" +experiment=")[0] for a in sweeps}) == 1, sweeps
+    assert sweeps[0].endswith("+experiment=fig10_throughput hardware.gpu_mem_gb=null seqlen=32k batch=32"), sweeps
+    assert sweeps[1].endswith("+experiment=fig10_throughput seqlen=512k"), sweeps
+    (tmp_path / "python3.args").unlink()
+    gpu_session(tmp_path, "fig10")
+    sweeps = [a for a in (tmp_path / "python3.args").read_text().splitlines() if "experiments.run" in a]
+    assert len(sweeps) == 1 and sweeps[0].endswith("+experiment=fig10_throughput"), sweeps
 
 
 def test_gpu_session_resumes_the_last_call_of_its_sweep_on_a_warm_machine(tmp_path):
