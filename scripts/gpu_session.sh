@@ -60,7 +60,9 @@ stage() {  # stage <name> <seconds> <command...>
 # results/infinigen_threads/); its log gives the first-touch rate
 stage host_warmup 150 python3 scripts/touch_host_memory.py ${HOST_WARMUP_GB:+--gb $HOST_WARMUP_GB}
 stage pytest_gpu ${PYTEST_SECS:-420} python3 -m pytest -m gpu -q --durations=15 tests/
-stage pytest_focus 200 python3 -m pytest -m gpu -q tests/test_gpu.py -k "${FOCUS:-retroinfer or fullattn or uva}"
+# FOCUS picks tests by name (-k), FOCUS_FILES the files (default tests/test_gpu.py)
+stage pytest_focus 200 python3 -m pytest -m gpu -q ${FOCUS_FILES:-tests/test_gpu.py} \
+  -k "${FOCUS:-retroinfer or fullattn or uva}"
 stage bench_attn 240 python3 -m experiments.bench_decode_attention --batches 1,2,4,8,16 --lengths 32k,64k,128k \
   --out "$out/decode_attention.json"
 # paper Figures 3/13: each transfer path's bandwidth by volume and CPU threads, beside a bulk pinned copy
