@@ -11,6 +11,7 @@ refused unless --allow-mixed-commits (the title then lists them); records of sev
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -42,7 +43,8 @@ REFUSED_LABELS = {"OOM": "refused: device budget (OOM)", "RAM": "refused: host R
 def data(root: Path, allow_mixed: bool = False) -> dict:
     """{"points": {(system, seqlen, batch): {"decode_tokens_per_s", "prefill_tokens_per_s", "file", "metrics"}},
     "refused": [(system, seqlen, batch, "OOM" | "RAM")], "speedup": {(seqlen, batch): CLO / best baseline},
-    "budget_gb": the device budget (None: none), "model", "records"}."""
+    "speedup_median": the same by each run's median step (None where a record has no steps), "budget_gb": the
+    device budget (None: none), "model", "records"}."""
     recs = load_records(root, allow_mixed=allow_mixed)
     refused = refusals(root)
     budgets = {budget_of(r["record"]) for r in recs} | {budget for _, budget in refused}
@@ -61,22 +63,35 @@ def data(root: Path, allow_mixed: bool = False) -> dict:
             "prefill_tokens_per_s": m.get("prefill_tokens_per_s"),
             "file": r["file"],
             "metrics": m,
+            "median_ms_per_step": median_step_ms(rec),
         }
         if key not in points or row["decode_tokens_per_s"] > points[key]["decode_tokens_per_s"]:
             points[key] = row
-    speedup = {}
+    speedup, speedup_median = {}, {}
     for (s, n, b), row in points.items():
-        base = [points[(x, n, b)]["decode_tokens_per_s"] for x in BASELINES if (x, n, b) in points]
+        base = [points[(x, n, b)] for x in BASELINES if (x, n, b) in points]
         if s == "clo" and base:
-            speedup[(n, b)] = row["decode_tokens_per_s"] / max(base)
+            speedup[(n, b)] = row["decode_tokens_per_s"] / max(x["decode_tokens_per_s"] for x in base)
+            medians = [x["median_ms_per_step"] for x in base]
+            if row["median_ms_per_step"] and all(medians):
+                speedup_median[(n, b)] = min(medians) / row["median_ms_per_step"]
     return {
         "points": points,
         "refused": sorted(point for point, _ in refused),
         "speedup": speedup,
+        "speedup_median": speedup_median,
         "budget_gb": budgets.pop(),
         "model": one_value(recs, lambda r: r["model"], "models"),
         "records": recs,
     }
+
+
+def median_step_ms(rec: dict) -> float | None:
+    """The median of a run's measured decode steps (ms): the mean (decode_ms_per_step, the throughput) over a few
+    steps moves with one slow step, and a system that waits on the host each layer has more of them."""
+    n, steps = rec["metrics"].get("decode_steps_measured"), rec.get("steps") or []
+    totals = [s.get("phase_ms", {}).get("total") for s in steps[len(steps) - n :]] if n else []
+    return statistics.median(totals) if totals and None not in totals else None
 
 
 def budget_text(budget_gb: float | None) -> str:

@@ -286,12 +286,15 @@ def fig10_table(root: Path, folder: str) -> str:
         cells = [
             f1(pts[(s, n, b)]["decode_tokens_per_s"]) if (s, n, b) in pts else refused.get((s, n, b)) for s in shown
         ]
-        x = d["speedup"].get((n, b))
-        rows.append([tokens(n), b, *cells, f"{x:.2f}x" if x else None, ", ".join(sorted(commits.get((n, b), ())))])
-    head = ["seqlen", "batch", *(f"{SYSTEMS[s]} tok/s" for s in shown), "CLO / best baseline", "commit"]
+        x, xm = d["speedup"].get((n, b)), d["speedup_median"].get((n, b))
+        ratios = [f"{r:.2f}x" if r else None for r in (x, xm)]
+        rows.append([tokens(n), b, *cells, *ratios, ", ".join(sorted(commits.get((n, b), ())))])
+    by_median = "by median step"
+    head = ["seqlen", "batch", *(f"{SYSTEMS[s]} tok/s" for s in shown), "CLO / best baseline", by_median, "commit"]
     budget = f"Device budget {d['budget_gb']:g} GB (hardware.gpu_mem_gb)" if d["budget_gb"] else "No device budget"
     ref = f"{budget}. " + (f"{paper.FIG10} ({d['model']}): {lo}-{hi}x. " if lo else "")
-    ref += "OOM: refused for the device budget; RAM: for the host's."
+    ref += "OOM: refused for the device budget; RAM: for the host's. "
+    ref += f"'{by_median}': the same ratio of each run's median step (tokens/s is its mean step)."
     return md(head, rows) + f"\n\n{ref} " + source(folder, d["records"]) + "\n\n" + fig10_floor_table(d)
 
 
