@@ -90,7 +90,7 @@ def median_step_ms(rec: dict) -> float | None:
     """The median of a run's measured decode steps (ms): the mean (decode_ms_per_step, the throughput) over a few
     steps moves with one slow step, and a system that waits on the host each layer has more of them."""
     n, steps = rec["metrics"].get("decode_steps_measured"), rec.get("steps") or []
-    totals = [s.get("phase_ms", {}).get("total") for s in steps[len(steps) - n :]] if n else []
+    totals = [s.get("phase_ms", {}).get("total") for s in steps[len(steps) - n :]] if n and n <= len(steps) else []
     return statistics.median(totals) if totals and None not in totals else None
 
 
