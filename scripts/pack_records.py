@@ -3,7 +3,9 @@
 the batch's). A point the preflight refused for its fit (the device budget or the host's RAM, with the estimate)
 is packed as a run's record is; any other failure (a crash, bad input) is not a result and is listed instead.
 Two records that would take one name (a point run twice, at two commits) are refused before anything is
-written: results/ holds one record a point.
+written: results/ holds one record a point. So is a record that would replace a different one already in --out
+(the rest of a grid packed beside its first part), unless --replace: a superseded record leaves with a line in
+results/LEDGER.md.
 
     python3 scripts/pack_records.py <runs/> [<runs/> ...] --out results/fig10_beyond
 """
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--keys", default="system,seqlen,batch", help="the overrides that name a point, in order")
     ap.add_argument("--batch-prefix", default="b")
+    ap.add_argument("--replace", action="store_true", help="replace records of the same points already in --out")
     args = ap.parse_args(argv)
     keys = [k for k in args.keys.split(",") if k]
     names: dict[str, Path] = {}
@@ -61,8 +64,18 @@ def main(argv: list[str] | None = None) -> None:
     if unnamed:
         print(f"error: {unnamed[0]} (and {len(unnamed) - 1} more) override none of {','.join(keys)}", file=sys.stderr)
         sys.exit(2)
-    for name, path in names.items():
-        write_json_atomic(args.out / name, json.loads(path.read_text()))
+    records = {name: json.loads(path.read_text()) for name, path in names.items()}
+    held = [n for n in records if (args.out / n).exists() and json.loads((args.out / n).read_text()) != records[n]]
+    if held and not args.replace:
+        more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+        print(
+            f"error: {args.out / held[0]}{more} holds another record of that point: --replace supersedes it "
+            "(say so in results/LEDGER.md)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    for name, rec in records.items():
+        write_json_atomic(args.out / name, rec)
     print(f"packed {len(names)} records into {args.out}" + (f"; not packed: {len(failed)} failed" if failed else ""))
     for path in failed:
         error = str(json.loads(path.read_text()).get("error") or "no error recorded").splitlines()[0]

@@ -158,3 +158,33 @@ def test_pack_records_names_each_point_and_leaves_failures_out(tmp_path):
         [sys.executable, script, str(runs), "--out", str(tmp_path / "again")], capture_output=True, text=True
     )
     assert p.returncode == 2 and "are both record_clo_8k_b4.json" in p.stderr and not (tmp_path / "again").exists()
+
+
+def test_pack_records_adds_to_a_folder_but_replaces_a_record_only_when_asked(tmp_path):
+    """The rest of a grid packs beside its first part; the same record packed again is no conflict, another record
+    of a point already there is refused (nothing written) unless --replace."""
+    import json
+
+    out, script = tmp_path / "packed", str(ROOT / "scripts/pack_records.py")
+
+    def sweep(name: str, *points: tuple[str, str]) -> Path:
+        for p, commit in points:
+            (tmp_path / name / p).mkdir(parents=True)
+            rec = {"status": "ok", "identity": p.split(","), "environment": {"git": {"commit": commit}}}
+            (tmp_path / name / p / "record.json").write_text(json.dumps(rec))
+        return tmp_path / name
+
+    def pack(runs: Path, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, script, str(runs), "--out", str(out), *flags], capture_output=True, text=True
+        )
+
+    first = sweep("first", ("batch=1,seqlen=8k,system=clo", "aaa1111"))
+    assert pack(first).returncode == 0 and pack(first).returncode == 0  # packing the same records twice is fine
+    rest = sweep("rest", ("batch=2,seqlen=8k,system=clo", "bbb2222"), ("batch=1,seqlen=8k,system=clo", "bbb2222"))
+    p = pack(rest)
+    assert p.returncode == 2 and "record_clo_8k_b1.json holds another record" in p.stderr, p.stderr
+    assert sorted(q.name for q in out.iterdir()) == ["record_clo_8k_b1.json"]  # nothing written
+    assert pack(rest, "--replace").returncode == 0
+    commits = {q.name: json.loads(q.read_text())["environment"]["git"]["commit"] for q in out.iterdir()}
+    assert commits == {"record_clo_8k_b1.json": "bbb2222", "record_clo_8k_b2.json": "bbb2222"}
