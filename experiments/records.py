@@ -21,6 +21,7 @@ from hydra.experimental.callback import Callback
 
 from kvoffload.errors import ConfigError
 from kvoffload.paths import ROOT, write_json_atomic
+from plots.records import commit_of, fit_refusal
 
 # Overrides that change where or how a run is reported, not what it measures.
 NOT_IDENTITY = ("results_dir", "force", "job_process", "wandb", "hydra")
@@ -107,12 +108,21 @@ def record_path(results_dir: Path, identity: list[str]) -> Path:
 
 
 def finished(path: Path) -> bool:
+    """Whether a run's record says it needs no rerun: it ended ok, or it is the preflight's refusal of a point that
+    does not fit, recorded at this commit by a clean tree (its estimate changes only with the code; force=true
+    checks it again). A crash, bad input and a damaged record run again."""
     if not path.is_file():
         return False
     try:
-        return json.loads(path.read_text()).get("status") == "ok"
+        rec = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        return False  # a damaged record counts as not done: the run is repeated
+        return False
+    if rec.get("status") == "ok":
+        return True
+    commit = commit_of(rec)
+    if not fit_refusal(rec) or commit in (None, "unknown") or commit.endswith("(dirty)"):
+        return False
+    return commit == commit_of({"environment": {"git": git_commit(ROOT)}})
 
 
 def git_commit(repo: Path) -> dict[str, Any]:

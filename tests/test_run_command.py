@@ -443,6 +443,46 @@ def test_the_launchers_commit_wins_over_a_stale_git(monkeypatch):
     assert git_commit(ROOT)["commit"] == got["local_git_head"]
 
 
+def test_a_refusal_at_this_commit_is_finished_a_crash_is_not(tmp_path, monkeypatch):
+    """A sweep skips a point whose record ended ok or is the preflight's fit refusal at this commit (so a resumed
+    device call does not check every refusal again); a refusal of another commit or a dirty tree, a crash and a
+    damaged record run again."""
+    import json
+
+    from experiments.records import finished
+
+    monkeypatch.setenv("CLO_GIT_COMMIT", "abc1234")
+    refusal = {"status": "failed", "error_kind": "config", "error": "system=clo ... needs about 52.7 GB of GPU memory"}
+
+    def record(name: str, rec: dict | None, commit: str = "abc1234", dirty: bool | None = None, text: str = ""):
+        path = tmp_path / name / "record.json"
+        path.parent.mkdir()
+        git = {"commit": commit, "dirty": dirty}
+        path.write_text(text or json.dumps({**(rec or {}), "environment": {"git": git}}))
+        return path
+
+    assert finished(record("ok", {"status": "ok"}))
+    assert finished(record("refused", refusal))
+    assert not finished(record("refused_elsewhere", refusal, commit="def5678"))
+    assert not finished(record("refused_dirty", refusal, dirty=True))
+    assert not finished(record("crashed", {"status": "failed", "error_kind": "crash", "error": "AssertionError"}))
+    assert not finished(record("damaged", None, text="{"))
+    assert not finished(tmp_path / "never" / "record.json")
+
+
+def test_a_sweep_run_again_skips_its_fit_refusals(tmp_path, monkeypatch):
+    """A point refused for the host's RAM is recorded with its commit, and the same sweep run again at that commit
+    skips it as it skips a finished run."""
+    monkeypatch.setenv("CLO_GIT_COMMIT", "abc1234")  # what the device launcher sets; run() passes os.environ on
+    args = ("--multirun", "system=clo", "seqlen=4k", "batch=8192", *FAST)  # thousands of GB: refused on any host
+    p = run(*args, tmp=tmp_path, check=False)
+    assert p.returncode == 1 and "needs about" in p.stderr and "GB of RAM on this host" in p.stderr, p.stderr[-2000:]
+    (rec,) = records(tmp_path).values()
+    assert rec["error_kind"] == "config" and rec["environment"]["git"]["commit"] == "abc1234"
+    again = run(*args, tmp=tmp_path, check=False)
+    assert again.returncode == 0 and "[sweep] 1 job: 0 ok, 1 skipped, 0 failed" in again.stderr, again.stderr[-2000:]
+
+
 def test_trace_dir_writes_one_decode_step(tmp_path):
     """trace_dir=: the profiler records one steady step (here, on a CPU, its operators) into a Chrome trace."""
     run(
