@@ -95,9 +95,13 @@ stage bench_clo_layer_speculative 300 python3 -m experiments.bench_clo_layer --p
 run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants its flags first
 export run
 sweeps() {  # sweeps <experiment> <override lists, ";" between sweeps>: each sweep in turn, into the same runs/
-  local rc=0 s parts
-  IFS=';' read -ra parts <<< "$2"
-  ((${#parts[@]})) || parts=("")
+  local rc=0 s all parts=()
+  IFS=';' read -ra all <<< "${2//$'\n'/ }"
+  for s in "${all[@]}"; do [[ -z "${s//[[:space:]]/}" ]] || parts+=("$s"); done  # a blank list is no whole grid
+  if ((${#parts[@]} == 0)); then
+    [[ -z "${2//[[:space:]]/}" ]] || { echo "error: '$2': no override list between the ';'" >&2; return 2; }
+    parts=("")  # no lists at all: the experiment's whole sweep
+  fi
   for s in "${parts[@]}"; do $run "+experiment=$1" $s || rc=$?; done  # $s unquoted: one word per override
   return $rc
 }

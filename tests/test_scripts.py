@@ -54,6 +54,14 @@ def test_gpu_session_runs_each_of_fig10s_sweeps_in_turn(tmp_path):
     assert sweeps[0].endswith("+experiment=fig10_throughput hardware.gpu_mem_gb=null seqlen=32k batch=32"), sweeps
     assert sweeps[1].endswith("+experiment=fig10_throughput seqlen=512k"), sweeps
     (tmp_path / "python3.args").unlink()
+    gpu_session(tmp_path, "fig10", FIG10="seqlen=32k batch=32 ;; seqlen=512k ; ")  # blank lists: no whole grid
+    sweeps = [a for a in (tmp_path / "python3.args").read_text().splitlines() if "experiments.run" in a]
+    assert [a.split("+experiment=fig10_throughput")[1] for a in sweeps] == [" seqlen=32k batch=32", " seqlen=512k"]
+    (tmp_path / "python3.args").unlink()
+    gpu_session(tmp_path, "fig10", FIG10=" ; ")
+    assert "experiments.run" not in (tmp_path / "python3.args").read_text()  # nothing swept
+    assert "no override list" in (tmp_path / "out" / "summary.log").read_text()
+    (tmp_path / "python3.args").unlink()
     gpu_session(tmp_path, "fig10")
     sweeps = [a for a in (tmp_path / "python3.args").read_text().splitlines() if "experiments.run" in a]
     assert len(sweeps) == 1 and sweeps[0].endswith("+experiment=fig10_throughput"), sweeps
