@@ -2,9 +2,10 @@
 
 Each run writes results/runs/<name>/record.json (composed config, environment, metrics); <name> is its overrides
 as resolved values (records.run_identity). A run whose record ended ok, or refused the point for its fit at this
-commit, is skipped (records.finished; force=true repeats it); in a sweep a failing run records its error and the sweep goes on, and the sweep ends with a table of its jobs
-(records.SweepSummary) and exit status 1 if any failed. Bad input (a ConfigError wherever it is raised, an
-unknown key) ends a single run with one `error:` line and exit status 2, before any long work."""
+commit, is skipped (records.finished; force=true repeats it); in a sweep a failing run records its error and the
+sweep goes on, and the sweep ends with a table of its jobs (records.SweepSummary) and exit status 1 if any failed.
+Bad input (a ConfigError wherever it is raised, an unknown key) ends a single run with one `error:` line and exit
+status 2, before any long work."""
 
 from __future__ import annotations
 
