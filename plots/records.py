@@ -92,6 +92,11 @@ def fit_refusal(rec: Any) -> bool:
     return isinstance(rec, dict) and rec.get("error_kind") == "config" and "needs about" in str(rec.get("error"))
 
 
+def result_record(rec: Any) -> bool:
+    """Whether a run record is a result: its run ended ok, or it is a fit refusal (fit_refusal)."""
+    return isinstance(rec, dict) and (rec.get("status") == "ok" or fit_refusal(rec))
+
+
 def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from kvoffload.paths import write_json_atomic
-from plots.records import fit_refusal, override_values
+from plots.records import override_values, result_record
 
 
 def point(rec: dict, keys: list[str]) -> dict[str, str] | None:
@@ -42,15 +42,17 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     keys = [k for k in args.keys.split(",") if k]
     names: dict[str, Path] = {}
-    failed, unnamed = [], []
+    records: dict[str, dict] = {}  # packed name -> record
+    failed: list[tuple[Path, dict]] = []
+    unnamed: list[Path] = []
     for folder in args.runs:
         if not folder.is_dir():
             print(f"error: {folder}: no such folder", file=sys.stderr)
             sys.exit(2)
         for path in sorted(folder.rglob("record.json")):
             rec = json.loads(path.read_text())
-            if rec.get("status") != "ok" and not fit_refusal(rec):
-                failed.append(path)
+            if not result_record(rec):
+                failed.append((path, rec))
                 continue
             values = point(rec, keys)
             if values is None:
@@ -60,11 +62,10 @@ def main(argv: list[str] | None = None) -> None:
             if name in names:
                 print(f"error: {names[name]} and {path} are both {name}: pack one of them", file=sys.stderr)
                 sys.exit(2)
-            names[name] = path
+            names[name], records[name] = path, rec
     if unnamed:
         print(f"error: {unnamed[0]} (and {len(unnamed) - 1} more) override none of {','.join(keys)}", file=sys.stderr)
         sys.exit(2)
-    records = {name: json.loads(path.read_text()) for name, path in names.items()}
     held = [n for n in records if (args.out / n).exists() and json.loads((args.out / n).read_text()) != records[n]]
     if held and not args.replace:
         more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, rec in records.items():
         write_json_atomic(args.out / name, rec)
     print(f"packed {len(names)} records into {args.out}" + (f"; not packed: {len(failed)} failed" if failed else ""))
-    for path in failed:
-        error = str(json.loads(path.read_text()).get("error") or "no error recorded").splitlines()[0]
+    for path, rec in failed:
+        error = str(rec.get("error") or "no error recorded").splitlines()[0]
         print(f"  failed: {path}: {error[:160]}")
 
 

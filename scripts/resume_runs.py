@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from plots.records import commit_of, fit_refusal
+from plots.records import commit_of, result_record
 
 
 def resumable(record: Path, commit: str) -> bool:
@@ -27,8 +27,7 @@ def resumable(record: Path, commit: str) -> bool:
         rec = json.loads(record.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    kept = rec.get("status") == "ok" or fit_refusal(rec)
-    return kept and commit_of(rec) == commit[:7]  # not a dirty tree's: commit_of marks it
+    return result_record(rec) and commit_of(rec) == commit[:7]  # not a dirty tree's: commit_of marks it
 
 
 def main(argv: list[str] | None = None) -> None:
