@@ -19,6 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from kvoffload.units import parse_tokens  # noqa: E402
 from plots import paper  # noqa: E402
 from plots.records import (  # noqa: E402
     ONE_EACH,
@@ -115,8 +116,7 @@ def refusals(root: Path) -> list[tuple[tuple[str, int, int, str], float | None]]
             continue  # a crash is not a refusal: plots.all reports the folder's other runs only
         over = override_values(rec.get("overrides", []))
         if {"system", "seqlen", "batch"} <= set(over):
-            n = over["seqlen"].lower()
-            seqlen = int(float(n[:-1]) * 1024 ** (1 if n[-1] == "k" else 2)) if n[-1] in "km" else int(n)
+            seqlen = parse_tokens(over["seqlen"])
             why = "RAM" if "of RAM on this host" in str(rec["error"]) else "OOM"
             out.append(((over["system"], seqlen, int(over["batch"]), why), budget_of(rec)))
     return out

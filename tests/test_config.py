@@ -7,11 +7,11 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from experiments.preflight import parse_tokens
 from experiments.setting_types import check_system_settings
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVOffloadSystem
 from kvoffload.model.config import ModelConfig
+from kvoffload.units import parse_tokens
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -63,7 +63,7 @@ def test_parse_tokens_rejects(bad):
     [(4096, "4k"), (131072, "128k"), (1048576, "1m"), (7680, "7680"), (64, "64"), (1536, "1536"), (2 * 1048576, "2m")],
 )
 def test_tokens_text_is_the_short_spelling(tokens, text):
-    from experiments.preflight import tokens_text
+    from kvoffload.units import tokens_text
 
     assert tokens_text(tokens) == text and parse_tokens(text) == tokens
 
