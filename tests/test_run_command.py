@@ -23,6 +23,8 @@ def run(*args: str, tmp: Path, check: bool = True) -> subprocess.CompletedProces
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0"}
     flags = [a for a in args if a.startswith("--")]  # hydra wants its flags before the overrides
     overrides = [a for a in args if not a.startswith("--")]
+    if not any(a.startswith("wandb.dir=") for a in overrides):  # the bundles log to W&B: offline runs stay in tmp
+        overrides.append(f"wandb.dir={tmp}")
     p = subprocess.run(
         [
             sys.executable,
