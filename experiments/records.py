@@ -21,7 +21,7 @@ from hydra.experimental.callback import Callback
 
 from kvoffload.errors import ConfigError
 from kvoffload.paths import ROOT, write_json_atomic
-from plots.records import commit_of, fit_refusal
+from plots.records import RecordError, commit_of, read_json, result_record
 
 # Overrides that change where or how a run is reported, not what it measures.
 NOT_IDENTITY = ("results_dir", "force", "job_process", "wandb", "hydra")
@@ -111,16 +111,16 @@ def finished(path: Path) -> bool:
     """Whether a run's record says it needs no rerun: it ended ok, or it is the preflight's refusal of a point that
     does not fit, recorded at this commit by a clean tree (its estimate changes only with the code; force=true
     checks it again). A crash, bad input and a damaged record run again."""
-    if not path.is_file():
-        return False
     try:
-        rec = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        rec = read_json(path)
+    except RecordError:  # missing or damaged
+        return False
+    if not result_record(rec):
         return False
     if rec.get("status") == "ok":
         return True
     commit = commit_of(rec)
-    if not fit_refusal(rec) or commit in (None, "unknown") or commit.endswith("(dirty)"):
+    if commit in (None, "unknown") or commit.endswith("(dirty)"):
         return False
     return commit == commit_of({"environment": {"git": git_commit(ROOT)}})
 

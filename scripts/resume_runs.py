@@ -14,18 +14,17 @@ folder that the call carries).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
 
-from plots.records import commit_of, result_record
+from plots.records import RecordError, commit_of, read_json, result_record
 
 
 def resumable(record: Path, commit: str) -> bool:
     try:
-        rec = json.loads(record.read_text())
-    except (OSError, json.JSONDecodeError):
+        rec = read_json(record)
+    except RecordError:
         return False
     return result_record(rec) and commit_of(rec) == commit[:7]  # not a dirty tree's: commit_of marks it
 
