@@ -251,10 +251,10 @@ class SweepSummary(Callback):
         sweep_dir = _select(config, "hydra.sweep.dir")
         for path in Path(str(sweep_dir)).rglob(self.OUTCOME) if sweep_dir else []:  # the jobs other processes ran
             try:
-                saved = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
+                saved = read_json(path)
+            except RecordError:
                 continue
-            if saved.get("sweep") == self.sweep:
+            if isinstance(saved, dict) and saved.get("sweep") == self.sweep:
                 num, ov, st, err = saved["row"]
                 rows.setdefault(num, (num, ov, st, err))
         self.jobs = [rows[n] for n in sorted(rows)]
