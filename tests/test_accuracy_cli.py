@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,11 @@ def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
     )
+
+
+def in_tmp(tmp: Path) -> list[str]:
+    """The overrides that keep a run's records and Hydra's own output folders out of the checkout."""
+    return [f"results_dir={tmp}", f"hydra.run.dir={tmp / 'out'}", f"hydra.sweep.dir={tmp / 'multi'}"]
 
 
 @pytest.mark.parametrize(
@@ -32,7 +38,7 @@ def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     ],
 )
 def test_bad_input_is_one_error_line(args, says, tmp_path):
-    p = run(*args, f"results_dir={tmp_path}" if args[0] == "experiments.accuracy" else "--limit=1")
+    p = run(*args, *(in_tmp(tmp_path) if args[0] == "experiments.accuracy" else ["--limit=1"]))
     assert p.returncode == 2, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and says in last, p.stderr[-2000:]
@@ -50,7 +56,7 @@ def test_lm_evals_command_line_runs_the_clo_model(tmp_path):
 
 
 def test_a_sweep_records_each_jobs_refusal_and_exits_1(tmp_path):
-    p = run("experiments.accuracy", "--multirun", "system=fullattn,clo", "workload.limit=0", f"results_dir={tmp_path}")
+    p = run("experiments.accuracy", "--multirun", "system=fullattn,clo", "workload.limit=0", *in_tmp(tmp_path))
     assert p.returncode == 1, p.stderr[-2000:]
     assert "2 jobs: 0 ok, 0 skipped, 2 failed" in p.stderr and p.stderr.count("must be at least 1") >= 2
     assert len(list(tmp_path.glob("*/record.json"))) == 2
