@@ -3,6 +3,8 @@ attends exactly the same top-k tokens (see OffloadedBaseline)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvoffload.errors import ConfigError
@@ -108,8 +110,8 @@ class OffloadedBaseline(KVOffloadSystem):
         layer_store(self.host, layer, spec, self.dense_layers, rows.shape[2])
         # keys: a view, not a copy: a copy would be one more of the layer's K beside the prefill (1 GB at a 64 GiB
         # batch)
-        self.prefill_sparse(layer, k[:, :, sink : sink + n_mid], n_mid, rows)
-        self.offload.start(rows, self.host[layer])
+        behind = self.prefill_sparse(layer, k[:, :, sink : sink + n_mid], n_mid, rows)
+        self.offload.start(rows, self.host[layer], behind)
 
     def end_prefill(self, prompt_len: int) -> None:
         self.offload.finish()  # decode reads the host stores
@@ -118,10 +120,14 @@ class OffloadedBaseline(KVOffloadSystem):
     def host_padding(self, n_mid: int) -> int:
         return 0
 
-    def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int, rows: torch.Tensor) -> None:
+    def prefill_sparse(
+        self, layer: int, keys_mid: torch.Tensor, n_mid: int, rows: torch.Tensor
+    ) -> Callable[[], None] | None:
         """keys_mid [B, Hkv, n_mid, D]: the candidates of a sparse layer, a view of the prompt's keys. What is kept
         of it must be a copy (the retrievers' index copies): a view would keep the whole prompt's K alive. rows
-        [B, Hkv, n_mid + padding, 2, D]: the device copy bound for the host store, which a subclass may reorder."""
+        [B, Hkv, n_mid + padding, 2, D]: the device copy bound for the host store, which a subclass may reorder.
+        Returns the work that reads only `rows` and may run behind the layer, with its host copy (as CLO encodes
+        its keys), or None."""
 
     def begin_step(self) -> None:
         super().begin_step()

@@ -27,10 +27,13 @@ BufferManager does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 
+from baselines import lru_native
 from baselines.lru import BlockLRU, distinct_sorted
 from baselines.offloaded import GRAPH_MODES, OffloadedBaseline, sized
 from baselines.retroinfer_graphs import LayerGraphs
@@ -218,6 +221,8 @@ class RetroInfer(OffloadedBaseline):
         # one worker: the layers' deferred LRU updates run in order, one core beside the launching thread
         self.lru_worker = ThreadPoolExecutor(1) if self.use_graphs and self.lru_update == "deferred" else None
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # the LRU's compiled code loaded and its threads started here, not in the first layer's timed prefill
+        lru_native.warm(deferred=self.lru_worker is not None)
         on_device = spec.device if self.transfer_kind == "uva" else torch.device("cpu")  # where fill wants indices
         self.fill_heads = torch.zeros(1, dtype=torch.long, device=on_device)
         self.fill_miss = torch.ones(1, 1, dtype=torch.bool, device=on_device)
@@ -227,12 +232,15 @@ class RetroInfer(OffloadedBaseline):
         super().prefill(layer, k, v)
         self.prompt_values = None
 
-    def prefill_sparse(self, layer: int, keys_mid: torch.Tensor, n_mid: int, rows: torch.Tensor) -> None:
+    def prefill_sparse(
+        self, layer: int, keys_mid: torch.Tensor, n_mid: int, rows: torch.Tensor
+    ) -> Callable[[], None] | None:
         spec = self.spec
         if not n_mid:
-            return
-        if self.retriever_kind != "wave":
-            self.retriever.index(layer, keys_mid)
+            return None
+        encode = None
+        if self.retriever_kind != "wave":  # indexed behind the layer, from the staged rows, as CLO encodes its keys
+            encode = partial(self.retriever.index, layer, rows[:, :, :n_mid, 0])
         else:  # the host store cluster by cluster (a cluster is a run of blocks), reordered before its copy
             sink = split_prompt(self.t0, self.sink, self.recent)[0]
             self.retriever.index(layer, keys_mid, self.prompt_values[:, :, sink : sink + n_mid])
@@ -245,6 +253,7 @@ class RetroInfer(OffloadedBaseline):
             heads, cap, self.block_size, 2, spec.head_dim, dtype=spec.dtype, device=spec.device
         )
         self.lru[layer] = BlockLRU(heads, n_blocks, cap, self.cpu_threads, deferred=self.lru_worker is not None)
+        return encode
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.estimating and layer not in self.dense and self.retriever.centroids[layer] is not None:
