@@ -686,6 +686,19 @@ def test_host_stores_are_allocated_before_prefill_and_copied_while_the_next_laye
     assert_outputs(got, want)
 
 
+def test_retroinfer_indexes_a_layer_behind_it_with_its_host_copy():
+    """RetroInfer-style's hash index, as CLO's, is built by the layer's offload (on CUDA its own stream, while the
+    next layer computes), from the staged rows, not on the compute stream inside the layer's prefill."""
+    s = RetroInfer(sink=SINK, recent=RECENT, topk_ratio=RATIO, dense_layers=1, cpu_threads=2)
+    s.allocate(replace(spec(), prompt_len=T0))
+    s.offload = DeferredOffload()
+    k = torch.randn(B, HKV, T0, D)
+    s.prefill(1, k, torch.randn_like(k))
+    assert s.retriever.codes[1] is None and s.offload.waiting is not None
+    s.offload.finish()
+    assert s.retriever.codes[1] is not None and s.retriever.codes[1].shape[2] == T0 - SINK - RECENT
+
+
 def test_infinigen_gather_threads_follow_the_fetch_size():
     # the gather is memory-bound: half the cores stepped fastest for small fetches and at BSZ 1, every core for the
     # larger fetches of BSZ > 1 and for BSZ 1's largest
