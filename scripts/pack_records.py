@@ -5,7 +5,8 @@ is packed as a run's record is; any other failure (a crash, bad input) is not a 
 Two records that would take one name (a point run twice, at two commits) are refused before anything is
 written: results/ holds one record a point. So is a record that would replace a different one already in --out
 (the rest of a grid packed beside its first part), unless --replace: a superseded record leaves with a line in
-results/LEDGER.md.
+results/LEDGER.md. A fit refusal that repeats the packed one's error word for word (a sweep that ran the point
+again) is no new result: the packed record stays.
 
     python3 scripts/pack_records.py <runs/> [<runs/> ...] --out results/fig10_beyond
 """
@@ -18,7 +19,7 @@ import sys
 from pathlib import Path
 
 from kvoffload.paths import write_json_atomic
-from plots.records import override_values, result_record
+from plots.records import fit_refusal, override_values, result_record
 
 
 def point(rec: dict, keys: list[str]) -> dict[str, str] | None:
@@ -66,7 +67,15 @@ def main(argv: list[str] | None = None) -> None:
     if unnamed:
         print(f"error: {unnamed[0]} (and {len(unnamed) - 1} more) override none of {','.join(keys)}", file=sys.stderr)
         sys.exit(2)
-    held = [n for n in records if (args.out / n).exists() and json.loads((args.out / n).read_text()) != records[n]]
+    packed = {n: json.loads((args.out / n).read_text()) for n in records if (args.out / n).exists()}
+    repeated = [
+        n
+        for n, old in packed.items()
+        if old != records[n] and fit_refusal(old) and old.get("error") == records[n].get("error")
+    ]
+    for name in repeated:
+        del records[name]
+    held = [n for n, old in packed.items() if n in records and old != records[n]]
     if held and not args.replace:
         more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
         print(
@@ -77,7 +86,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     for name, rec in records.items():
         write_json_atomic(args.out / name, rec)
-    print(f"packed {len(names)} records into {args.out}" + (f"; not packed: {len(failed)} failed" if failed else ""))
+    kept = f"; kept {len(repeated)} packed refusals their runs repeated" if repeated else ""
+    print(
+        f"packed {len(records)} records into {args.out}{kept}"
+        + (f"; not packed: {len(failed)} failed" if failed else "")
+    )
     for path, rec in failed:
         error = str(rec.get("error") or "no error recorded").splitlines()[0]
         print(f"  failed: {path}: {error[:160]}")

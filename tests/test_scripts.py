@@ -196,3 +196,17 @@ def test_pack_records_adds_to_a_folder_but_replaces_a_record_only_when_asked(tmp
     assert pack(rest, "--replace").returncode == 0
     commits = {q.name: json.loads(q.read_text())["environment"]["git"]["commit"] for q in out.iterdir()}
     assert commits == {"record_clo_8k_b1.json": "bbb2222", "record_clo_8k_b2.json": "bbb2222"}
+    # a fit refusal run again: the same words keep the packed record, other words are another record of the point
+    refusal = {"status": "failed", "error_kind": "config", "error": "... needs about 152.1 GB"}
+    for name, commit, error in (("again", "ccc3333", refusal["error"]), ("other", "ddd4444", "... needs about 9 GB")):
+        p = "batch=2,seqlen=512k,system=fullattn"
+        (tmp_path / name / p).mkdir(parents=True)
+        rec = {**refusal, "error": error, "identity": p.split(","), "environment": {"git": {"commit": commit}}}
+        (tmp_path / name / p / "record.json").write_text(json.dumps(rec))
+    (out / "record_fullattn_512k_b2.json").write_text(
+        (tmp_path / "again/batch=2,seqlen=512k,system=fullattn/record.json").read_text().replace("ccc3333", "aaa1111")
+    )
+    p = pack(tmp_path / "again")
+    assert p.returncode == 0 and "packed 0 records" in p.stdout and "kept 1 packed refusals" in p.stdout, p.stderr
+    assert "aaa1111" in (out / "record_fullattn_512k_b2.json").read_text()
+    assert pack(tmp_path / "other").returncode == 2
