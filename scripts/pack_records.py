@@ -14,12 +14,11 @@ again) is no new result: the packed record stays.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from kvoffload.paths import write_json_atomic
-from plots.records import fit_refusal, override_values, result_record
+from plots.records import RecordError, fit_refusal, override_values, read_json, result_record
 
 
 def point(rec: dict, keys: list[str]) -> dict[str, str] | None:
@@ -31,6 +30,19 @@ def point(rec: dict, keys: list[str]) -> dict[str, str] | None:
 def packed_name(values: dict[str, str], batch_prefix: str) -> str:
     parts = [f"{batch_prefix}{v}" if k == "batch" else v for k, v in values.items()]
     return "record_" + "_".join(parts) + ".json"
+
+
+def read(path: Path) -> dict:
+    """A record, or one error line and exit status 2 if it is not a readable JSON object."""
+    try:
+        rec = read_json(path)
+    except RecordError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if not isinstance(rec, dict):
+        print(f"error: {path}: not a JSON object", file=sys.stderr)
+        sys.exit(2)
+    return rec
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"error: {folder}: no such folder", file=sys.stderr)
             sys.exit(2)
         for path in sorted(folder.rglob("record.json")):
-            rec = json.loads(path.read_text())
+            rec = read(path)
             if not result_record(rec):
                 failed.append((path, rec))
                 continue
@@ -67,15 +79,12 @@ def main(argv: list[str] | None = None) -> None:
     if unnamed:
         print(f"error: {unnamed[0]} (and {len(unnamed) - 1} more) override none of {','.join(keys)}", file=sys.stderr)
         sys.exit(2)
-    packed = {n: json.loads((args.out / n).read_text()) for n in records if (args.out / n).exists()}
-    repeated = [
-        n
-        for n, old in packed.items()
-        if old != records[n] and fit_refusal(old) and old.get("error") == records[n].get("error")
-    ]
+    # records of these points already in --out that differ from the new ones
+    other = {n: old for n in records if (args.out / n).exists() and (old := read(args.out / n)) != records[n]}
+    repeated = [n for n, old in other.items() if fit_refusal(old) and old.get("error") == records[n].get("error")]
     for name in repeated:
         del records[name]
-    held = [n for n, old in packed.items() if n in records and old != records[n]]
+    held = [n for n in other if n in records]
     if held and not args.replace:
         more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
         print(

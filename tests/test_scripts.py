@@ -210,3 +210,7 @@ def test_pack_records_adds_to_a_folder_but_replaces_a_record_only_when_asked(tmp
     assert p.returncode == 0 and "packed 0 records" in p.stdout and "kept 1 packed refusals" in p.stdout, p.stderr
     assert "aaa1111" in (out / "record_fullattn_512k_b2.json").read_text()
     assert pack(tmp_path / "other").returncode == 2
+    (out / "record_fullattn_512k_b2.json").write_text("{")  # a damaged packed record: one error line, nothing written
+    p = pack(tmp_path / "again")
+    assert p.returncode == 2 and p.stderr.startswith("error: ") and "not a readable JSON record" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
