@@ -21,6 +21,7 @@ from plots import (
     fig2_breakdown,
     fig3_13_link,
     fig4_6_similarity,
+    fig10_prefill,
     fig10_throughput,
     phase_breakdown,
     tab4_hit_rate,
@@ -86,6 +87,13 @@ FIGURES = (
         "fig10_throughput_nobudget",
         fig10_throughput.plot,
         "paper Fig. 10's grid without a device budget (H100)",
+        {"allow_mixed": True},
+    ),
+    Figure(
+        "fig10_prefill",
+        "fig10_prefill",
+        fig10_prefill.plot,
+        "paper Fig. 10: prefill throughput, real prefills (two commits and cards, each row named)",
         {"allow_mixed": True},
     ),
     Figure(

@@ -11,6 +11,7 @@ from plots import (
     fig2_breakdown,
     fig3_13_link,
     fig4_6_similarity,
+    fig10_prefill,
     fig10_throughput,
     paper,
     tab4_hit_rate,
@@ -19,7 +20,7 @@ from plots import (
     tab5_accuracy,
     tab6_memory,
 )
-from plots.records import SYSTEMS, commit_of, tokens
+from plots.records import SYSTEMS, commit_of, read_json, tokens
 
 TAB4_HEAD = paper.TAB4 + ": range"
 COLUMNS = (("uva", None), ("cpu_gather", paper.FIG3_PEAK_THREADS))  # the link table's paths beside the bulk copy
@@ -298,6 +299,51 @@ def fig10_table(root: Path, folder: str) -> str:
     return md(head, rows) + f"\n\n{ref} " + source(folder, d["records"]) + "\n\n" + fig10_floor_table(d)
 
 
+def fig10_prefill_table(root: Path, folder: str) -> str:
+    """Prefill seconds and tokens/s of every system per point, against FullAttn's at the same point when FullAttn
+    ran in the same sweep (same commit and card; "OOM": the preflight refused it), with each run's device peak
+    against its plan. The folder may hold points of several commits and cards: each row names its own."""
+    d = fig10_throughput.data(root, allow_mixed=True)
+    pts, refused = d["points"], {(s, n, b): why for s, n, b, why in d["refused"]}
+    where = {r["file"]: (commit_of(r["record"]), r["record"]["environment"].get("gpu")) for r in d["records"]}
+    rows = []
+    for n, b, s in sorted(
+        {(n, b, s) for s, n, b in (*pts, *refused)}, key=lambda k: (k[0], k[1], list(SYSTEMS).index(k[2]))
+    ):
+        if (s, n, b) not in pts:
+            rows.append([tokens(n), b, SYSTEMS[s], refused[(s, n, b)], None, None, None, None, None])
+            continue
+        p, full = pts[(s, n, b)], pts.get(("fullattn", n, b))
+        m, plan = p["metrics"], read_plan(root / p["file"])
+        same = full is not None and where[full["file"]] == where[p["file"]]
+        x = f"{m['prefill_tokens_per_s'] / full['metrics']['prefill_tokens_per_s']:.2f}" if same else None
+        peak = f"{m['peak_device_gb']:.2f} ({plan:.2f})"
+        rows.append(
+            [
+                tokens(n),
+                b,
+                SYSTEMS[s],
+                f"{m['prefill_s']:.2f}",
+                f"{m['prefill_tokens_per_s']:,.0f}",
+                x,
+                peak,
+                *where[p["file"]],
+            ]
+        )
+    head = ["seqlen", "batch", "system", "prefill s", "tokens/s", "x FullAttn", "peak GB (plan)", "commit", "GPU"]
+    return (
+        md(head, rows)
+        + f"\n\nDevice budget {d['budget_gb']:g} GB (hardware.gpu_mem_gb). "
+        + source(folder, d["records"])
+    )
+
+
+def read_plan(path: Path) -> float:
+    """A run record's planned device memory (GB): weights, activations and the KV's device part."""
+    plan = read_json(path)["memory_plan_gb"]
+    return plan["weights"] + plan["activations"] + plan["kv_device"]
+
+
 def over_floor(m: dict, system: str) -> str | None:
     """'step / floor = x (MB/step, hit rate)' of one run's metrics (None for a run with no floor: FullAttn)."""
     if not m.get("system_floor_ms_per_step"):
@@ -381,6 +427,7 @@ TABLES = {
     fig4_6_similarity.plot: fig4_6_table,
     fig3_13_link.plot: fig3_13_table,
     fig10_throughput.plot: fig10_table,
+    fig10_prefill.plot: fig10_prefill_table,
     tab5_accuracy.plot: tab5_table,
     tab5_ablation.plot: tab5_ablation_table,
 }

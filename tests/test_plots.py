@@ -232,6 +232,23 @@ def test_the_committed_figure_10_readmes_quote_their_records(folder, min_rows, p
         assert len(ratios) == points and f"{min(ratios):.2f}-{max(ratios):.2f}x" == want
 
 
+def test_the_committed_prefill_readme_quotes_its_records(tmp_path):
+    """results/fig10_prefill/README.md holds the table its records give: CLO within 0.8x of FullAttn's prefill
+    tokens/s wherever FullAttn ran in the same sweep (the issue's target), and FullAttn's refusal at 128K BSZ 4;
+    plots.fig10_prefill draws the same folder."""
+    from plots import fig10_prefill, paper_tables
+
+    table = paper_tables.fig10_prefill_table(RESULTS / "fig10_prefill", "fig10_prefill")
+    readme = (RESULTS / "fig10_prefill" / "README.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 18 and all(row in readme for row in rows), [r for r in rows if r not in readme][:3]
+    clo = [row.split(" | ")[5] for row in rows if " | CLO | " in row]
+    assert [float(x) >= 0.8 for x in clo if x != "-"] == [True] * 3
+    assert "| 128K | 4 | FullAttn | OOM |" in table
+    d = fig10_prefill.plot(RESULTS / "fig10_prefill", tmp_path / "prefill", allow_mixed=True)
+    assert (tmp_path / "prefill.png").exists() and len(d["points"]) == 17
+
+
 def test_throughput_from_run_records(tmp_path):
     recs = {}
     for s, tps in (("clo", 120.0), ("retroinfer", 100.0), ("infinigen", 80.0), ("fullattn", 150.0)):

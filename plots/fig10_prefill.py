@@ -1,0 +1,50 @@
+"""Figure 10's prefill side: each system's prefill tokens/s at each (length, batch) point of real prefills
+(`+experiment=fig10_prefill`), one bar a system, a point's refusals ("OOM", "RAM") written where their bar would
+be. Reads run records as plots.fig10_throughput does (one device budget a figure).
+
+    python -m plots.fig10_prefill results/fig10_prefill --out fig10_prefill --allow-mixed-commits
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from plots import fig10_throughput  # noqa: E402
+from plots.records import SYSTEMS, cli, plot_arguments, save, tokens  # noqa: E402
+
+
+def plot(root, out, allow_mixed: bool = False) -> dict:
+    d = fig10_throughput.data(root, allow_mixed)
+    pts, refused = d["points"], {(s, n, b): why for s, n, b, why in d["refused"]}
+    points = sorted({(n, b) for _, n, b in (*pts, *refused)})
+    shown = [s for s in SYSTEMS if any(k[0] == s for k in (*pts, *refused))]
+    width = 0.8 / len(shown)
+    fig, ax = plt.subplots(figsize=(1.4 * len(points) + 2, 4))
+    for i, s in enumerate(shown):
+        xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(points))]
+        ys = [(pts.get((s, n, b)) or {}).get("prefill_tokens_per_s") or 0 for n, b in points]
+        colour = f"C{list(SYSTEMS).index(s)}"  # as in plots.fig10_throughput
+        ax.bar(xs, ys, width, color=colour, label=SYSTEMS[s])
+        for x, (n, b) in zip(xs, points):
+            if (s, n, b) in refused:
+                ax.text(x, 0, refused[(s, n, b)], rotation=90, ha="center", va="bottom", fontsize=7, color=colour)
+    ax.set_xticks(range(len(points)), [f"{tokens(n)}\nBSZ {b}" for n, b in points])
+    ax.set_ylabel("prefill tokens/s")
+    ax.legend(fontsize=7)
+    budget = fig10_throughput.budget_text(d["budget_gb"])
+    ax.set_title(f"Fig. 10 prefill: {d['model']}, {budget}, {d['records'].commits_label}", fontsize=9)
+    save(fig, out)
+    return d
+
+
+def main() -> None:
+    args = plot_arguments(__doc__, mixed=True).parse_args()
+    d = plot(args.root, args.out, args.allow_mixed_commits)
+    print(f"{len(d['records'].rows)} runs, {len(d['refused'])} refused -> {args.out}")
+
+
+if __name__ == "__main__":
+    cli(main)
