@@ -20,7 +20,7 @@ from plots import (
     tab5_accuracy,
     tab6_memory,
 )
-from plots.records import SYSTEMS, commit_of, read_json, tokens
+from plots.records import SYSTEMS, commit_of, tokens
 
 TAB4_HEAD = paper.TAB4 + ": range"
 COLUMNS = (("uva", None), ("cpu_gather", paper.FIG3_PEAK_THREADS))  # the link table's paths beside the bulk copy
@@ -305,7 +305,8 @@ def fig10_prefill_table(root: Path, folder: str) -> str:
     against its plan. The folder may hold points of several commits and cards: each row names its own."""
     d = fig10_throughput.data(root, allow_mixed=True)
     pts, refused = d["points"], {(s, n, b): why for s, n, b, why in d["refused"]}
-    where = {r["file"]: (commit_of(r["record"]), r["record"]["environment"].get("gpu")) for r in d["records"]}
+    recs = {r["file"]: r["record"] for r in d["records"]}
+    where = {f: (commit_of(rec), rec["environment"].get("gpu")) for f, rec in recs.items()}
     rows = []
     for n, b, s in sorted(
         {(n, b, s) for s, n, b in (*pts, *refused)}, key=lambda k: (k[0], k[1], list(SYSTEMS).index(k[2]))
@@ -314,10 +315,10 @@ def fig10_prefill_table(root: Path, folder: str) -> str:
             rows.append([tokens(n), b, SYSTEMS[s], refused[(s, n, b)], None, None, None, None, None])
             continue
         p, full = pts[(s, n, b)], pts.get(("fullattn", n, b))
-        m, plan = p["metrics"], read_plan(root / p["file"])
+        m, plan = p["metrics"], recs[p["file"]]["memory_plan_gb"]
         same = full is not None and where[full["file"]] == where[p["file"]]
         x = f"{m['prefill_tokens_per_s'] / full['metrics']['prefill_tokens_per_s']:.2f}" if same else None
-        peak = f"{m['peak_device_gb']:.2f} ({plan:.2f})"
+        peak = f"{m['peak_device_gb']:.2f} ({plan['weights'] + plan['activations'] + plan['kv_device']:.2f})"
         rows.append(
             [
                 tokens(n),
@@ -336,12 +337,6 @@ def fig10_prefill_table(root: Path, folder: str) -> str:
         + f"\n\nDevice budget {d['budget_gb']:g} GB (hardware.gpu_mem_gb). "
         + source(folder, d["records"])
     )
-
-
-def read_plan(path: Path) -> float:
-    """A run record's planned device memory (GB): weights, activations and the KV's device part."""
-    plan = read_json(path)["memory_plan_gb"]
-    return plan["weights"] + plan["activations"] + plan["kv_device"]
 
 
 def over_floor(m: dict, system: str) -> str | None:
