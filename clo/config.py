@@ -50,7 +50,7 @@ class CLOConfig:
     link_gb_s: float | None = None  # B_PCIe of Eq. 12; None: the runner's measurement (KVSpec)
     transfer: str = "uva"  # uva (GPU-initiated gather) | cpu_gather (CPU threads + async copy)
     cpu_threads: int | str = 4  # cpu_gather's threads, or auto
-    uva_programs: int | None = 32  # programs of the UVA gather (None: one per tile of a head)
+    uva_programs: int | None = 32  # programs of the UVA gather (None: one per tile of each (sequence, head))
     topk: str = "radix"  # radix (exact radix select on CUDA) | torch (torch.topk)
     persist_query: str = "real"  # PERSIST_QUERIES
 

@@ -33,7 +33,7 @@ from kvoffload.paths import ROOT, write_json_atomic
 DEV = torch.device("cuda")
 # the shapes of conf/model/llama3.yaml, read from it rather than copied
 LLAMA3 = ModelConfig.from_mapping(OmegaConf.load(ROOT / "conf/model/llama3.yaml"))
-UVA_PROGRAMS = (16, 32, 64, 132, 264, 100000)  # caps on the gather's grid (100000: one per tile of a head)
+UVA_PROGRAMS = (16, 32, 64, 132, 264, 100000)  # caps on the gather's grid (100000: uncapped, one per tile)
 
 
 def bench_transfer(pool_bytes: int = 512 << 20, fraction: float = 0.1) -> list[dict]:

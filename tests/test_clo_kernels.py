@@ -2,9 +2,8 @@
 
 The references run everywhere; the Triton kernels run on the GPU (`-m gpu`) and, on a CPU machine with
 triton installed, in the Triton interpreter: TRITON_INTERPRET=1 python -m pytest tests/test_clo_kernels.py
-(the variable must be set before triton is imported, hence not set here). Triton 3.6's interpreter needs numpy < 2
-for a kernel that loops to a bound it is passed (the UVA gather): with numpy 2 it cannot
-turn that argument into a Python int.
+(the variable must be set before triton is imported, hence not set here). Triton 3.6's interpreter turns a loop's
+bounds into Python ints in a way newer numpy refuses (the UVA gather's): numpy 2.2.6 works, 2.4.6 does not.
 """
 
 import os
@@ -231,6 +230,15 @@ def test_uva_gather_interpreted(d, block, programs):
     check_uva_gather("cpu", 2, 4, 40, d, 3, 7, torch.bfloat16, block, programs)
 
 
+@interpreter
+@pytest.mark.parametrize("programs", [1 << 20, 4, 1])
+def test_uva_gather_of_many_short_heads_interpreted(programs):
+    """A large batch at a short context: every (sequence, head) pair's top-k is one tile, and the programs, capped
+    or not, share the pairs between them (a grid over one head's tiles would be one program)."""
+    pytest.importorskip("triton")
+    check_uva_gather("cpu", 9, 4, 40, 8, 3, 3, torch.bfloat16, 4, programs)
+
+
 def check_radix_topk(device, r, t, k, kind, block, ordered=False):
     from kvoffload.kernels.radix_topk import radix_topk, topk_ref
 
@@ -364,6 +372,14 @@ def test_lookup_interpreted(aggregation, g_, d):
 def test_uva_gather_triton_matches_ref(d, dtype, programs):
     pytest.importorskip("triton")
     check_uva_gather("cuda", 2, 8, 5000, d, 6, 500, dtype, programs=programs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [1 << 20, 32])
+def test_uva_gather_of_many_short_heads_matches_ref(programs):
+    """Figure 10's 1K BSZ 128 shape: 128 sequences x 6 heads of 23 rows, one tile each."""
+    pytest.importorskip("triton")
+    check_uva_gather("cuda", 128, 8, 1024, 128, 6, 23, torch.bfloat16, block=32, programs=programs)
 
 
 @pytest.mark.gpu

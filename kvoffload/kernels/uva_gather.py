@@ -105,33 +105,35 @@ if triton is not None:
     ):
         c = tl.arange(0, ROW_PAD)
         r = tl.arange(0, BLOCK)
-        for bj in range(BH):
-            if tl.load(Miss + bj) != 0:  # a hit costs each program one load: nothing crosses the link
+        # grid-stride over every (sequence, head) pair's tiles (BLOCK rows each): a capped number of programs keeps
+        # the link busy without holding every SM while it waits on the link, and a batch of short heads (one tile
+        # each) spreads over the programs as a long head's tiles do
+        for w in range(tl.program_id(0), BH * TILES_PER_HEAD, tl.num_programs(0)):
+            bj = w // TILES_PER_HEAD
+            tile = w % TILES_PER_HEAD
+            if tl.load(Miss + bj) != 0:  # a hit costs one load a tile: nothing crosses the link
                 b = bj // H
                 j = bj % H
                 head = tl.load(Heads + j)
                 if RECORD:
-                    if tl.program_id(0) == 0:  # one program counts the move: no atomics
+                    if tile == 0:  # the pair's first tile counts the move: once, no atomics
                         at = Misses + b * stride_mb + j
                         tl.store(at, tl.load(at) + 1)
-                # grid-stride over the head's tiles (BLOCK rows each): a capped number of programs keeps the
-                # link busy without holding every SM while it waits on the link
-                for tile in range(tl.program_id(0), TILES_PER_HEAD, tl.num_programs(0)):
-                    i = tile * BLOCK + r
-                    rmask = i < K
-                    tok = tl.load(Idx + b.to(tl.int64) * stride_ib + j * stride_ih + i, mask=rmask, other=0)
-                    mask = rmask[:, None] & (c < ROW)[None, :]
-                    # int64 offsets: a host store is easily larger than 2^31 elements
-                    src = Host + (b.to(tl.int64) * stride_hb + head * stride_hh + tok * stride_ht)[:, None] + c[None, :]
-                    rows = tl.load(src, mask=mask)  # BLOCK rows in flight per program: the link needs many reads
-                    dst = (
-                        Slots
-                        + (b.to(tl.int64) * stride_sb + j * stride_sh + i.to(tl.int64) * stride_sk)[:, None]
-                        + c[None, :]
-                    )
-                    tl.store(dst, rows, mask=mask)
-                    if RECORD:
-                        tl.store(SlotIdx + b.to(tl.int64) * stride_xb + j * stride_xh + i, tok, mask=rmask)
+                i = tile * BLOCK + r
+                rmask = i < K
+                tok = tl.load(Idx + b.to(tl.int64) * stride_ib + j * stride_ih + i, mask=rmask, other=0)
+                mask = rmask[:, None] & (c < ROW)[None, :]
+                # int64 offsets: a host store is easily larger than 2^31 elements
+                src = Host + (b.to(tl.int64) * stride_hb + head * stride_hh + tok * stride_ht)[:, None] + c[None, :]
+                rows = tl.load(src, mask=mask)  # BLOCK rows in flight per program: the link needs many reads
+                dst = (
+                    Slots
+                    + (b.to(tl.int64) * stride_sb + j * stride_sh + i.to(tl.int64) * stride_sk)[:, None]
+                    + c[None, :]
+                )
+                tl.store(dst, rows, mask=mask)
+                if RECORD:
+                    tl.store(SlotIdx + b.to(tl.int64) * stride_xb + j * stride_xh + i, tok, mask=rmask)
 
 
 def uva_gather(
@@ -148,10 +150,10 @@ def uva_gather(
     """In place on `slots`. `host` must be pinned when the others live on a GPU (Triton's launcher refuses
     an unmapped host pointer); in the Triton interpreter every tensor is a CPU tensor. `block` rows per
     program: by default ~16 KB, which keeps the link full (so does any block in the 4..64 rows the default is
-    clamped to). `programs` caps the grid (None: as many programs as a head has tiles, so one per tile when one
-    head is moved); each program loops over the missed heads and, in each, over its share of the head's tiles.
-    A few dozen programs keep the link full and leave the SMs to work that overlaps the transfer (CLO's
-    `uva_programs`). record: see the module's docstring."""
+    clamped to). `programs` caps the grid (None: one program per tile of every (sequence, head) pair); the
+    programs stride over all pairs' tiles, so many short heads (a large batch at a short context) spread over
+    them as one long head's tiles do. A few dozen programs keep the link full and leave the SMs to work that
+    overlaps the transfer (CLO's `uva_programs`). record: see the module's docstring."""
     b, h, k = idx.shape
     d = host.shape[-1]
     assert host.shape[3] == 2 and slots.shape == (b, h, k, 2, d) and heads.shape == (h,) and miss.shape == (b, h)
@@ -172,7 +174,8 @@ def uva_gather(
     miss = miss.contiguous().view(torch.uint8)
     block = block or min(64, max(4, triton.next_power_of_2(16384 // (2 * d * host.element_size()))))
     tiles_per_head = triton.cdiv(k, block)
-    grid = (min(tiles_per_head, programs or tiles_per_head),)
+    work = b * h * tiles_per_head
+    grid = (min(work, programs or work),)
     _uva_gather_kernel[grid](
         host,
         heads.contiguous(),

@@ -43,8 +43,10 @@ class TransferEngine:
             raise ConfigError("transfer=uva needs Triton on CUDA; use transfer=cpu_gather")
         self.kind, self.threads, self.device = kind, threads, device
         if uva_programs is not None and uva_programs < 1:
-            raise ConfigError(f"uva_programs={uva_programs} must be at least 1, or null (one per tile of a head)")
-        self.uva_programs = uva_programs  # cap on the gather's grid (None: as many as a head has tiles)
+            raise ConfigError(
+                f"uva_programs={uva_programs} must be at least 1, or null (one per tile of each (sequence, head))"
+            )
+        self.uva_programs = uva_programs  # cap on the gather's grid (None: one per tile of each (sequence, head))
         self.uva_warps = 4  # per gather program (bench_clo_layer compares others)
         self.host_syncs = 0
 
