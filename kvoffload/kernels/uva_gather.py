@@ -105,15 +105,22 @@ if triton is not None:
     ):
         c = tl.arange(0, ROW_PAD)
         r = tl.arange(0, BLOCK)
-        # grid-stride over every (sequence, head) pair's tiles (BLOCK rows each): a capped number of programs keeps
-        # the link busy without holding every SM while it waits on the link, and a batch of short heads (one tile
-        # each) spreads over the programs as a long head's tiles do
-        for w in range(tl.program_id(0), BH * TILES_PER_HEAD, tl.num_programs(0)):
-            bj = w // TILES_PER_HEAD
-            tile = w % TILES_PER_HEAD
-            if tl.load(Miss + bj) != 0:  # a hit costs one load a tile: nothing crosses the link
-                b = bj // H
-                j = bj % H
+        # grid-stride over every (sequence, head) pair's tiles (BLOCK rows each), head by head and within a head
+        # sequence by sequence: a capped number of programs keeps the link busy without holding every SM while it
+        # waits on the link, and the pairs that miss (often a few heads of every sequence) are consecutive work that
+        # spreads over all the programs, whether a pair is one tile (a short context) or thousands
+        B = BH // H
+        total = BH * TILES_PER_HEAD
+        w = tl.program_id(0)
+        while w < total:
+            pair = w // TILES_PER_HEAD
+            j = pair // B
+            b = pair % B
+            if tl.load(Miss + b * H + j) == 0:  # a hit: nothing crosses the link; on to this program's next pair
+                w += tl.cdiv((pair + 1) * TILES_PER_HEAD - w, tl.num_programs(0)) * tl.num_programs(0)
+            else:
+                tile = w % TILES_PER_HEAD
+                w += tl.num_programs(0)
                 head = tl.load(Heads + j)
                 if RECORD:
                     if tile == 0:  # the pair's first tile counts the move: once, no atomics
@@ -151,9 +158,10 @@ def uva_gather(
     an unmapped host pointer); in the Triton interpreter every tensor is a CPU tensor. `block` rows per
     program: by default ~16 KB, which keeps the link full (so does any block in the 4..64 rows the default is
     clamped to). `programs` caps the grid (None: one program per tile of every (sequence, head) pair); the
-    programs stride over all pairs' tiles, so many short heads (a large batch at a short context) spread over
-    them as one long head's tiles do. A few dozen programs keep the link full and leave the SMs to work that
-    overlaps the transfer (CLO's `uva_programs`). record: see the module's docstring."""
+    programs stride over all pairs' tiles, head by head, skipping a pair that hit after one load, so many short
+    heads (a large batch at a short context) spread over them as one long head's tiles do. A few dozen programs
+    keep the link full and leave the SMs to work that overlaps the transfer (CLO's `uva_programs`). record: see
+    the module's docstring."""
     b, h, k = idx.shape
     d = host.shape[-1]
     assert host.shape[3] == 2 and slots.shape == (b, h, k, 2, d) and heads.shape == (h,) and miss.shape == (b, h)
