@@ -31,13 +31,24 @@ def plot(root, out, allow_mixed: bool = False) -> dict:
         for x, (n, b) in zip(xs, points):
             if (s, n, b) in refused:
                 ax.text(x, 0, refused[(s, n, b)], rotation=90, ha="center", va="bottom", fontsize=7, color=colour)
-    ax.set_xticks(range(len(points)), [f"{tokens(n)}\nBSZ {b}" for n, b in points])
+    cards = {(r["record"]["seqlen"], r["record"]["batch"]): card(r["record"]) for r in d["records"]}
+    mixed = len(set(cards.values())) > 1  # a point's card under its label, where the folder has several
+    ax.set_xticks(
+        range(len(points)),
+        [f"{tokens(n)}\nBSZ {b}" + (f"\n{cards.get((n, b), '')}" if mixed else "") for n, b in points],
+    )
     ax.set_ylabel("prefill tokens/s")
     ax.legend(fontsize=7)
     budget = fig10_throughput.budget_text(d["budget_gb"])
     ax.set_title(f"Fig. 10 prefill: {d['model']}, {budget}, {d['records'].commits_label}", fontsize=9)
     save(fig, out)
     return d
+
+
+def card(rec: dict) -> str:
+    """A record's GPU in short: 'NVIDIA H100 80GB HBM3' -> 'H100'."""
+    name = rec["environment"].get("gpu") or "?"
+    return next((w for w in name.split() if w[:1] in "ABHL" and w[1:].isdigit()), name)
 
 
 def main() -> None:
