@@ -2,8 +2,9 @@
 
 The references run everywhere; the Triton kernels run on the GPU (`-m gpu`) and, on a CPU machine with
 triton installed, in the Triton interpreter: TRITON_INTERPRET=1 python -m pytest tests/test_clo_kernels.py
-(the variable must be set before triton is imported, hence not set here). Triton 3.6's interpreter turns a loop's
-bounds into Python ints in a way newer numpy refuses (the UVA gather's): numpy 2.2.6 works, 2.4.6 does not.
+(the variable must be set before triton is imported, hence not set here), or `bash scripts/interpret_kernels.sh`.
+Triton 3.6's interpreter turns a loop's bounds into Python ints in a way newer numpy refuses (the UVA gather's):
+numpy 2.2.6 works, 2.4.6 does not.
 """
 
 import os
