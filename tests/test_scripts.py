@@ -1,4 +1,4 @@
-"""The device-session helpers in scripts/: the shell script parses, and the host-memory warm-up refuses a size the
+"""The helpers in scripts/: the shell scripts parse, and the host-memory warm-up refuses a size the
 machine does not have before touching anything, and touches what it is asked to."""
 
 import subprocess
@@ -8,8 +8,9 @@ from pathlib import Path
 from kvoffload.paths import ROOT
 
 
-def test_gpu_session_script_parses():
-    assert subprocess.run(["bash", "-n", str(ROOT / "scripts/gpu_session.sh")]).returncode == 0
+def test_the_shell_scripts_parse():
+    for script in ("gpu_session.sh", "interpret_kernels.sh"):
+        assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)]).returncode == 0, script
 
 
 def gpu_session(tmp_path, *stages: str, **env: str) -> subprocess.CompletedProcess:
