@@ -18,9 +18,8 @@ from plots.records import SYSTEMS, cli, plot_arguments, save, tokens  # noqa: E4
 
 def plot(root, out, allow_mixed: bool = False) -> dict:
     d = fig10_throughput.data(root, allow_mixed)
-    pts, refused = d["points"], {(s, n, b): why for s, n, b, why in d["refused"]}
+    pts, refused, shown = fig10_throughput.by_point(d)
     points = sorted({(n, b) for _, n, b in (*pts, *refused)})
-    shown = [s for s in SYSTEMS if any(k[0] == s for k in (*pts, *refused))]
     width = 0.8 / len(shown)
     fig, ax = plt.subplots(figsize=(1.4 * len(points) + 2, 4))
     for i, s in enumerate(shown):

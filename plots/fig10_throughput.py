@@ -87,6 +87,13 @@ def data(root: Path, allow_mixed: bool = False) -> dict:
     }
 
 
+def by_point(d: dict) -> tuple[dict, dict, list[str]]:
+    """data()'s runs and refusals keyed by (system, seqlen, batch) (a refusal's value "OOM" or "RAM"), and the
+    systems that have either, in SYSTEMS' order: what a table or figure of the points lays out."""
+    pts, refused = d["points"], {(s, n, b): why for s, n, b, why in d["refused"]}
+    return pts, refused, [s for s in SYSTEMS if any(k[0] == s for k in (*pts, *refused))]
+
+
 def median_step_ms(rec: dict) -> float | None:
     """The median of a run's measured decode steps (ms): the mean (decode_ms_per_step, the throughput) over a few
     steps moves with one slow step, and a system that waits on the host each layer has more of them."""

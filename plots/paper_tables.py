@@ -277,11 +277,10 @@ def fig10_table(root: Path, folder: str) -> str:
     point names its records' commits."""
     d = fig10_throughput.data(root, allow_mixed=True)
     lo, hi = paper.FIG10_SPEEDUP.get(d["model"], (None, None))
-    pts, refused = d["points"], {(s, n, b): why for s, n, b, why in d["refused"]}
+    pts, refused, shown = fig10_throughput.by_point(d)
     commits: dict[tuple, set] = {}
     for r in d["records"]:
         commits.setdefault((r["record"]["seqlen"], r["record"]["batch"]), set()).add(commit_of(r["record"]))
-    shown = [s for s in SYSTEMS if any(k[0] == s for k in (*pts, *refused))]
     rows = []
     for n, b in sorted({(n, b) for _, n, b in pts} | {(n, b) for _, n, b in refused}):
         cells = [
@@ -304,7 +303,7 @@ def fig10_prefill_table(root: Path, folder: str) -> str:
     ran in the same sweep (same commit and card; "OOM": the preflight refused it), with each run's device peak
     against its plan. The folder may hold points of several commits and cards: each row names its own."""
     d = fig10_throughput.data(root, allow_mixed=True)
-    pts, refused = d["points"], {(s, n, b): why for s, n, b, why in d["refused"]}
+    pts, refused, _ = fig10_throughput.by_point(d)
     recs = {r["file"]: r["record"] for r in d["records"]}
     where = {f: (commit_of(rec), rec["environment"].get("gpu")) for f, rec in recs.items()}
     rows = []
