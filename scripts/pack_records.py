@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from kvoffload.paths import write_json_atomic
-from plots.records import RecordError, fit_refusal, override_values, read_json, result_record
+from plots.records import RecordError, cli, fit_refusal, override_values, read_json, result_record
 
 
 def point(rec: dict, keys: list[str]) -> dict[str, str] | None:
@@ -33,15 +33,10 @@ def packed_name(values: dict[str, str], batch_prefix: str) -> str:
 
 
 def read(path: Path) -> dict:
-    """A record, or one error line and exit status 2 if it is not a readable JSON object."""
-    try:
-        rec = read_json(path)
-    except RecordError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    """A record; RecordError (one error line and exit status 2, by cli) if it is not a readable JSON object."""
+    rec = read_json(path)
     if not isinstance(rec, dict):
-        print(f"error: {path}: not a JSON object", file=sys.stderr)
-        sys.exit(2)
+        raise RecordError(f"{path}: not a JSON object")
     return rec
 
 
@@ -106,4 +101,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)
