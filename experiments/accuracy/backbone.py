@@ -154,8 +154,21 @@ class Backbone:
         self.cache = PrefillCache(int(preflight.number(gb, "workload.prefill_cache_gb", 0.0) * GB))
         if self.cache.max_bytes and self.device.type == "cpu":
             fix_mmap_threshold()
-        self.link_gb_s = link_gb_s(self.device)
-        self.layer_time_s = model_layer_time_s(self.model_cfg, 1, self.device, self.dtype)
+        # Eq. 12's inputs: measured here unless the workload pins them (a loaded machine's layer time would change
+        # CLO's plan, and with it what the fidelity of one setting means)
+        pinned_link = preflight.number(cfg.workload.get("link_gb_s"), "workload.link_gb_s", 0.0, above=True, null=True)
+        pinned_ms = preflight.number(
+            cfg.workload.get("layer_time_ms"), "workload.layer_time_ms", 0.0, above=True, null=True
+        )
+        self.link_gb_s = pinned_link or link_gb_s(self.device)
+        self.layer_time_s = (
+            pinned_ms / 1e3 if pinned_ms else model_layer_time_s(self.model_cfg, 1, self.device, self.dtype)
+        )
+        self.plan_inputs = {
+            "link_gb_s": self.link_gb_s,
+            "layer_time_ms": round(self.layer_time_s * 1e3, 6),
+            "pinned": {"link_gb_s": pinned_link is not None, "layer_time_ms": pinned_ms is not None},
+        }
         seed = preflight.integer(cfg.seed, "seed", 0)
         self.model, self.weights = build_decoder(
             self.model_cfg, self.source, cfg.model.get("path"), seed, self.device, self.dtype
@@ -171,6 +184,8 @@ class Backbone:
                 cfg.dtype,
                 cfg.seed,
                 cfg.workload.get("prefill_cache_gb"),
+                cfg.workload.get("link_gb_s"),
+                cfg.workload.get("layer_time_ms"),
             )
         )
 
@@ -195,14 +210,23 @@ class Backbone:
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
         return self.model.prefill(tokens, PrefillRecorder(), all_logits=True)[0]
 
-    def system(self, system_cfg: DictConfig, name: str, prompt_len: int, max_new: int) -> KVOffloadSystem:
-        """A fresh system planned and allocated for one request (its plan depends on the prompt's length)."""
+    def system(
+        self,
+        system_cfg: DictConfig,
+        name: str,
+        prompt_len: int,
+        max_new: int,
+        batch: int = 1,
+        layer_time_s: float | None = None,
+    ) -> KVOffloadSystem:
+        """A fresh system planned and allocated for one request, or `batch` of one length (its plan depends on the
+        prompt's length); layer_time_s: the layer time it plans with, when not the backbone's."""
         m, numbers = self.model_cfg, self.cfg.get("hardware") or {}
         gpu_mem_gb = preflight.number(numbers.get("gpu_mem_gb"), "hardware.gpu_mem_gb", 0.0, above=True, null=True)
         system = build_system(system_cfg, name)
         spec = KVSpec(
             m.num_layers,
-            1,
+            batch,
             prompt_len + max_new,
             m.num_heads,
             m.num_kv_heads,
@@ -211,11 +235,11 @@ class Backbone:
             self.device,
             prompt_len=prompt_len,
             link_gb_s=self.link_gb_s,
-            layer_time_s=self.layer_time_s,
+            layer_time_s=layer_time_s or self.layer_time_s,
         )
         spec = replace(spec, gpu_budget_bytes=preflight.kv_budget(m, spec, gpu_mem_gb))
         plan = preflight.plan_memory(m, system, spec, prompt_len)
-        what = f"system={name} model={m.name} prompt of {prompt_len} tokens"
+        what = f"system={name} model={m.name} {batch} prompt(s) of {prompt_len} tokens"
         preflight.check_memory(plan, self.device, gpu_mem_gb, what, model_name=m.name)
         system.allocate(spec, PhaseTimer(self.device))
         return system

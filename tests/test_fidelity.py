@@ -1,0 +1,159 @@
+"""The fidelity workload (experiments.fidelity) on the real SmolLM2 weights: FullAttn through the decode steps is the
+dense reference; a batch of documents gives each what it gets alone; the statistics; the documents' selection; bad
+input refused before any work."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from experiments.accuracy.config import compose_config
+from experiments.fidelity import documents as docs
+from experiments.fidelity.measure import reference, step_metrics, teacher_forced
+from experiments.fidelity.stats import interval, paired
+from kvoffload.errors import ConfigError
+
+LENGTH, STEPS = 320, 12
+SYSTEMS = ["fullattn", "clo", "retroinfer", "infinigen", "pqcache", "clo +clo_ablation=oracle"]
+
+
+@pytest.fixture(scope="module")
+def backbone():
+    from experiments.accuracy.backbone import backbone_for
+
+    cfg, _ = compose_config(["workload=fidelity", "system=fullattn", "dtype=float32", "device=cpu"])
+    return backbone_for(cfg)
+
+
+@pytest.fixture(scope="module")
+def texts(backbone):
+    """Two documents of real prose: this repository's own docstrings (no package needed)."""
+    import experiments.accuracy.backbone as a
+    import experiments.fidelity.measure as m
+
+    out = []
+    for i, module in enumerate((a, m)):
+        ids = backbone.tokenizer.encode((module.__doc__ or "") * 8)[:LENGTH]
+        assert len(ids) == LENGTH
+        out.append(docs.Document(f"doc{i}", tuple(ids), ""))
+    return out
+
+
+def run(backbone, name, group, refs):
+    overrides = ["workload=fidelity", "dtype=float32", "device=cpu", *(f"system={name}".split(" "))]
+    cfg, system_name = compose_config(overrides)
+    prefix = LENGTH - STEPS - 1
+    layer_s = backbone.layer_time_s * len(group)
+    system = backbone.system(cfg.system, system_name, prefix, STEPS, len(group), layer_s)
+    return teacher_forced(backbone, system, group, refs)
+
+
+@pytest.mark.slow
+def test_fullattn_through_decode_steps_is_the_dense_reference(backbone, texts):
+    refs = [reference(backbone, d, STEPS) for d in texts]
+    per_doc, cost = run(backbone, "fullattn", texts, refs)
+    for d in per_doc:
+        assert d["kl"] < 1e-5 and d["top1"] == 1.0
+        assert abs(d["ll"] - d["ll_ref"]) < 1e-4
+    assert cost["bytes_h2d_per_step"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SYSTEMS)
+def test_a_batch_of_documents_gives_each_what_it_gets_alone(backbone, texts, name):
+    refs = [reference(backbone, d, STEPS) for d in texts]
+    together, _ = run(backbone, name, texts, refs)
+    alone = [run(backbone, name, [d], [r])[0][0] for d, r in zip(texts, refs)]
+    for t, a in zip(together, alone):
+        assert t["doc"] == a["doc"]
+        assert t["top1"] == a["top1"]
+        assert t["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_sparse_system_departs_from_the_reference(backbone, texts):
+    """The measure moves: at top-k 2.5 % of a short prompt, CLO's oracle is measurably off exact attention."""
+    refs = [reference(backbone, d, STEPS) for d in texts]
+    oracle = "clo +clo_ablation=oracle system.topk_ratio=0.025 system.recent=8 system.sink=4"
+    per_doc, _ = run(backbone, oracle, texts, refs)
+    assert all(d["kl"] > 1e-3 for d in per_doc)
+
+
+def test_step_metrics_by_hand():
+    ref = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0]]), -1)
+    same = step_metrics(ref, ref, torch.tensor([0]))[0]
+    assert same[0].item() == pytest.approx(0.0, abs=1e-7) and same[1].item() == 1.0
+    other = torch.log_softmax(torch.tensor([[0.0, 1.0, 2.0]]), -1)
+    m = step_metrics(other, ref, torch.tensor([0]))[0]
+    p = ref.exp()[0]
+    assert m[0].item() == pytest.approx(float((p * (ref[0] - other[0])).sum()))
+    assert m[1].item() == 0.0 and m[2].item() == pytest.approx(other[0, 0].item())
+    assert m[3].item() == pytest.approx(ref[0, 0].item())
+
+
+def test_interval_covers_the_mean_and_shrinks_with_documents():
+    rng = np.random.default_rng(1)
+    few, many = rng.normal(1.0, 1.0, 10), rng.normal(1.0, 1.0, 400)
+    m, lo, hi = interval(few)
+    assert lo < m < hi
+    m2, lo2, hi2 = interval(many)
+    assert hi2 - lo2 < (hi - lo) / 3
+    assert interval([2.0, 2.0, 2.0]) == (2.0, 2.0, 2.0)
+
+
+def test_paired_interval_uses_the_shared_documents_only():
+    a = {"x": 1.0, "y": 2.0, "z": 9.0}
+    b = {"x": 0.5, "y": 1.5}
+    assert paired(a, b)[0] == pytest.approx(0.5)
+    assert paired(a, {"w": 1.0}) is None
+
+
+def test_selection_is_seeded_and_extends(tmp_path):
+    class Chars:  # one token per character
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    for i in range(6):
+        (tmp_path / "howto").mkdir(exist_ok=True)
+        (tmp_path / "howto" / f"f{i}.rst.txt").write_text(f"{i}" * (50 + i))
+    (tmp_path / "c-api").mkdir()
+    (tmp_path / "c-api" / "long.rst.txt").write_text("x" * 500)  # not prose: never chosen
+    (tmp_path / "howto" / "short.rst.txt").write_text("s" * 10)  # too short
+    three = docs.select(tmp_path, Chars(), 3, 50, 40, seed=0)
+    five = docs.select(tmp_path, Chars(), 5, 50, 40, seed=0)
+    assert [d.name for d in five[:3]] == [d.name for d in three]
+    assert all(len(d.ids) == 40 and d.name.startswith("howto/f") for d in five)
+    assert [d.name for d in docs.select(tmp_path, Chars(), 5, 50, 40, seed=1)] != [d.name for d in five]
+    with pytest.raises(ConfigError, match="has 6 prose files"):
+        docs.select(tmp_path, Chars(), 7, 50, 40, seed=0)
+
+
+def test_unknown_source_and_missing_folder_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="valid: python-docs"):
+        docs.sources_dir("gutenberg", None)
+    with pytest.raises(ConfigError, match="no such folder"):
+        docs.sources_dir("python-docs", str(tmp_path / "absent"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("workload.source=gutenberg", "workload.source='gutenberg'"),
+        ("workload.length=16k", "exceed model=smollm2's context of 8192"),
+        ("workload.steps=2047", "workload.steps=2047 must be below"),
+        ("system.topk_ratio=1.5", "topk_ratio=1.5"),
+    ],
+)
+def test_bad_input_is_one_error_line_before_any_work(tmp_path, override, message):
+    system = [] if override.startswith("system.") else ["system=fullattn"]
+    cmd = [sys.executable, "-m", "experiments.fidelity", *system, override, f"results_dir={tmp_path}"]
+    if override.startswith("system."):
+        cmd.insert(3, "system=clo")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("error:") and message in lines[-1], lines[-3:]
+    assert not any(tmp_path.iterdir())
