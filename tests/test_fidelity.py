@@ -12,8 +12,8 @@ import torch
 from experiments.accuracy.config import compose_config
 from experiments.fidelity import documents as docs
 from experiments.fidelity.measure import reference, step_metrics, teacher_forced
-from experiments.fidelity.stats import interval, paired
 from kvoffload.errors import ConfigError
+from plots.bootstrap import interval, paired
 
 LENGTH, STEPS = 320, 12
 SYSTEMS = ["fullattn", "clo", "retroinfer", "infinigen", "pqcache", "clo +clo_ablation=oracle"]
@@ -157,3 +157,28 @@ def test_bad_input_is_one_error_line_before_any_work(tmp_path, override, message
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith("error:") and message in lines[-1], lines[-3:]
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_command_end_to_end_on_the_python_documentation(tmp_path):
+    """Two documents of the real source through FullAttn and CLO: a record each, FullAttn at the reference."""
+    try:
+        docs.sources_dir("python-docs", None)
+    except ConfigError as e:
+        pytest.skip(str(e))
+    cmd = [
+        sys.executable, "-m", "experiments.fidelity", "--multirun", "system=fullattn,clo", "workload.length=512",
+        "workload.steps=8", "workload.documents=2", "workload.batch=2", f"results_dir={tmp_path}",
+    ]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    from plots.fidelity import by_length, load, readme
+
+    records = by_length(load(tmp_path))[512]
+    assert [r["label"] for r in records] == ["fullattn", "clo"]
+    full, clo = records
+    assert full["summary"]["kl"]["mean"] < 1e-5 and clo["summary"]["kl"]["mean"] > full["summary"]["kl"]["mean"]
+    assert [d["name"] for d in full["documents"]] == [d["name"] for d in clo["documents"]]
+    assert all(len(d["sha256"]) == 64 for d in full["documents"])
+    assert clo["plan_inputs"]["pinned"] == {"link_gb_s": True, "layer_time_ms": True}
+    assert "| clo | 2 |" in readme(tmp_path)

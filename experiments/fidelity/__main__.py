@@ -22,7 +22,7 @@ from experiments.accuracy.job import default_workload, run_job
 from experiments.execute import build_system, load_tokenizer
 from experiments.fidelity import documents as docs
 from experiments.fidelity.measure import METRICS, prefix_tokens, reference, teacher_forced
-from experiments.fidelity.stats import interval
+from plots.bootstrap import interval
 from experiments.records import environment
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import GB
