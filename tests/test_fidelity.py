@@ -42,7 +42,9 @@ def texts(backbone):
 
 
 def run(backbone, name, group, refs):
-    overrides = ["workload=fidelity", "dtype=float32", "device=cpu", *(f"system={name}".split(" "))]
+    # a short window, so that the short documents leave the sparse systems a middle to select from
+    window = [] if name == "fullattn" else ["system.sink=4", "system.recent=8"]
+    overrides = ["workload=fidelity", "dtype=float32", "device=cpu", *f"system={name}".split(" "), *window]
     cfg, system_name = compose_config(overrides)
     prefix = LENGTH - STEPS - 1
     layer_s = backbone.layer_time_s * len(group)
@@ -74,9 +76,9 @@ def test_a_batch_of_documents_gives_each_what_it_gets_alone(backbone, texts, nam
 
 @pytest.mark.slow
 def test_a_sparse_system_departs_from_the_reference(backbone, texts):
-    """The measure moves: at top-k 2.5 % of a short prompt, CLO's oracle is measurably off exact attention."""
+    """The measure moves: at top-k 5 % of a short prompt, the exact top-k oracle is measurably off exact attention."""
     refs = [reference(backbone, d, STEPS) for d in texts]
-    oracle = "clo +clo_ablation=oracle system.topk_ratio=0.025 system.recent=8 system.sink=4"
+    oracle = "clo +clo_ablation=oracle system.topk_ratio=0.05"  # 4 of 295 middle tokens
     per_doc, _ = run(backbone, oracle, texts, refs)
     assert all(d["kl"] > 1e-3 for d in per_doc)
 

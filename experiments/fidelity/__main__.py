@@ -22,11 +22,11 @@ from experiments.accuracy.job import default_workload, run_job
 from experiments.execute import build_system, load_tokenizer
 from experiments.fidelity import documents as docs
 from experiments.fidelity.measure import METRICS, prefix_tokens, reference, teacher_forced
-from plots.bootstrap import interval
 from experiments.records import environment
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import GB
 from kvoffload.model.config import ModelConfig
+from plots.bootstrap import interval
 
 _REFERENCES: PrefillCache | None = None  # documents' reference passes, kept for the sweep's next jobs
 _DOCUMENTS: dict[tuple, list[docs.Document]] = {}
