@@ -184,3 +184,58 @@ def test_the_command_end_to_end_on_the_python_documentation(tmp_path):
     assert all(len(d["sha256"]) == 64 for d in full["documents"])
     assert clo["plan_inputs"]["pinned"] == {"link_gb_s": True, "layer_time_ms": True}
     assert "| clo | 2 |" in readme(tmp_path)
+
+
+def _fidelity_record(system: str, ratio: float, top1: float, **settings) -> dict:
+    summary = {m: {"mean": v, "low": v - 0.01, "high": v + 0.01} for m, v in (("kl", 0.1), ("top1", top1), ("dll", 0))}
+    return {
+        "status": "ok",
+        "system": system,
+        "label": f"{system} system.topk_ratio={ratio}",
+        "model": "smollm2",
+        "workload": {"length": 2048},
+        "per_document": [{"doc": "a", "kl": 0.1, "top1": top1}],
+        "summary": summary,
+        "config": {"system": {"topk_ratio": ratio, "sink": 16, **settings}},
+        "environment": {"git": {"commit": "abcdef0"}},
+    }
+
+
+def _gpu_record(system: str, ratio: float, tps: float, **settings) -> dict:
+    return {
+        "status": "ok",
+        "system": system,
+        "model": "llama3",
+        "seqlen": 131072,
+        "batch": 1,
+        "metrics": {"decode_tokens_per_s": tps},
+        "config": {"seqlen": "128k", "system": {"topk_ratio": ratio, "sink": 16, "transfer": "uva", **settings}},
+        "environment": {"git": {"commit": "1234567"}},
+    }
+
+
+def _write(folder, name, rec):
+    import json
+
+    (folder / name).mkdir(parents=True)
+    (folder / name / "record.json").write_text(json.dumps(rec))
+
+
+def test_the_frontier_pairs_a_systems_records_of_one_setting_and_refuses_two(tmp_path):
+    from plots import fidelity_frontier
+    from plots.records import RecordError
+
+    cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
+    for ratio, top1, tps in ((0.05, 0.9, 150.0), (0.1, 0.95, 120.0)):
+        _write(cpu, f"clo{ratio}", _fidelity_record("clo", ratio, top1, eta=0.8))
+        _write(gpu, f"clo{ratio}", _gpu_record("clo", ratio, tps, eta=0.8))
+    _write(cpu, "retro", _fidelity_record("retroinfer", 0.2, 0.97))  # no GPU record at 20 %: not drawn
+    matched = fidelity_frontier.plot(cpu, gpu, tmp_path / "frontier")
+    assert sorted((c["config"]["system"]["topk_ratio"], g["metrics"]["decode_tokens_per_s"]) for c, g in matched) == [
+        (0.05, 150.0),
+        (0.1, 120.0),
+    ]
+    assert (tmp_path / "frontier.png").exists()
+    _write(gpu, "clo_eta", _gpu_record("clo", 0.05, 999.0, eta=0.7))  # the faster run wins, with other settings
+    with pytest.raises(RecordError, match="eta=0.8.*eta=0.7"):
+        fidelity_frontier.pairs(cpu, gpu)
