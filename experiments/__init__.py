@@ -6,6 +6,6 @@
 - `workloads/`: what a run decodes: prompts and the synthetic query and key processes;
 - `accuracy/`: lm-eval tasks through our decoder (`python -m experiments.accuracy`);
 - `producers/`: measurements outside the run command (profiles, HATA weights, recall, similarity, memory table);
-- `bench/`: microbenchmarks and kernel tuning;
+- `bench/`: microbenchmarks and kernel tuning, what they share in `bench/common.py`;
 - `traces/`: reading a run's Chrome traces and memory snapshots;
 - `tracking/`: W&B after the fact (records logged later, Reports)."""

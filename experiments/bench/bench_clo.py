@@ -16,24 +16,17 @@ import argparse
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from experiments.bench.bench_decode_attention import time_ms
+from experiments.bench.common import DEV, LLAMA3, UVA_PROGRAMS, time_ms
 from experiments.runner.records import environment
 from experiments.runner.timing import copy_bandwidth_gb_s, layer_time_s, replay_ms
 from kvoffload.kernels.hash_score import hash_scores
 from kvoffload.kernels.head_cache import lookup_and_update
 from kvoffload.kernels.radix_topk import topk_indices, topk_ref
 from kvoffload.kernels.uva_gather import gather_rows_ref, uva_gather
-from kvoffload.model.config import ModelConfig
 from kvoffload.model.decoder import Layer
 from kvoffload.offload.transfer import TransferEngine
-from kvoffload.paths import ROOT, write_json_atomic
-
-DEV = torch.device("cuda")
-# the shapes of conf/model/llama3.yaml, read from it rather than copied
-LLAMA3 = ModelConfig.from_mapping(OmegaConf.load(ROOT / "conf/model/llama3.yaml"))
-UVA_PROGRAMS = (16, 32, 64, 132, 264, 100000)  # caps on the gather's grid (100000: uncapped, one per tile)
+from kvoffload.paths import write_json_atomic
 
 
 def bench_transfer(pool_bytes: int = 512 << 20, fraction: float = 0.1) -> list[dict]:

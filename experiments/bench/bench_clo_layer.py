@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from clo.config import PERSIST_QUERIES
 from clo.system import CLO
-from experiments.bench.bench_clo import DEV, LLAMA3, UVA_PROGRAMS
+from experiments.bench.common import DEV, LLAMA3, UVA_PROGRAMS
 from experiments.runner import timing
 from experiments.runner.records import environment
 from experiments.runner.timing import capture, copy_bandwidth_gb_s, dense_work, layer_time_s, pinned_h2d_gb_s, replay_ms

@@ -18,16 +18,12 @@ import torch
 
 from baselines.fullattn import dense_decode_attention
 from baselines.paged_decode import PagedDecode, flashinfer_module
+from experiments.bench.common import time_ms
 from experiments.runner.preflight import parse_tokens
 from experiments.runner.records import environment
-from experiments.runner.timing import copy_bandwidth_gb_s, median_ms, replay_ms
+from experiments.runner.timing import copy_bandwidth_gb_s, replay_ms
 from kvoffload.kernels.decode_attention import decode_attention_triton
 from kvoffload.paths import write_json_atomic
-
-
-def time_ms(fn, iters: int = 50) -> float:
-    """Median of `iters` eager calls, launch overhead included (what an eager caller pays)."""
-    return median_ms(fn, torch.device("cuda"), iters, warmup=5)
 
 
 def kernels(q, k, v, lengths, length: int) -> dict:

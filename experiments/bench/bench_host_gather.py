@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from baselines.cpu_fetch import gather_gb_s
-from experiments.bench.bench_link import counts
+from experiments.bench.common import counts
 from experiments.runner.records import environment, refuse
 from kvoffload.errors import ConfigError
 from kvoffload.paths import write_json_atomic

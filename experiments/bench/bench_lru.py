@@ -27,7 +27,7 @@ import torch
 
 from baselines.lru import BlockLRU
 from baselines.retroinfer import RetroInfer
-from experiments.bench.bench_link import counts
+from experiments.bench.common import counts
 from experiments.runner.preflight import parse_tokens
 from experiments.runner.records import environment, refuse
 from kvoffload.errors import ConfigError

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench.bench_link import LLAMA3, bench_record, counts, resolve_device, sweep
-from experiments.runner.preflight import pin_threads
+from experiments.bench.common import LLAMA3, bench_record, counts, sweep
+from experiments.runner.preflight import pin_threads, resolve_device
 from kvoffload.errors import ConfigError
 from kvoffload.offload.host import (
     anon_huge_gib,

@@ -20,14 +20,20 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench.bench_link import counts
+from experiments.bench.common import LLAMA3, counts
 from experiments.runner.records import environment, refuse
 from experiments.runner.timing import median_ms, replay_ms
 from experiments.workloads.query_process import ProfileQueryProcess
 from kvoffload.errors import ConfigError
 from kvoffload.paths import write_json_atomic
 
-LLAMA3 = {"layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128}
+# the shape timed, as the record names it: Llama-3-8B's
+SHAPE = {
+    "layers": LLAMA3.num_layers,
+    "heads": LLAMA3.num_heads,
+    "kv_heads": LLAMA3.num_kv_heads,
+    "head_dim": LLAMA3.head_dim,
+}
 PROFILE = "data/profiles/llama3-from-smollm2-reuse.json"  # conf/model/llama3.yaml's synthetic_queries
 
 
@@ -50,7 +56,7 @@ def kernels_per_step(fn) -> int:
 
 
 def measure(batch: int, speculative: bool, fused: bool, device: torch.device, iters: int) -> dict:
-    shape = LLAMA3
+    shape = SHAPE
     process = ProfileQueryProcess.from_profile(
         PROFILE, shape["layers"], shape["kv_heads"], shape["heads"] // shape["kv_heads"], device, fused=fused
     )
@@ -93,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             "bench": "query_process",
             "command": command,
             "profile": PROFILE,
-            "shape": LLAMA3,
+            "shape": SHAPE,
             "rows": rows,
             "environment": environment(device),
         },

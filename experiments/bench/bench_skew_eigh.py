@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench.bench_link import bench_record, resolve_device
+from experiments.bench.common import bench_record
+from experiments.runner.preflight import resolve_device
 from experiments.runner.timing import median_ms
 from kvoffload.paths import write_json_atomic
 

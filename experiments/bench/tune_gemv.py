@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from experiments.bench.bench_clo import DEV, LLAMA3
+from experiments.bench.common import DEV, LLAMA3
 from experiments.runner.records import environment
 from experiments.runner.timing import copy_bandwidth_gb_s, replay_ms
 from kvoffload.kernels.dense_ops import silu_mul

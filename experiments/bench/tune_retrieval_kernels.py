@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench.bench_clo import DEV, LLAMA3
+from experiments.bench.common import DEV, LLAMA3
 from experiments.runner.records import environment
 from experiments.runner.timing import copy_bandwidth_gb_s, replay_ms
 from kvoffload.kernels.hash_score import encode_query_triton, hash_scores_triton
