@@ -8,4 +8,6 @@
 - `producers/`: measurements outside the run command (profiles, HATA weights, recall, similarity, memory table);
 - `bench/`: microbenchmarks and kernel tuning, what they share in `bench/common.py`;
 - `traces/`: reading a run's Chrome traces and memory snapshots;
-- `tracking/`: W&B after the fact (records logged later, Reports)."""
+- `tracking/`: W&B after the fact (records logged later, Reports).
+
+The runner and the workloads import none of producers, bench, traces or tracking (pyproject.toml's contracts)."""

@@ -74,7 +74,7 @@ def data(root: Path) -> dict:
         from_trace = not rec.get("phases_timed", True) and bool(traced) and sum(traced.values()) > 0
         if (
             from_trace
-        ):  # a graph step: its time split as its traced step's kernels split (experiments.traces.step_phases)
+        ):  # a graph step: its time split as its traced step's kernels split (experiments.runner.trace_phases)
             step = sum(per_layer.values())
             per_layer = {p: step * traced.get(p, 0.0) / sum(traced.values()) for p in phases}
         ms = step_row["record"]["metrics"]["decode_ms_per_step"]

@@ -413,7 +413,7 @@ def test_all_draws_what_it_can_and_says_the_rest(tmp_path, capsys):
 
 
 def test_a_graph_steps_bar_is_split_as_its_traced_kernels(tmp_path):
-    """CLO's graph step has no events of its own: experiments.traces.step_phases' split of its traced step divides
+    """CLO's graph step has no events of its own: experiments.runner.trace_phases' split of its traced step divides
     it."""
     folder = fig2_folder(tmp_path)
     clo = json.loads((folder / "record_clo.json").read_text())

@@ -218,7 +218,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         "system_state": state,
         "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
         "stages": stages.marks,
-        # a graph-replayed step's phases, read from the traced step's kernels (experiments.traces.step_phases)
+        # a graph-replayed step's phases, read from the traced step's kernels (experiments.runner.trace_phases)
         "trace_phase_ms": trace_phases(trace),
         "steps": [s.as_dict() for s in gen.steps],
     }
@@ -226,8 +226,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
 
 def trace_phases(trace: Path | None) -> dict[str, float] | None:
     """The traced step's phases, or None without a trace or without GPU kernels in it (a CPU run)."""
-    from experiments.traces.step_phases import step_phases
-    from experiments.traces.step_timeline import load_events
+    from experiments.runner.trace_phases import load_events, step_phases
 
     if trace is None or not trace.is_file():
         return None

@@ -10,31 +10,12 @@ each device-to-host copy (a system that syncs on it waits for the host to act on
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
 from statistics import median
 
-
-def load_events(path: Path, cats: tuple[str, ...] = ("kernel", "gpu_memcpy")) -> list[dict]:
-    """The trace's GPU events of those categories as {name, stream, start, end} (us), by start; a .gz is read as
-    gzip."""
-    text = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    events = [e for e in json.loads(text)["traceEvents"] if e.get("cat") in cats]
-    return sorted(
-        (
-            {
-                "name": e["name"],
-                "stream": e["args"].get("stream"),
-                "start": e["ts"],
-                "end": e["ts"] + e["dur"],
-                "bytes": e["args"].get("bytes"),
-            }
-            for e in events
-        ),
-        key=lambda k: k["start"],
-    )
+from experiments.runner.trace_phases import load_events
 
 
 def family(name: str) -> str:
