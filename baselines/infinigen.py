@@ -6,7 +6,7 @@ Speculation. InfiniGen skews each head's query/key space with an orthogonal matr
 unchanged and a few channels carry most of it), keeps a "partial key" = the keys on `channel_fraction` of the
 skewed channels, and scores the speculative query (layer l's query from layer l-1's input) on those channels.
 InfiniGen computes the skewing matrix offline from a real model's activations: `skew=<file>` loads ours
-(`python -m experiments.infinigen_skew`: right singular vectors of real queries per KV head; SmolLM2's is
+(`python -m experiments.producers.infinigen_skew`: right singular vectors of real queries per KV head; SmolLM2's is
 committed). The fallback for models without one (synthetic weights) computes it at prefill from each sequence's
 own prompt keys, per KV head: the right singular vectors of the middle keys (eigenvectors of K^T K), the top
 `channel_fraction` of them by singular value. Scores are summed over
@@ -134,13 +134,14 @@ class InfiniGen(OffloadedBaseline):
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     def _load_skew(self, spec: KVSpec) -> torch.Tensor | None:
-        """The offline skew bases ([L, Hkv, D, D], by `python -m experiments.infinigen_skew`), or None (prefill)."""
+        """The offline skew bases ([L, Hkv, D, D], by `python -m experiments.producers.infinigen_skew`), or None
+        (prefill)."""
         if self.skew == "prefill" or self.oracle_query:
             return None
         path = repo_path(self.skew)
         if not path.is_file():
             raise ConfigError(
-                f"skew={self.skew!r}: no such file (make it with python -m experiments.infinigen_skew, "
+                f"skew={self.skew!r}: no such file (make it with python -m experiments.producers.infinigen_skew, "
                 f"or use skew=prefill)"
             )
         bases = torch.load(path)
@@ -179,7 +180,7 @@ class InfiniGen(OffloadedBaseline):
         else:
             gram = sum(c.transpose(-1, -2) @ c for c in (keys_mid[:, :, a:e].float() for a, e in chunks))
             # on the host: torch's CUDA eigh solves a small matrix at a time, slower than the host's LAPACK for
-            # these D x D matrices (experiments/bench_skew_eigh.py); ascending eigenvalues = the keys' squared
+            # these D x D matrices (experiments/bench/bench_skew_eigh.py); ascending eigenvalues = the keys' squared
             # singular values
             _, vecs = torch.linalg.eigh(gram.cpu())
             basis = vecs[..., -self.channels(d) :].flip(-1).to(spec.device).contiguous()  # [B, Hkv, D, r]

@@ -35,7 +35,7 @@ class CLOConfig:
     retriever: str = "hash"  # hash (HATA) | exact (oracle) | pq (product quantisation)
     rbit: int = 256  # hash bits per key
     seed: int = 0  # of the hash projections (SimHash)
-    hash_weights: str | None = None  # learned projections (experiments.train_hata); None: SimHash
+    hash_weights: str | None = None  # learned projections (experiments.producers.train_hata); None: SimHash
     eta: float = 0.8  # the strictest reuse threshold (Eq. 7)
     n: float = 3.0  # the importance exponent of Eq. 8
     adaptive_threshold: bool = True  # +T; false: tau = eta everywhere

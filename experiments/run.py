@@ -19,10 +19,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import cli_checks, preflight
-from experiments.job_process import hydra_flags, run_in_forked_child, run_in_fresh_process
-from experiments.records import config_error, finished, git_commit, one_line, record_path, refuse, run_identity
-from experiments.wandb_log import log_wandb
+from experiments.runner import cli_checks, preflight
+from experiments.runner.job_process import hydra_flags, run_in_forked_child, run_in_fresh_process
+from experiments.runner.records import config_error, finished, git_commit, one_line, record_path, refuse, run_identity
+from experiments.runner.wandb_log import log_wandb
 from kvoffload.errors import ConfigError
 from kvoffload.offload.host import huge_pages_enabled, thp_env
 from kvoffload.paths import ROOT, write_json_atomic
@@ -96,7 +96,7 @@ def task(cfg: DictConfig) -> dict:
 
 def run_job(cfg: DictConfig, path: Path, overrides: list[str], identity: list[str], choices: dict, in_sweep: bool):
     """The run itself, in this process: its record (a failed one too), its summary and its W&B log."""
-    from experiments.execute import execute  # after Hydra has parsed: keeps --help and bad overrides fast
+    from experiments.runner.execute import execute  # after Hydra has parsed: keeps --help and bad overrides fast
 
     system_name = choices.get("system", "?")
     base = {

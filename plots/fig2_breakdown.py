@@ -72,7 +72,9 @@ def data(root: Path) -> dict:
         per_layer = {p: rec["metrics"]["phase_ms_per_step"][p] / layers for p in phases}
         traced = rec.get("trace_phase_ms")
         from_trace = not rec.get("phases_timed", True) and bool(traced) and sum(traced.values()) > 0
-        if from_trace:  # a graph step: its time split as its traced step's kernels split (experiments.step_phases)
+        if (
+            from_trace
+        ):  # a graph step: its time split as its traced step's kernels split (experiments.runner.trace_phases)
             step = sum(per_layer.values())
             per_layer = {p: step * traced.get(p, 0.0) / sum(traced.values()) for p in phases}
         ms = step_row["record"]["metrics"]["decode_ms_per_step"]

@@ -1,4 +1,4 @@
-"""Paper Figures 3 and 13 from experiments/bench_link.py's record: (a) the bandwidth of each transfer path against
+"""Paper Figures 3 and 13 from experiments/bench/bench_link.py's record: (a) the bandwidth of each transfer path against
 the transfer volume (tokens per KV head of one layer), the bulk pinned copy of the same run as the ceiling; (b)
 the CPU gather's bandwidth against its thread count at the largest volume, the UVA gather and the bulk copy as
 lines. The paper's GDRCopy peak (21.21 GB/s with 4 threads on PCIe 4.0) is drawn in both.

@@ -1,6 +1,6 @@
-"""Paper Figures 4-6 from experiments/fig4_6_similarity.py's record: (a) the distribution of every decode step's
-adjacent-step query cosine, per step and query head, and of each head's mean; (b) each head's mean as a heat
-map over layers; (c) the adjacent-step overlap of each KV head's exact top-k. The paper's 0.8 line is drawn.
+"""Paper Figures 4-6 from experiments/producers/fig4_6_similarity.py's record: (a) the distribution of every decode
+step's adjacent-step query cosine, per step and query head, and of each head's mean; (b) each head's mean as a heat map
+over layers; (c) the adjacent-step overlap of each KV head's exact top-k. The paper's 0.8 line is drawn.
 
     python -m plots.fig4_6_similarity results/fig4_6_similarity_smollm2 --out fig4_6.png
 """

@@ -1,6 +1,6 @@
-"""Paper Table 6: device memory of each system's KV state by sequence length (experiments.memory_table's JSON),
-with the paper's Llama3 128K numbers (hatched) beside ours, and CLO's share of RetroInfer-style's memory
-against the paper's 128K share and its table mean.
+"""Paper Table 6: device memory of each system's KV state by sequence length (experiments.producers.memory_table's
+JSON), with the paper's Llama3 128K numbers (hatched) beside ours, and CLO's share of RetroInfer-style's memory against
+the paper's 128K share and its table mean.
 
     python -m plots.tab6_memory results/tab6_memory --out tab6.png
 """

@@ -63,33 +63,33 @@ stage pytest_gpu ${PYTEST_SECS:-420} python3 -m pytest -m gpu -q --durations=15 
 # FOCUS picks tests by name (-k), FOCUS_FILES the files (default tests/test_gpu.py)
 stage pytest_focus 200 python3 -m pytest -m gpu -q ${FOCUS_FILES:-tests/test_gpu.py} \
   -k "${FOCUS:-retroinfer or fullattn or uva}"
-stage bench_attn 240 python3 -m experiments.bench_decode_attention --batches 1,2,4,8,16 --lengths 32k,64k,128k \
+stage bench_attn 240 python3 -m experiments.bench.bench_decode_attention --batches 1,2,4,8,16 --lengths 32k,64k,128k \
   --out "$out/decode_attention.json"
 # paper Figures 3/13: each transfer path's bandwidth by volume and CPU threads, beside a bulk pinned copy
-stage fig3_13 240 python3 -m experiments.bench_link --out "$out/fig3_13_link/record.json"
+stage fig3_13 240 python3 -m experiments.bench.bench_link --out "$out/fig3_13_link/record.json"
 # what the synthetic query process costs a step on its own, by batch (a workload's cost inside every system's step)
-stage query_process 240 python3 -m experiments.bench_query_process --out "$out/query_process.json"
+stage query_process 240 python3 -m experiments.bench.bench_query_process --out "$out/query_process.json"
 # RetroInfer-style's CPU LRU alone at Figure 10's shapes, by threads, inline vs deferred (its step's host work)
-stage lru 150 python3 -m experiments.bench_lru --out "$out/lru.json"
+stage lru 150 python3 -m experiments.bench.bench_lru --out "$out/lru.json"
 # InfiniGen-style's CPU gather alone by pool size, memory kind, index pattern, threads and chunk (issue 15)
-stage host_gather 240 python3 -m experiments.bench_host_gather --tokens ${GATHER_TOKENS:-131072,524288} \
+stage host_gather 240 python3 -m experiments.bench.bench_host_gather --tokens ${GATHER_TOKENS:-131072,524288} \
   --out "$out/host_gather.json"
 # how long pinning a 64 GiB host store takes by cudaHostAlloc from one thread or from P at once (PIN_ALLOC_THREADS) vs
 # N threads + cudaHostRegister (PIN_THREADS, hardware.pin_threads; results/bench/ has 8 and 16), and the link's rates
 # on memory pinned each way
-stage pin_alloc 330 python3 -m experiments.bench_pin_alloc --gib ${PIN_GIB:-64} --threads ${PIN_THREADS:-0,16} \
+stage pin_alloc 330 python3 -m experiments.bench.bench_pin_alloc --gib ${PIN_GIB:-64} --threads ${PIN_THREADS:-0,16} \
   --thp-threads ${PIN_THP_THREADS:-16} --alloc-threads ${PIN_ALLOC_THREADS:-4,16} --out "$out/pin_alloc.json"
 # InfiniGen-style's prefill skew: a sequence's Gram matrices by torch.linalg.eigh on the device vs the host
-stage skew_eigh 60 python3 -m experiments.bench_skew_eigh --out "$out/skew_eigh.json"
+stage skew_eigh 60 python3 -m experiments.bench.bench_skew_eigh --out "$out/skew_eigh.json"
 # RetroInfer-style's block copy against CLO's row gather and a bulk copy of the same bytes (Figure 10's shapes)
-stage block_copy 120 python3 -m experiments.bench_block_copy --out "$out/block_copy.json"
-stage bench_clo 60 python3 -m experiments.bench_clo --out "$out/bench_clo.json"
+stage block_copy 120 python3 -m experiments.bench.bench_block_copy --out "$out/block_copy.json"
+stage bench_clo 60 python3 -m experiments.bench.bench_clo --out "$out/bench_clo.json"
 stage pytest_clo_gpu 120 python3 -m pytest -m gpu -q tests/test_gpu.py -k clo
 stage pytest_gemv 120 python3 -m pytest -m gpu -q tests/test_gemv.py
-stage tune_gemv 240 python3 -m experiments.tune_gemv --out "$out/gemv_tuning.json"
-stage tune 180 python3 -m experiments.tune_retrieval_kernels --out "$out/retrieval_tuning.json"
-stage bench_clo_layer 150 python3 -m experiments.bench_clo_layer --out "$out/clo_layer.json" --trace "$out/traces"
-stage bench_clo_layer_speculative 300 python3 -m experiments.bench_clo_layer --persist-query speculative \
+stage tune_gemv 240 python3 -m experiments.bench.tune_gemv --out "$out/gemv_tuning.json"
+stage tune 180 python3 -m experiments.bench.tune_retrieval_kernels --out "$out/retrieval_tuning.json"
+stage bench_clo_layer 150 python3 -m experiments.bench.bench_clo_layer --out "$out/clo_layer.json" --trace "$out/traces"
+stage bench_clo_layer_speculative 300 python3 -m experiments.bench.bench_clo_layer --persist-query speculative \
   --out "$out/clo_layer_speculative.json" --trace "$out/traces_speculative" --uva-programs \
   ${LAYER_MS:+--layer-time-ms $LAYER_MS} ${LINK_GB_S:+--link-gb-s $LINK_GB_S}
 run="python3 -m experiments.run --multirun results_dir=$out/runs"  # hydra wants its flags first
@@ -110,7 +110,7 @@ stage clo_graph 240 $run +experiment=clo_synthetic system=clo,fullattn seqlen=${
 # CLO's two persist_query modes at 128K; LAYER_MS and LINK_GB_S pin Eq. 12's inputs so that both runs get one plan
 stage clo_persist_query 420 $run +experiment=clo_synthetic system=clo system.persist_query=real,speculative \
   system.layer_time_ms=${LAYER_MS:-null} system.link_gb_s=${LINK_GB_S:-null} seqlen=128k workload.gen_tokens=32
-# one steady decode step of CLO at 128K as a Chrome trace per run (experiments.step_timeline summarises it)
+# one steady decode step of CLO at 128K as a Chrome trace per run (experiments.traces.step_timeline summarises it)
 stage trace_128k 240 $run +experiment=clo_synthetic system=clo system.persist_query=${PERSIST_QUERY:-real} \
   system.layer_time_ms=${LAYER_MS:-null} \
   system.link_gb_s=${LINK_GB_S:-null} seqlen=128k workload.gen_tokens=12 \
@@ -122,7 +122,7 @@ stage fig2 ${FIG2_SECS:-300} $run +experiment=fig2_breakdown workload.gen_tokens
 # the same steps neither traced nor phase-timed (an event pair a phase and layer slows a piecewise step): the
 # figure's step times come from these, split as the traced runs split (plots.fig2_breakdown)
 stage fig2_untimed ${FIG2_SECS:-300} $run +experiment=fig2_breakdown workload.gen_tokens=16 profile_phases=false ${FIG2:-}
-# one steady decode step of each offloading baseline at 128K as a Chrome trace (experiments.step_timeline)
+# one steady decode step of each offloading baseline at 128K as a Chrome trace (experiments.traces.step_timeline)
 stage trace_baselines 240 $run +experiment=fig2_breakdown system=retroinfer,infinigen workload.gen_tokens=8 \
   'trace_dir='"$out"'/trace_${hydra:runtime.choices.system}'
 # paper Figure 10's points under the 48 GB budget; FIG10 narrows the sweep (e.g. "seqlen=32k batch=16 system=clo")
@@ -133,7 +133,7 @@ stage fig10 ${FIG10_SECS:-540} bash -c 'sweeps "$@"' _ fig10_throughput "${FIG10
 stage fig10_beyond ${FIG10B_SECS:-540} bash -c 'sweeps "$@"' _ fig10_beyond "${FIG10B:-}"
 # issue 20: one sweep across every GPU of the host (hydra/launcher=gpus), then on one GPU, wall times compared;
 # the carried .whl must hold hydra-joblib-launcher and joblib (README, "Several GPUs of one host")
-stage multi_gpu 580 python3 -m experiments.multi_gpu_sweep --out "$out/multi_gpu.json" --runs "$out/multi_gpu" \
+stage multi_gpu 580 python3 -m experiments.bench.multi_gpu_sweep --out "$out/multi_gpu.json" --runs "$out/multi_gpu" \
   -- +experiment=fig10_throughput ${MULTI:-seqlen=8k batch=1,2,4,8}
 # Figure 10 points with one steady step traced (the record's trace_phase_ms splits a graph step by its kernels):
 # where a system's step stands against its floor; FIG10T picks the points
@@ -147,7 +147,7 @@ stage fig10_prefill 400 bash -c "python3 -m experiments.run --multirun results_d
 # what is alive at a system's device peak (default CLO at 128K BSZ 1; PEAK_SYSTEM, PEAK_BATCH, PEAK_SEQLEN)
 stage memory_peak 300 bash -c "python3 -m experiments.run +experiment=fig10_throughput system=${PEAK_SYSTEM:-clo} \
   batch=${PEAK_BATCH:-1} seqlen=${PEAK_SEQLEN:-128k} memory_snapshot=$out/snapshot.pickle results_dir=$out/runs_peak && \
-  python3 -m experiments.memory_peak $out/snapshot.pickle --out $out/memory_peak.json && rm $out/snapshot.pickle"
+  python3 -m experiments.traces.memory_peak $out/snapshot.pickle --out $out/memory_peak.json && rm $out/snapshot.pickle"
 stage ablation 200 $run +experiment=clo_synthetic system=clo +ablation=base,t,tg,tgp seqlen=128k workload.gen_tokens=16
 # the baselines' top-k, radix select vs torch.topk; the sweep's first run is slower in every phase (cold process),
 # so TOPK_AB can reorder it

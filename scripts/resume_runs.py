@@ -1,6 +1,6 @@
 """Copies an earlier device call's run records into this call's results folder, so that a sweep cut short by a
 call's time limit goes on where it stopped, at the same commit: experiments.run skips a point whose record says
-it is done (experiments.records.finished).
+it is done (experiments.runner.records.finished).
 Only records of `commit` are taken (a figure is drawn from one commit) that ended ok or are the preflight's refusal
 of a point that does not fit, with its estimate (plots.records.fit_refusal: decided before anything is allocated,
 from the same estimate, on a machine of the same kind); a crashed point runs again.

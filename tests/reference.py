@@ -66,8 +66,8 @@ def exact_topk_attention(k0, v0, data, sink, recent, k_sel, dense_layers=0, sele
 
 
 def write_profile(path, s_hat) -> str:
-    """A reuse profile in experiments.profile's format, s_hat [layers][kv_heads]; returns its path (a str, as CLO's
-    `profile` setting takes it). s_hat -1 makes a head hard to reuse (Eq. 11), 1 easy."""
+    """A reuse profile in experiments.producers.profile's format, s_hat [layers][kv_heads]; returns its path (a str, as
+    CLO's `profile` setting takes it). s_hat -1 makes a head hard to reuse (Eq. 11), 1 easy."""
     import json
 
     path.write_text(json.dumps({"s_hat": [[float(x) for x in row] for row in s_hat]}))

@@ -63,7 +63,7 @@ def test_a_sweep_records_each_jobs_refusal_and_exits_1(tmp_path):
 
 
 def test_the_readmes_accuracy_commands_pass_the_key_check():
-    from experiments.cli_checks import check_override_keys
+    from experiments.runner.cli_checks import check_override_keys
     from tests.test_config import shown_overrides
 
     shown = shown_overrides("experiments.accuracy")

@@ -453,7 +453,7 @@ def test_real_smollm2_needle_answers_equal_fullattn(smollm2_folder):
     from transformers import AutoTokenizer
 
     from baselines.fullattn import FullAttn
-    from experiments.workloads import build_prompt
+    from experiments.workloads.prompts import build_prompt
     from kvoffload.generate import generate
     from kvoffload.model.config import ModelConfig
     from kvoffload.model.weights import hf_decoder

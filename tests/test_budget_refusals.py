@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from baselines.fullattn import FullAttn
-from experiments import preflight
+from experiments.runner import preflight
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import GB, KVSpec
 from kvoffload.model.config import ModelConfig

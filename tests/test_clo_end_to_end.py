@@ -79,7 +79,7 @@ def test_full_budget_clo_generates_fullattn_tokens_with_every_part_on(tmp_path):
 def test_real_smollm2_needle_answer_equals_fullattn(smollm2_folder, overrides):
     from transformers import AutoTokenizer
 
-    from experiments.workloads import build_prompt
+    from experiments.workloads.prompts import build_prompt
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=["system=clo", *overrides])

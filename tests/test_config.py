@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from experiments.setting_types import check_system_settings
+from experiments.runner.setting_types import check_system_settings
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVOffloadSystem
 from kvoffload.model.config import ModelConfig
@@ -88,12 +88,12 @@ def shown_overrides(module: str) -> list[str]:
 
 
 def test_every_shown_command_passes_the_key_check():
-    from experiments.cli_checks import check_override_keys
+    from experiments.runner.cli_checks import check_override_keys
 
     run_overrides = shown_overrides("experiments.run")
     assert {"+experiment=fig2_breakdown", "+ablation=base,t,tg,tgp"} <= set(run_overrides)
     check_override_keys(run_overrides)
-    profile_overrides = shown_overrides("experiments.profile")
+    profile_overrides = shown_overrides("experiments.producers.profile")
     assert any(o.startswith("+profile_out=") for o in profile_overrides)
     check_override_keys(profile_overrides, extra=("profile_out",))
     check_override_keys(
@@ -122,7 +122,7 @@ def test_every_shown_command_passes_the_key_check():
     ],
 )
 def test_unknown_keys_are_refused(override, extra, words):
-    from experiments.cli_checks import check_override_keys
+    from experiments.runner.cli_checks import check_override_keys
 
     with pytest.raises(ConfigError) as e:
         check_override_keys([override], extra)
@@ -133,7 +133,7 @@ def test_the_bundles_keys_are_top_level_keys():
     """A bundle (package _global_) may set a top-level key of its own; the key check admits it."""
     from omegaconf import OmegaConf
 
-    from experiments.cli_checks import top_level_keys
+    from experiments.runner.cli_checks import top_level_keys
 
     keys, groups = top_level_keys()
     assert {"experiment", "ablation", "model", "system", "workload"} <= groups
@@ -170,7 +170,7 @@ def composed(*overrides: str):
     ],
 )
 def test_bad_numbers_are_config_errors(override, message):
-    from experiments.preflight import check_numbers
+    from experiments.runner.preflight import check_numbers
 
     with pytest.raises(ConfigError) as e:
         check_numbers(composed(override))
@@ -178,7 +178,7 @@ def test_bad_numbers_are_config_errors(override, message):
 
 
 def test_good_numbers_pass():
-    from experiments.preflight import check_numbers
+    from experiments.runner.preflight import check_numbers
 
     n = check_numbers(composed("seqlen=4k", "batch=2", "seed=3", "hardware.gpu_mem_gb=48", "batch=2.0"))
     assert (n.seqlen, n.batch, n.seed, n.gpu_mem_gb, n.hbm_gb_s) == (4096, 2, 3, 48.0, None)
@@ -186,7 +186,7 @@ def test_good_numbers_pass():
 
 # ---- run identity ---------------------------------------------------------------------------------------------
 def identity(*overrides: str) -> list[str]:
-    from experiments.records import run_identity
+    from experiments.runner.records import run_identity
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
@@ -194,7 +194,7 @@ def identity(*overrides: str) -> list[str]:
 
 
 def test_run_identity_is_the_resolved_values():
-    from experiments.records import record_path
+    from experiments.runner.records import record_path
 
     assert identity("seqlen=4096") == identity("seqlen=4k") == identity("seqlen=4K") == ["seqlen=4k"]
     assert identity("seqlen=7680") == identity("seqlen=7.5k") == ["seqlen=7680"]
@@ -213,8 +213,8 @@ def test_run_identity_is_the_resolved_values():
 def test_config_error_is_unwrapped_from_instantiate():
     from hydra.errors import InstantiationException
 
-    from experiments.execute import build_system
-    from experiments.records import config_error
+    from experiments.runner.execute import build_system
+    from experiments.runner.records import config_error
 
     cfg = composed("system=clo", "system.eta=1.5")
     with pytest.raises(InstantiationException) as e:
@@ -226,7 +226,7 @@ def test_config_error_is_unwrapped_from_instantiate():
 
 
 def test_command_line_overrides_leave_hydras_flags_out():
-    from experiments.cli_checks import command_line_overrides
+    from experiments.runner.cli_checks import command_line_overrides
 
     argv = [
         "--multirun",
@@ -327,7 +327,7 @@ def test_the_beyond_bundle_is_figure_10s_settings_on_its_own_grid():
     ],
 )
 def test_a_run_command_is_refused_before_its_first_job(argv, words, capsys):
-    from experiments.cli_checks import refuse_unknown_keys
+    from experiments.runner.cli_checks import refuse_unknown_keys
 
     with pytest.raises(SystemExit) as e:
         refuse_unknown_keys(argv, jobs=True)
@@ -339,7 +339,7 @@ def test_a_run_command_is_refused_before_its_first_job(argv, words, capsys):
 def test_the_jobs_checked_are_the_sweeps_jobs():
     """A bundle's sweeper params crossed with the command line's (whose value of a key wins), as Hydra's basic
     sweeper runs them; what does not fit (a length beyond the model's context) is the job's to record."""
-    from experiments.cli_checks import check_jobs, refuse_unknown_keys
+    from experiments.runner.cli_checks import check_jobs, refuse_unknown_keys
 
     assert len(check_jobs(["--multirun", "+experiment=fig10_throughput", "seqlen=8k"])) == 7 * 4
     assert len(check_jobs(["--multirun", "+experiment=fig10_throughput", "seqlen=8k", "system=clo,fullattn"])) == 7 * 2
@@ -352,7 +352,7 @@ def test_every_shown_run_command_passes_the_job_check():
     before their first job (a placeholder such as <p> is Hydra's to refuse)."""
     import shlex
 
-    from experiments.cli_checks import check_jobs
+    from experiments.runner.cli_checks import check_jobs
 
     commands = [shlex.split(cmd.split("#")[0].split("`")[0]) for cmd in shown_commands("experiments.run")]
     assert len(commands) >= 20

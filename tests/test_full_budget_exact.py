@@ -208,7 +208,7 @@ def test_real_smollm2_full_topk_logits_equal_fullattn(smollm2, t0):
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from experiments.workloads import build_prompt
+    from experiments.workloads.prompts import build_prompt
     from tests.test_config import CONF
 
     mcfg, model, tok = smollm2

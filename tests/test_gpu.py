@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from baselines.fullattn import FullAttn, dense_decode_attention
-from experiments.timing import link_gb_s
+from experiments.runner.timing import link_gb_s
 from kvoffload.kv.interface import KVSpec
 from kvoffload.kv.timer import PhaseTimer
 from kvoffload.model.config import ModelConfig
@@ -418,7 +418,7 @@ def test_clo_side_stream_reads_its_own_query():
     compute stream has since reused (a race that lowered the hit rate at 128K: results/LEDGER.md, row
     429bbc0_race)."""
     from clo.system import CLO
-    from experiments.query_process import ProfileQueryProcess
+    from experiments.workloads.query_process import ProfileQueryProcess
     from kvoffload.generate import generate
     from kvoffload.model.weights import synthetic_decoder
 

@@ -1,5 +1,5 @@
-"""Learned HATA hash weights (experiments.train_hata) and their use: training beats a random projection on a small
-synthetic set whose q . k lives in a subspace; CLO and RetroInfer load a weights file, name it in their record and
+"""Learned HATA hash weights (experiments.producers.train_hata) and their use: training beats a random projection on a
+small synthetic set whose q . k lives in a subspace; CLO and RetroInfer load a weights file, name it in their record and
 refuse a missing one, another model's or another rbit's; the importance proxy and its file load."""
 
 import json
@@ -10,8 +10,8 @@ import torch
 from baselines.retroinfer import RetroInfer
 from clo.policy.thresholds import load_importance
 from clo.system import CLO
-from experiments.head_importance import importance, middle_mass
-from experiments.train_hata import DEFAULTS, train_layer
+from experiments.producers.head_importance import importance, middle_mass
+from experiments.producers.train_hata import DEFAULTS, train_layer
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.retrieval import (
@@ -131,7 +131,7 @@ def test_the_commands_write_their_files_on_a_tiny_model(tmp_path):
     (a tiny random model stands in for the real weights, which the commands need)."""
     from hydra import compose, initialize_config_dir
 
-    from experiments import hata_recall, train_hata
+    from experiments.producers import hata_recall, train_hata
     from tests.test_config import CONF
     from tests.test_reuse_profile import TINY, tiny_decode
 

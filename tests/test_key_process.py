@@ -8,9 +8,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from baselines.fullattn import FullAttn
-from experiments import preflight
-from experiments.execute import execute
-from experiments.key_process import FIELDS, KeyProcess, fit_fields, load_fields, resample_spectrum
+from experiments.runner import preflight
+from experiments.runner.execute import execute
+from experiments.workloads.key_process import FIELDS, KeyProcess, fit_fields, load_fields, resample_spectrum
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec
 from kvoffload.model.weights import synthetic_decoder
@@ -158,7 +158,7 @@ def test_a_run_refuses_bad_key_input_before_loading(overrides, message, monkeypa
     def no_weights(*a, **k):
         raise AssertionError("weights loaded before the refusal")
 
-    monkeypatch.setattr("experiments.execute.build_decoder", no_weights)
+    monkeypatch.setattr("experiments.runner.execute.build_decoder", no_weights)
     with pytest.raises(ConfigError, match=message):
         execute(composed("seqlen=1024", *overrides), "fullattn")
 

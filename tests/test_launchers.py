@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments import gpu_assign
-from experiments.gpu_assign import claim, release, reserve, visible_gpus
+from experiments.runner import gpu_assign
+from experiments.runner.gpu_assign import claim, release, reserve, visible_gpus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,7 +80,7 @@ def test_n_jobs_is_the_pools_size(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     cfg = composed("hydra/launcher=gpus")
     assert cfg.hydra.launcher._target_.endswith("JoblibLauncher") and cfg.hydra.launcher.n_jobs == 3
-    assert cfg.hydra.callbacks.one_gpu_per_job._target_ == "experiments.gpu_assign.OneGpuPerJob"
+    assert cfg.hydra.callbacks.one_gpu_per_job._target_ == "experiments.runner.gpu_assign.OneGpuPerJob"
     assert "sweep_summary" in cfg.hydra.callbacks  # the default launcher's table, too
     assert composed("hydra/launcher=gpus", "hydra.callbacks.one_gpu_per_job.gpus=[0,2]").hydra.launcher.n_jobs == 2
 
@@ -125,7 +125,7 @@ def test_a_worker_keeps_its_gpu_and_a_new_worker_takes_another(tmp_path):
 
 def test_a_crashed_worker_frees_its_gpu(tmp_path):
     code = (
-        "import os, sys; from pathlib import Path; from experiments.gpu_assign import claim, reserve;"
+        "import os, sys; from pathlib import Path; from experiments.runner.gpu_assign import claim, reserve;"
         f"reserve(['0'], Path({str(tmp_path)!r})); claim(['0'], Path({str(tmp_path)!r}));"
         "print('held', flush=True); os._exit(1)"
     )
@@ -202,11 +202,19 @@ def test_a_sweep_over_two_gpus_pins_each_worker_and_keeps_records_skips_and_the_
 
 
 def test_the_multi_gpu_comparison_runs_one_sweep_both_ways(tmp_path):
-    """experiments.multi_gpu_sweep (issue 20's evidence): the same sweep over a pool of GPUs and on its first one,
+    """experiments.bench.multi_gpu_sweep (issue 20's evidence): the same sweep over a pool of GPUs and on its first one,
     each into its own folder, both wall times in one record (on a CPU host the named pool is notional)."""
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="hydra-joblib-launcher is not installed")
     out = tmp_path / "multi_gpu.json"
-    cmd = [sys.executable, "-m", "experiments.multi_gpu_sweep", "--out", str(out), "--runs", str(tmp_path / "runs")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.bench.multi_gpu_sweep",
+        "--out",
+        str(out),
+        "--runs",
+        str(tmp_path / "runs"),
+    ]
     p = subprocess.run(
         [*cmd, "--gpus", "7,9", "--", "seqlen=64,96", *FAST], cwd=ROOT, capture_output=True, text=True, timeout=400
     )

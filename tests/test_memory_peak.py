@@ -1,11 +1,11 @@
-"""experiments.memory_peak replays a CUDA allocator history: the allocations alive at the peak, grouped by the
+"""experiments.traces.memory_peak replays a CUDA allocator history: the allocations alive at the peak, grouped by the
 project frame that made them (a synthetic history here; the GPU run writes the real one)."""
 
 import pickle
 
 import pytest
 
-from experiments.memory_peak import main, summarise
+from experiments.traces.memory_peak import main, summarise
 
 GB = 1024**3
 

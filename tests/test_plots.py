@@ -30,7 +30,7 @@ RESULTS = ROOT / "results"
 
 
 def run_record(system="clo", commit="abc1234", ms=10.0, **extra) -> dict:
-    """A finished run record with the fields the plots read (experiments/records.py writes many more)."""
+    """A finished run record with the fields the plots read (experiments/runner/records.py writes many more)."""
     phases = {p: ms / len(PHASES) for p in PHASES} | {"total": ms}
     rec = {
         "status": "ok",
@@ -413,7 +413,8 @@ def test_all_draws_what_it_can_and_says_the_rest(tmp_path, capsys):
 
 
 def test_a_graph_steps_bar_is_split_as_its_traced_kernels(tmp_path):
-    """CLO's graph step has no events of its own: experiments.step_phases' split of its traced step divides it."""
+    """CLO's graph step has no events of its own: experiments.runner.trace_phases' split of its traced step divides
+    it."""
     folder = fig2_folder(tmp_path)
     clo = json.loads((folder / "record_clo.json").read_text())
     clo["phases_timed"] = False
@@ -479,7 +480,7 @@ def test_tab5_cells_may_differ_in_commit_but_not_their_systems(tmp_path):
 
 
 def test_table_5_ablation_readme_without_and_with_the_table(tmp_path):
-    from experiments.tab5_readme import ablation_readme
+    from plots.tab5_readme import ablation_readme
 
     recs = {
         "record_a.json": ablation_record("simhash", "ruler_vt", 0.2, 0.7),

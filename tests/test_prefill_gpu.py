@@ -11,8 +11,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from baselines.fullattn import FullAttn
 from clo.system import CLO
-from experiments import preflight
-from experiments.timing import link_gb_s
+from experiments.runner import preflight
+from experiments.runner.timing import link_gb_s
 from kvoffload.kv.interface import KVSpec
 from kvoffload.kv.timer import PhaseTimer
 from kvoffload.model import chunk_attention

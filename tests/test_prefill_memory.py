@@ -1,4 +1,4 @@
-"""The preflight's estimate of the prefill's transient memory (experiments.preflight.prefill_peak_bytes) against
+"""The preflight's estimate of the prefill's transient memory (experiments.runner.preflight.prefill_peak_bytes) against
 the peak the prefill really reaches, measured from the CPU allocator's events (torch profiler, profile_memory):
 every tensor the prefill and its kernels allocate and free, in order."""
 
@@ -8,7 +8,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from baselines.fullattn import FullAttn
 from clo.system import CLO
-from experiments import preflight
+from experiments.runner import preflight
 from kvoffload.kv.interface import KVSpec
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import synthetic_decoder

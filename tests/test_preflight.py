@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from experiments import preflight
+from experiments.runner import preflight
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import GB, KVSpec
 from kvoffload.model.config import ModelConfig
@@ -120,7 +120,7 @@ def test_largest():
 
 def test_a_host_short_of_the_pinned_stores_is_refused_saying_so():
     """torch pins in powers of two: a plan whose stores fit the host's RAM as bytes but not as pinned blocks."""
-    from experiments.preflight import Limits, MemoryPlan, shortfall
+    from experiments.runner.preflight import Limits, MemoryPlan, shortfall
 
     plan = MemoryPlan(weights=GB, activations=GB, kv_device=GB, kv_host=60 * GB, kv_host_pinned=64 * GB)
     limits = Limits(torch.device("cuda"), host=62 * GB, budget=None)

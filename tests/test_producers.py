@@ -1,5 +1,6 @@
-"""The figure producers of issue 18 on the CPU at tiny sizes: experiments.fig4_6_similarity (every sample recomputed
-from the queries it saw) and experiments.bench_link (its record's rows, checked rows, refusals); each record drawn."""
+"""The figure producers of issue 18 on the CPU at tiny sizes: experiments.producers.fig4_6_similarity (every sample
+recomputed from the queries it saw) and experiments.bench.bench_link (its record's rows, checked rows, refusals); each
+record drawn."""
 
 import json
 import os
@@ -11,8 +12,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from experiments import bench_link
-from experiments.fig4_6_similarity import measure, out_path
+from experiments.bench import bench_link
+from experiments.producers.fig4_6_similarity import measure, out_path
 from kvoffload.errors import ConfigError
 from plots import fig3_13_link, fig4_6_similarity
 from tests.test_config import CONF
@@ -63,7 +64,7 @@ def test_link_bench_on_the_cpu(tmp_path, capsys):
     ]
     assert all(r["exact_rows"] for r in rec["rows"] if r["path"] != "bulk")
     assert all(r["bytes"] == r["tokens"] * 2 * 32 and r["gb_s"] > 0 for r in rec["rows"])
-    assert rec["command"].startswith("python -m experiments.bench_link --out")
+    assert rec["command"].startswith("python -m experiments.bench.bench_link --out")
     fig3_13_link.plot(out.parent, tmp_path / "link.png")
     for bad, why in ((["--tokens", "0"], "at least 1"), (["--fraction", "2"], "must be in (0, 1]")):
         with pytest.raises(SystemExit) as e:
@@ -72,7 +73,7 @@ def test_link_bench_on_the_cpu(tmp_path, capsys):
 
 
 def test_block_copy_bench_on_the_cpu(tmp_path, capsys):
-    from experiments import bench_block_copy
+    from experiments.bench import bench_block_copy
 
     out = tmp_path / "block_copy.json"
     bench_block_copy.main(["--out", str(out), "--seqlens", "256", "--batches", "1,2", "--iters", "2"])
@@ -89,9 +90,9 @@ def test_block_copy_bench_on_the_cpu(tmp_path, capsys):
 
 
 def test_host_gather_bench_on_the_cpu(tmp_path, capsys):
-    """experiments.bench_host_gather: a row per (pool, memory kind, index pattern, threads, chunk), every gather
+    """experiments.bench.bench_host_gather: a row per (pool, memory kind, index pattern, threads, chunk), every gather
     exact; bad input refused with one line and exit status 2."""
-    from experiments import bench_host_gather
+    from experiments.bench import bench_host_gather
 
     out = tmp_path / "gather.json"
     args = ["--out", str(out), "--tokens", "512", "--heads", "2", "--threads", "1", "--chunks", "64,4096"]
@@ -108,9 +109,9 @@ def test_host_gather_bench_on_the_cpu(tmp_path, capsys):
 
 
 def test_lru_bench_on_the_cpu(tmp_path, capsys):
-    """experiments.bench_lru: a row per (point, threads, mode), the deferred mode's hit rate the inline one's (the
+    """experiments.bench.bench_lru: a row per (point, threads, mode), the deferred mode's hit rate the inline one's (the
     same decisions), its state change timed apart; bad input refused with one line and exit status 2."""
-    from experiments import bench_lru
+    from experiments.bench import bench_lru
 
     out = tmp_path / "lru.json"
     args = ["--out", str(out), "--points", "1k:1,1k:2", "--threads", "1", "--steps", "12"]
@@ -127,17 +128,17 @@ def test_lru_bench_on_the_cpu(tmp_path, capsys):
 
 def test_the_infinigen_fetch_readme_is_current():
     """results/infinigen_cpu_fetch/README.md is what its generator makes of the records beside it."""
-    from experiments.infinigen_fetch_readme import readme
     from kvoffload.paths import ROOT
+    from plots.infinigen_fetch_readme import readme
 
     folder = ROOT / "results" / "infinigen_cpu_fetch"
     assert (folder / "README.md").read_text() == readme(folder)
 
 
 def test_the_table5_readme_is_current():
-    """results/tab5_accuracy/README.md is what experiments.tab5_readme makes of the records beside it."""
-    from experiments.tab5_readme import table_readme
+    """results/tab5_accuracy/README.md is what plots.tab5_readme makes of the records beside it."""
     from kvoffload.paths import ROOT
+    from plots.tab5_readme import table_readme
 
     folder = ROOT / "results" / "tab5_accuracy"
     assert (folder / "README.md").read_text() == table_readme(folder)
@@ -147,7 +148,7 @@ def test_the_table5_gap_interval_is_paired_and_covers_the_gap():
     """Paired: a system that scores FullAttn's sample for sample has the interval [0, 0] however the samples vary; a
     gap on some samples gives an interval around it. A system that scored the first of FullAttn's documents is paired
     on those (an ablation beside a cell rerun with more samples); a document FullAttn did not score is refused."""
-    from experiments.tab5_readme import paired_interval
+    from plots.tab5_readme import paired_interval
 
     ref = {i: float(i % 2) for i in range(20)}
     same = {("fullattn", "a@2048"): ref, ("clo", "a@2048"): dict(ref)}
@@ -163,9 +164,9 @@ def test_the_table5_gap_interval_is_paired_and_covers_the_gap():
 
 
 def test_pin_alloc_bench_on_the_cpu(tmp_path, capsys):
-    """experiments.bench_pin_alloc: a row per way of pinning, each from a process of its own, with the link measured
-    on memory made that way; bad input refused with one line and exit status 2."""
-    from experiments import bench_pin_alloc
+    """experiments.bench.bench_pin_alloc: a row per way of pinning, each from a process of its own, with the link
+    measured on memory made that way; bad input refused with one line and exit status 2."""
+    from experiments.bench import bench_pin_alloc
 
     out = tmp_path / "pin_alloc.json"
     argv = ["--out", str(out), "--gib", "0.01", "--layer-gib", "0.005", "--threads", "0,2", "--link-tokens", "64"]
@@ -216,9 +217,9 @@ def test_the_huge_page_tunable_reaches_malloc():
 
 
 def test_skew_eigh_bench_on_the_cpu(tmp_path):
-    """experiments.bench_skew_eigh: a row for the device's eigh and one per host thread count, and the two
+    """experiments.bench.bench_skew_eigh: a row for the device's eigh and one per host thread count, and the two
     subspaces' gap (on a CPU both are the host's: the same decomposition)."""
-    from experiments import bench_skew_eigh
+    from experiments.bench import bench_skew_eigh
 
     out = tmp_path / "skew_eigh.json"
     bench_skew_eigh.main(["--out", str(out), "--matrices", "4", "--head-dim", "16", "--rank", "5", "--iters", "1"])

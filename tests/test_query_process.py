@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from experiments.query_process import ProfileQueryProcess, map_profile
+from experiments.workloads.query_process import ProfileQueryProcess, map_profile
 
 
 def test_adjacent_similarity_follows_rho():
@@ -54,8 +54,8 @@ def test_the_process_advances_when_replayed_from_a_cuda_graph():
 
 def test_profile_command_measures_adjacent_similarity():
     """The profile command's s_hat: the group-mean cosine of each query head's query to its previous one."""
-    from experiments.infinigen_skew import skew_bases  # noqa: F401  (the skew command records queries the same way)
-    from experiments.profile import adjacent_similarity
+    from experiments.producers.infinigen_skew import skew_bases  # noqa: F401  (the skew command records queries the same way)
+    from experiments.producers.profile import adjacent_similarity
 
     q = torch.randn(1, 4, 8)  # [B, H, D], H = 2 KV heads x group 2
     flip = q.clone()
@@ -128,7 +128,7 @@ def test_old_profiles_give_the_old_process():
     """A profile with only s_hat is the AR(1) chain of before, draw for draw (existing records reproduce)."""
     import json
 
-    from experiments.query_process import map_process_fields
+    from experiments.workloads.query_process import map_process_fields
 
     proc = ProfileQueryProcess.from_profile("data/profiles/smollm2.json", 30, 3, 3, torch.device("cpu"))
     assert not proc.persistent_form and proc.spec is None and "synthetic AR(1)" in proc.description
@@ -158,7 +158,7 @@ def test_old_profiles_give_the_old_process():
 
 
 def test_fit_recovers_a_persistent_curve():
-    from experiments.query_process import fit_persistent
+    from experiments.workloads.query_process import fit_persistent
 
     c, rho = torch.tensor([0.7, 0.0, 0.5]), torch.tensor([0.5, 0.85, 0.0])
     lags = torch.tensor([1.0, 2, 4, 8])[:, None]

@@ -1,6 +1,6 @@
-"""experiments.reuse_profile: the top-k overlap on hand-made sets, every metric recomputed from the recorded queries
-with the tests' own reference top-k, and the command writing its file and refusing to overwrite it. A tiny random
-model stands in for the real weights (the command itself refuses synthetic weights)."""
+"""experiments.producers.reuse_profile: the top-k overlap on hand-made sets, every metric recomputed from the recorded
+queries with the tests' own reference top-k, and the command writing its file and refusing to overwrite it. A tiny
+random model stands in for the real weights (the command itself refuses synthetic weights)."""
 
 import json
 
@@ -9,9 +9,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from experiments import preflight
-from experiments.reuse_profile import METRICS, group_cosine, measure, run, topk_overlap
-from experiments.reuse_profile_readme import readme
+from experiments.producers.reuse_profile import METRICS, group_cosine, measure, run, topk_overlap
+from experiments.runner import preflight
 from kvoffload.errors import ConfigError
 from kvoffload.generate import generate
 from kvoffload.kv.interface import KVSpec
@@ -19,6 +18,7 @@ from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import synthetic_decoder
 from kvoffload.offload.budget import select_budget
 from kvoffload.paths import ROOT
+from plots.reuse_profile_readme import readme
 from tests.reference import topk_middle
 from tests.test_config import CONF
 
@@ -54,7 +54,7 @@ def config(tmp_path, *overrides, out="reuse.json"):
 
 
 def tiny_decode(cfg, make_kv, min_steps=3, keep=None):
-    """experiments.profile.decode_real with synthetic weights and a random prompt (what it refuses)."""
+    """experiments.producers.profile.decode_real with synthetic weights and a random prompt (what it refuses)."""
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
     seqlen, gen = preflight.parse_tokens(cfg.seqlen), int(cfg.workload.gen_tokens)
     model = synthetic_decoder(model_cfg, int(cfg.seed), torch.device("cpu"), torch.float32)
@@ -182,7 +182,7 @@ def test_command_writes_its_file_and_refuses_to_overwrite(tmp_path):
     prov = data["provenance"]
     assert prov["prompt"]["tokens"] == 1200 and prov["prompt"]["resolved"] == "random"
     assert prov["greedy_tokens"] == 12 and prov["git"]["commit"]
-    assert prov["command"].startswith("python -m experiments.reuse_profile")
+    assert prov["command"].startswith("python -m experiments.producers.reuse_profile")
     before = out.read_text()
     with pytest.raises(ConfigError, match="force=true"):
         run(cfg, tiny_decode)

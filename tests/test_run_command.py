@@ -257,7 +257,7 @@ def test_profile_refuses_to_overwrite_a_profile(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "experiments.profile",
+                "experiments.producers.profile",
                 "model=smollm2",
                 "seqlen=3k",
                 "workload.gen_tokens=64",
@@ -282,7 +282,7 @@ def test_profile_overwrites_with_force_true(tmp_path):
     args = [
         sys.executable,
         "-m",
-        "experiments.profile",
+        "experiments.producers.profile",
         "model=smollm2",
         "seqlen=256",
         "workload.gen_tokens=4",
@@ -321,7 +321,7 @@ def test_a_fresh_sweep_gives_each_job_the_huge_pages_it_asks(tmp_path):
 
 @pytest.mark.parametrize("asks,has", [(True, False), (False, True)])
 def test_a_run_whose_process_has_other_huge_pages_than_it_asks_is_refused(monkeypatch, asks, has):
-    from experiments import execute, preflight
+    from experiments.runner import execute, preflight
 
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1" if has else "glibc.malloc.arena_max=2")
     numbers = preflight.RunNumbers(64, 1, 0, 4, 0, 0.5, None, None, pin_threads=4, pin_huge_pages=asks)
@@ -436,7 +436,7 @@ def test_bad_workload_settings_refused_before_loading(tmp_path):
 
 def test_the_launchers_commit_wins_over_a_stale_git(monkeypatch):
     """The GPU machine's copy of the tree carries a .git whose HEAD is not the commit its files come from."""
-    from experiments.records import git_commit
+    from experiments.runner.records import git_commit
 
     monkeypatch.setenv("CLO_GIT_COMMIT", "abc1234")
     got = git_commit(ROOT)
@@ -451,7 +451,7 @@ def test_a_refusal_at_this_commit_is_finished_a_crash_is_not(tmp_path, monkeypat
     damaged record run again."""
     import json
 
-    from experiments.records import finished
+    from experiments.runner.records import finished
 
     monkeypatch.setenv("CLO_GIT_COMMIT", "abc1234")
     refusal = {"status": "failed", "error_kind": "config", "error": "system=clo ... needs about 52.7 GB of GPU memory"}
@@ -501,7 +501,7 @@ def test_trace_dir_writes_one_decode_step(tmp_path):
     assert any("index_copy" in n for n in names)  # the step's own work (the dense layers' KV append)
     trace = tmp_path / "trace" / "decode_step.trace.json"
     p = subprocess.run(
-        [sys.executable, "-m", "experiments.step_timeline", str(trace)],
+        [sys.executable, "-m", "experiments.traces.step_timeline", str(trace)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -511,7 +511,7 @@ def test_trace_dir_writes_one_decode_step(tmp_path):
 
 
 def test_step_timeline_finds_the_compute_streams_gaps():
-    from experiments.step_timeline import summary
+    from experiments.traces.step_timeline import summary
 
     ks = [
         {"name": "gemv", "stream": 1, "start": 0.0, "end": 65.0},
@@ -533,7 +533,7 @@ def test_sweep_summary_table_counts_every_outcome():
     from hydra.core.utils import JobReturn, JobStatus
     from omegaconf import OmegaConf
 
-    from experiments.records import SweepSummary
+    from experiments.runner.records import SweepSummary
 
     cb = SweepSummary()
     cb.on_multirun_start(config=None)
@@ -579,7 +579,7 @@ def test_the_record_names_the_thread_runtimes_settings(monkeypatch):
     """OMP_*/NUMBA_* change a host-bound step: the environment a record keeps holds them, and nothing else of env."""
     import torch
 
-    from experiments.records import environment
+    from experiments.runner.records import environment
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     monkeypatch.setenv("SECRET_TOKEN", "x")
@@ -591,7 +591,7 @@ def test_the_record_reads_package_versions_without_importing_them():
     """A forked sweep job imports nothing for its record's versions: importing transformers (and flashinfer on a
     GPU) to read __version__ cost each job a second or more."""
     code = (
-        "import sys, torch; from experiments.records import environment; e = environment(torch.device('cpu')); "
+        "import sys, torch; from experiments.runner.records import environment; e = environment(torch.device('cpu')); "
         "print(sorted(m for m in ('transformers', 'flashinfer') if m in sys.modules)); "
         "import transformers; print(e['transformers'] == transformers.__version__)"
     )
@@ -602,7 +602,7 @@ def test_the_record_reads_package_versions_without_importing_them():
 def test_a_forked_job_killed_without_a_record_gets_a_failed_one(tmp_path):
     """A child that dies by a signal (the OOM killer's) leaves no record: the sweep writes a failed one and goes on,
     also where a failed record of an earlier sweep lay (its old error is not this run's)."""
-    from experiments.job_process import run_in_forked_child
+    from experiments.runner.job_process import run_in_forked_child
 
     path = tmp_path / "run" / "record.json"
     path.parent.mkdir()
@@ -615,7 +615,7 @@ def test_a_forked_job_killed_without_a_record_gets_a_failed_one(tmp_path):
 
 def test_a_forked_jobs_record_is_its_outcome_whatever_its_exit_status(tmp_path):
     """A child that wrote its ok record and then failed (in its W&B log, say) ran: its record stands, as inline."""
-    from experiments.job_process import run_in_forked_child
+    from experiments.runner.job_process import run_in_forked_child
     from kvoffload.paths import write_json_atomic
 
     path = tmp_path / "record.json"
@@ -629,7 +629,7 @@ def test_a_forked_jobs_record_is_its_outcome_whatever_its_exit_status(tmp_path):
 
 
 def test_stop_child_ends_and_reaps_a_job_that_outlives_its_sweep():
-    from experiments.job_process import stop_child
+    from experiments.runner.job_process import stop_child
 
     ready_r, ready_w = os.pipe()
     pid = os.fork()
@@ -652,7 +652,7 @@ def test_a_forked_job_ends_when_its_sweep_is_killed(tmp_path):
         pytest.skip("PR_SET_PDEATHSIG is Linux's")
     child_pid = tmp_path / "child.pid"
     code = (
-        "import os, time, pathlib; from experiments.job_process import run_in_forked_child\n"
+        "import os, time, pathlib; from experiments.runner.job_process import run_in_forked_child\n"
         f"def job():\n    pathlib.Path({str(child_pid)!r}).write_text(str(os.getpid())); time.sleep(120)\n"
         f"run_in_forked_child(job, [], pathlib.Path({str(tmp_path / 'record.json')!r}))\n"
     )
@@ -678,7 +678,7 @@ def test_a_forked_job_leaves_no_temporary_files(tmp_path, monkeypatch):
     """os._exit skips atexit cleanup (W&B removes its temp folders there): a job's temp folder goes when it ends."""
     import tempfile
 
-    from experiments.job_process import run_in_forked_child
+    from experiments.runner.job_process import run_in_forked_child
     from kvoffload.paths import write_json_atomic
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -699,7 +699,7 @@ def test_a_fork_beside_a_python_thread_keeps_pythons_warning(tmp_path):
     child needs, and Python's multi-threaded-fork warning says so."""
     import threading
 
-    from experiments.job_process import run_in_forked_child
+    from experiments.runner.job_process import run_in_forked_child
     from kvoffload.paths import write_json_atomic
 
     path = tmp_path / "record.json"

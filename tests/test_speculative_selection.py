@@ -1,11 +1,11 @@
-"""experiments.speculative_selection with real SmolLM2 weights: the exact top-k of the real query scores recall 1,
-every other selection a fraction, and the speculative query really differs from the real one."""
+"""experiments.producers.speculative_selection with real SmolLM2 weights: the exact top-k of the real query scores
+recall 1, every other selection a fraction, and the speculative query really differs from the real one."""
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from experiments.speculative_selection import measure
+from experiments.producers.speculative_selection import measure
 from kvoffload.errors import ConfigError
 from tests.test_config import CONF
 

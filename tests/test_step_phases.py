@@ -1,12 +1,12 @@
-"""experiments.step_phases: a traced step's compute-stream time by phase, its idle gaps charged to what it waited
-for (synthetic events here; the committed baseline traces are real ones)."""
+"""experiments.runner.trace_phases: a traced step's compute-stream time by phase, its idle gaps charged to what it
+waited for (synthetic events here; the committed baseline traces are real ones)."""
 
 from pathlib import Path
 
 import pytest
 
-from experiments.step_phases import phase_of, step_phases
-from experiments.step_timeline import copies, load_events, summary
+from experiments.runner.trace_phases import load_events, phase_of, step_phases
+from experiments.traces.step_timeline import copies, summary
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 

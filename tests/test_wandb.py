@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.wandb_log import log_wandb, resolve_mode, run_config, run_group
+from experiments.runner.wandb_log import log_wandb, resolve_mode, run_config, run_group
 
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = {"retrieval": 0.1, "cache_mgmt": 0.2, "transfer_exposed": 0.3, "attention": 1.5, "launch_sync": 0.0}
 
 
 def record(system: str = "clo") -> dict:
-    """The parts of a run record (experiments/execute.py) that log_wandb reads."""
+    """The parts of a run record (experiments/runner/execute.py) that log_wandb reads."""
     phases = {**PHASES, "other": 2.0, "total": 4.1}
     return {
         "config": {
@@ -139,9 +139,9 @@ def test_a_run_logs_offline_with_group_job_type_flat_config_summary_and_phase_ta
 
 
 def test_committed_records_are_logged_after_the_fact_grouped_by_their_folder(tmp_path, monkeypatch, capsys):
-    """The GPU machine runs without wandb: experiments.wandb_records logs a results folder's decode records as
+    """The GPU machine runs without wandb: experiments.tracking.wandb_records logs a results folder's decode records as
     experiments.run would have, the folder's name as the group; refusals are skipped, an empty folder refused."""
-    from experiments.wandb_records import main
+    from experiments.tracking.wandb_records import main
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     folder = tmp_path / "fig_x"
@@ -239,7 +239,7 @@ def test_the_report_compares_a_groups_systems_in_its_panels():
     wr = pytest.importorskip(
         "wandb_workspaces.reports.v2", reason="wandb-workspaces is not installed (pip install -e '.[report]')"
     )
-    from experiments.wandb_report import build_report
+    from experiments.tracking.wandb_report import build_report
     from kvoffload.kv.timer import PHASES
 
     report = build_report("clo-kv-offload", "fig2_breakdown", entity="someone")
@@ -261,7 +261,7 @@ def test_the_report_compares_a_groups_systems_in_its_panels():
 
 
 def test_the_report_command_without_an_api_key_says_so_and_exits_2(monkeypatch, capsys):
-    from experiments.wandb_report import main
+    from experiments.tracking.wandb_report import main
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     assert main(["--project", "p", "--group", "g"]) == 2

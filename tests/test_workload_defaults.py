@@ -5,7 +5,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from experiments.execute import resolve_queries
+from experiments.runner.execute import resolve_queries
 from kvoffload.paths import ROOT
 
 

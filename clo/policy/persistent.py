@@ -79,12 +79,13 @@ def plan_persistent_heads(
 
 def load_profile(source: str, num_layers: int, num_kv_heads: int) -> tuple[torch.Tensor, str]:
     """s_hat [layers, kv_heads]. source: 'none' (s_hat = 1: no head is hard, persistent cache and prefetch
-    idle) or a JSON file written by `python -m experiments.profile` (relative paths: from the repository root)."""
+    idle) or a JSON file written by `python -m experiments.producers.profile` (relative paths: from the repository
+    root)."""
     if source in (None, "none"):
         return torch.ones(num_layers, num_kv_heads), "none (s_hat = 1: no hard heads)"
     path = repo_path(source)
     if not path.is_file():
-        raise ConfigError(f"profile={source!r}: no such file (make it with `python -m experiments.profile`)")
+        raise ConfigError(f"profile={source!r}: no such file (make it with `python -m experiments.producers.profile`)")
     data = json.loads(path.read_text())
     s_hat = torch.tensor(data["s_hat"])
     if s_hat.shape != (num_layers, num_kv_heads):

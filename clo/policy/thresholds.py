@@ -30,7 +30,7 @@ def thresholds(importance: torch.Tensor, eta: float, n: float) -> torch.Tensor:
 def load_importance(source: str, num_layers: int, num_kv_heads: int) -> tuple[torch.Tensor, str]:
     """[layers, kv_heads] scores in [0, 1] and a description for the record.
     source: 'uniform' | a folder name under data/head_importance | a path to a TSV in DuoAttention's layout
-    (relative paths: from the repository root), e.g. a proxy of experiments.head_importance, whose provenance
+    (relative paths: from the repository root), e.g. a proxy of experiments.producers.head_importance, whose provenance
     (.json beside it) describes it."""
     if source == "uniform":
         return torch.ones(num_layers, num_kv_heads), "uniform (no importance scores: every head strict)"

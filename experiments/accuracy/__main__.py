@@ -18,9 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import cli_checks, preflight
 from experiments.accuracy.report import cost_summary, summary_lines
-from experiments.records import config_error, environment, finished, one_line, record_path, refuse, run_identity
+from experiments.runner import cli_checks, preflight
+from experiments.runner.records import config_error, environment, finished, one_line, record_path, refuse, run_identity
 from kvoffload.errors import ConfigError
 from kvoffload.paths import write_json_atomic
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import preflight
-from experiments.execute import build_system, load_tokenizer
-from experiments.preflight import weights_source
-from experiments.timing import link_gb_s, model_layer_time_s
+from experiments.runner import preflight
+from experiments.runner.execute import build_system, load_tokenizer
+from experiments.runner.preflight import weights_source
+from experiments.runner.timing import link_gb_s, model_layer_time_s
 from kvoffload.errors import ConfigError
 from kvoffload.generate import sync_device
 from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec

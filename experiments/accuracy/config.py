@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import cli_checks, preflight
+from experiments.runner import cli_checks, preflight
 from kvoffload.errors import ConfigError
 
 LOGLIKELIHOOD_MODES = ("decode", "prefill")

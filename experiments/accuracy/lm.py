@@ -21,10 +21,10 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from experiments import preflight
 from experiments.accuracy.backbone import Backbone, backbone_for
 from experiments.accuracy.config import check_workload, compose_config, override_text
 from experiments.accuracy.decoding import greedy_until, teacher_forced
+from experiments.runner import preflight
 from kvoffload.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from experiments.accuracy.offline import offline_nltk
-from experiments.records import refuse
+from experiments.runner.records import refuse
 from kvoffload.errors import ConfigError
 
 

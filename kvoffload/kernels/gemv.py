@@ -4,7 +4,7 @@ the MLP's gate/up projection with SiLU(gate) * up in the same kernel.
 Why not cuBLAS: every system's decode step is mostly the bytes of its weights, and at one row cuBLAS's GEMVs
 stream a Llama-3-8B layer's weights well below the bandwidth a device copy reaches, slower than this kernel
 (results/bench/README.md). Each program here owns BLOCK_N output rows and streams them along K with wide loads,
-so the kernel is a plain weight stream; the launch parameters come from experiments/tune_gemv.py. `linear_ref` /
+so the kernel is a plain weight stream; the launch parameters come from experiments/bench/tune_gemv.py. `linear_ref` /
 `linear_silu_mul_ref` are the specification; the public functions take the kernel for one CUDA row (and a weight
 contiguous along K) and the reference otherwise (prefill, batches, the CPU).
 """
@@ -80,7 +80,7 @@ def linear_pair_triton(x1, w1, b1, x2, w2, b2) -> torch.Tensor:
 
 def launch_params(gated: bool) -> tuple[int, int, int]:
     """(output rows per program, K per load, warps): the fastest, or close to it, for every Llama-3-8B
-    projection in experiments/tune_gemv.py's sweep (results/bench/README.md). Few rows per program and long
+    projection in experiments/bench/tune_gemv.py's sweep (results/bench/README.md). Few rows per program and long
     loads: many programs, each with KBs in flight; a gated program streams twice the rows."""
     return (4 if gated else 2), 1024, 4
 

@@ -209,7 +209,7 @@ def encode_query_triton(
     out = torch.empty(b, h, group, rbit // 32, dtype=torch.int32, device=q.device)
     g_pad = triton.next_power_of_2(group)
     # head_dim per step: the whole of it in one step when the group is small (the fastest at Llama-3 shape in
-    # experiments/tune_retrieval_kernels.py's sweep: results/bench/README.md), capped so the products fit in
+    # experiments/bench/tune_retrieval_kernels.py's sweep: results/bench/README.md), capped so the products fit in
     # registers
     chunk = chunk or min(d, max(16, 512 // g_pad))
     assert chunk & (chunk - 1) == 0, f"chunk={chunk}: a power of two"

@@ -1,4 +1,4 @@
-"""One call of the synthetic persistent + AR(1) query process (experiments/query_process.py) in one launch.
+"""One call of the synthetic persistent + AR(1) query process (experiments/workloads/query_process.py) in one launch.
 
 Per row (sequence, query head) of D elements, all fp32 but q and out:
   q     [R, D]   the model's query (its norm is kept)
@@ -9,9 +9,9 @@ Per row (sequence, query head) of D elements, all fp32 but q and out:
 Row r is query head r % H. With `speculative` the output is the one-layer-ahead query, turned from the query
 direction u towards the error direction by cos g; otherwise u. Out = that direction x |q|.
 
-The torch code of experiments/query_process.py is the specification; there it takes some thirty small kernels per
-call, a workload's cost inside every system's timed step. The random draws stay torch's (the same generator,
-the same order), so both give the same values.
+The torch code of experiments/workloads/query_process.py is the specification; there it takes some thirty small kernels
+per call, a workload's cost inside every system's timed step. The random draws stay torch's (the same generator, the
+same order), so both give the same values.
 """
 
 from __future__ import annotations

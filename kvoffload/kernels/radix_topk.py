@@ -174,7 +174,7 @@ def radix_topk(
     work: torch.Tensor | None = None,
     ordered: bool = False,
 ) -> torch.Tensor:
-    """2048 keys per program, 4 warps: the fastest for 6 rows of 128K in experiments/tune_retrieval_kernels.py's
+    """2048 keys per program, 4 warps: the fastest for 6 rows of 128K in experiments/bench/tune_retrieval_kernels.py's
     sweep (results/bench/README.md). miss [B, nc] bool (hash_scores's): the rows are B sequences of h heads
     each, and the first nc heads of a sequence are selected only where they missed (the others' indices are
     left unset). work: radix_work(R) with the first pass already counted; three passes then remain. ordered: each

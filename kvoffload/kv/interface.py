@@ -42,7 +42,7 @@ class KVSpec:
     # device; None assumes a prompt of max_len tokens (no generated rows)
     prompt_len: int | None = None
     # host->device bandwidth (GB/s = 1e9 B/s) that systems plan with and divide their moved bytes by, measured by
-    # the runner (experiments.timing.link_gb_s); None: CPU_LINK_GB_S on a CPU run, refused on CUDA
+    # the runner (experiments.runner.timing.link_gb_s); None: CPU_LINK_GB_S on a CPU run, refused on CUDA
     link_gb_s: float | None = None
 
     @property
@@ -56,7 +56,7 @@ class KVSpec:
         if self.device.type == "cuda":
             raise ConfigError(
                 "KVSpec.link_gb_s is not set: on CUDA the runner measures the link "
-                "(experiments.timing.link_gb_s) and hands it to the system"
+                "(experiments.runner.timing.link_gb_s) and hands it to the system"
             )
         return CPU_LINK_GB_S * 1e9
 

@@ -184,9 +184,11 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rotary: Rotary | None = None
         self.prefill_chunk = PREFILL_CHUNK  # the runner sets the run's `prefill_chunk`
-        # Optional synthetic query process (experiments.query_process) replacing the queries the KV system sees.
+        # Optional synthetic query process (experiments.workloads.query_process) replacing the queries the KV system
+        # sees.
         self.query_process = None
-        # Optional synthetic key process (experiments.key_process): Decoder.fill's keys, for synthetic weights.
+        # Optional synthetic key process (experiments.workloads.key_process): Decoder.fill's keys, for synthetic
+        # weights.
         self.key_process = None
         # a HF checkpoint's state dict loads as it is: its q/k/v and gate/up projections are fused on the way in
         self.register_load_state_dict_pre_hook(lambda module, state, *_: fuse_hf_state(state))
@@ -207,7 +209,7 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """tokens [B, T] -> logits of the last position [B, V] (or of every position [B, T, V]). Alive at once: the
         residual stream x, one layer's K/V of the whole prompt and one chunk's q, attention output and MLP
-        temporaries (experiments.preflight.prefill_peak_bytes counts them)."""
+        temporaries (experiments.runner.preflight.prefill_peak_bytes counts them)."""
         t = tokens.shape[1]
         x = self.model.embed_tokens(tokens)
         positions = torch.arange(t, device=tokens.device)
@@ -233,7 +235,7 @@ class Decoder(nn.Module):
         logits from its embedding alone [B, V]. With a key_process (workload.kv_fill=key_process) the keys are
         drawn from it instead, a chunk at a time, after the projections' temporaries are gone. Alive at once: one
         layer's K/V of the whole prompt, the system's staged copy of them, and one sequence's chunk of embeddings
-        and projections or drawn keys (experiments.preflight.fill_peak_bytes)."""
+        and projections or drawn keys (experiments.runner.preflight.fill_peak_bytes)."""
         b, t = tokens.shape
         positions = torch.arange(t, device=tokens.device)
         for i, layer in enumerate(self.model.layers):

@@ -28,7 +28,7 @@ KMEANS_ITERS = 10  # Lloyd's iterations
 # k-means assigns this many (group, token) points at a time: its [points, centroids] distances stay ~16 MB
 ASSIGN_POINTS = 1 << 16
 # index() clusters this many key values at a time (fp32, twice: the cast and the sub-spaces' copy), a few (sequence,
-# KV head) rows together, within experiments.preflight.WORKSPACE_BYTES as the hash retriever's chunked encoding
+# KV head) rows together, within experiments.runner.preflight.WORKSPACE_BYTES as the hash retriever's chunked encoding
 INDEX_FLOATS = 1 << 24
 
 

@@ -3,7 +3,7 @@
 HashRetriever (HATA): keys and queries become sign bits of x @ W (W: head_dim x rbit per layer and KV head);
 score(k) = sum over the query group of (1 - 2 * hamming(q_j, k) / rbit) * |k|. Codes and key norms are made
 once at prefill and stay on the device. W is a seeded random projection (SimHash) unless learned weights are
-given (`load_hash_weights`: a file of experiments.train_hata): the record says which. ExactRetriever scores
+given (`load_hash_weights`: a file of experiments.producers.train_hata): the record says which. ExactRetriever scores
 sum_j q_j . k: the oracle for tests and ablations. PQRetriever (PQCache's product quantisation) is in pq_index.py.
 Each returns absolute token indices [B, Hkv, k] of the candidates [lo, hi)."""
 
@@ -46,13 +46,15 @@ def check_hash_weights(source: str | None, retriever: str) -> None:
     if source is None or retriever != "hash":
         return
     if not repo_path(source).is_file():
-        raise ConfigError(f"hash_weights={source!r}: no such file (make one with `python -m experiments.train_hata`)")
+        raise ConfigError(
+            f"hash_weights={source!r}: no such file (make one with `python -m experiments.producers.train_hata`)"
+        )
 
 
 def load_hash_weights(
     source: str, num_layers: int, num_kv_heads: int, head_dim: int, rbit: int | None
 ) -> tuple[torch.Tensor, str]:
-    """W [L, Hkv, D, rbit] fp32 from a safetensors file of experiments.train_hata (relative paths: from the
+    """W [L, Hkv, D, rbit] fp32 from a safetensors file of experiments.producers.train_hata (relative paths: from the
     repository root), checked against the model's shapes and the retriever's rbit (None: any); and a description
     for the record."""
     from safetensors import SafetensorError
@@ -60,7 +62,9 @@ def load_hash_weights(
 
     path = repo_path(source)
     if not path.is_file():
-        raise ConfigError(f"hash_weights={source!r}: no such file (make one with `python -m experiments.train_hata`)")
+        raise ConfigError(
+            f"hash_weights={source!r}: no such file (make one with `python -m experiments.producers.train_hata`)"
+        )
     try:
         w = load_file(str(path))["weights"]
     except (SafetensorError, KeyError, OSError) as e:
@@ -112,7 +116,7 @@ class ExactRetriever:
 
 
 # HashRetriever.index encodes this many (sequence, head, token) rows at a time: ~3 KB of temporaries each at rbit
-# 256 and D 128, ~50 MB in all (within experiments.preflight.WORKSPACE_BYTES)
+# 256 and D 128, ~50 MB in all (within experiments.runner.preflight.WORKSPACE_BYTES)
 INDEX_ROWS = 16384
 
 

@@ -1,0 +1,93 @@
+"""What the benchmarks share: the Llama-3-8B shapes they time at (read from conf/model/llama3.yaml, not copied), the
+GPU-only benches' device, their command-line parsing of counts, a timed copy's rate and a bench record, and the
+link sweep (host -> device transfer paths against a bulk copy) that bench_link and bench_pin_alloc both run. A bench
+script imports from here, never from another bench script; `--device` goes through the runner's
+experiments.runner.preflight.resolve_device."""
+
+from __future__ import annotations
+
+import math
+import shlex
+import sys
+
+import torch
+from omegaconf import OmegaConf
+
+from experiments.runner.records import environment
+from experiments.runner.timing import median_ms
+from kvoffload.errors import ConfigError
+from kvoffload.kernels.uva_gather import gather_rows_ref
+from kvoffload.model.config import ModelConfig
+from kvoffload.offload.transfer import TransferEngine
+from kvoffload.paths import ROOT
+
+LLAMA3 = ModelConfig.from_mapping(OmegaConf.load(ROOT / "conf/model/llama3.yaml"))
+DEV = torch.device("cuda")  # the device of the GPU-only benches (bench_clo, bench_clo_layer, tune_*)
+UVA_PROGRAMS = (16, 32, 64, 132, 264, 100000)  # caps on the gather's grid (100000: uncapped, one per tile)
+
+
+def time_ms(fn, iters: int = 50) -> float:
+    """Median of `iters` eager calls on the GPU, launch overhead included (what an eager caller pays)."""
+    return median_ms(fn, DEV, iters, warmup=5)
+
+
+def counts(text: str, what: str, parse=int) -> list[int]:
+    """--<what> a,b,...: each parsed and at least 1, or a ConfigError naming the flag."""
+    try:
+        values = [parse(x) for x in text.split(",")]
+    except (ValueError, ConfigError) as e:
+        raise ConfigError(f"--{what} {text!r}: {e}") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"--{what} {text!r}: each must be at least 1")
+    return values
+
+
+def rate(nbytes: int, ms: float, bulk_ms: float) -> dict:
+    """A timed copy's row fields: its bytes and time, GB/s and its share of the bulk copy's rate."""
+    return {"bytes": nbytes, "ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 3), "of_bulk": round(bulk_ms / ms, 3)}
+
+
+def bench_record(bench: str, module: str, argv: list[str] | None, device: torch.device, rows: list, **fields) -> dict:
+    """A bench's record: what it measured, the command that ran it, its rows and the environment."""
+    command = f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return {
+        "bench": bench,
+        "device": device.type,
+        **fields,
+        "command": command,
+        "rows": rows,
+        "environment": environment(device),
+    }
+
+
+def sweep(device, tokens, threads, kv_heads, head_dim, fraction, iters, uva_programs) -> list[dict]:
+    pool = math.ceil(max(tokens) / fraction)
+    cuda = device.type == "cuda"
+    host = torch.randn(1, kv_heads, pool, 2, head_dim, dtype=torch.bfloat16)
+    host = host.pin_memory() if cuda else host
+    heads = torch.arange(kv_heads, device=device)
+    rows = []
+    for t in tokens:
+        span = math.ceil(t / fraction)
+        idx = torch.stack([torch.randperm(span)[:t].sort().values for _ in range(kv_heads)])[None].to(device)
+        miss = torch.ones(1, kv_heads, dtype=torch.bool, device=device)
+        slots = torch.zeros(1, kv_heads, t, 2, head_dim, dtype=torch.bfloat16, device=device)
+        nbytes = slots.numel() * slots.element_size()
+        src, dst = host.view(-1)[: slots.numel()], torch.empty(slots.numel(), dtype=torch.bfloat16, device=device)
+        timed = [("bulk", None, lambda: dst.copy_(src, non_blocking=True))]
+        engines = [("uva", None, TransferEngine("uva", 1, device, uva_programs))] if cuda else []
+        engines += [("cpu_gather", n, TransferEngine("cpu_gather", n, device)) for n in (threads if cuda else [1])]
+        for path, n, eng in engines:
+            timed.append((path, n, lambda eng=eng: eng.fill(host, heads, idx, miss, slots)))
+        bulk_ms = None
+        for path, n, fn in timed:
+            slots.zero_()
+            ms = median_ms(fn, device, iters, warmup=1)
+            bulk_ms = ms if path == "bulk" else bulk_ms
+            row = {"path": path, "threads": n if cuda else None, "tokens": t} | rate(nbytes, ms, bulk_ms)
+            if path != "bulk":
+                want = gather_rows_ref(host, heads.cpu(), idx.cpu())
+                row["exact_rows"] = torch.equal(slots.cpu(), want)
+            rows.append(row)
+            print(f"{t:>7} tokens {path:<10} {n or '':>2} {row['gb_s']:8.2f} GB/s = {row['of_bulk']:.2f} of bulk")
+    return rows
