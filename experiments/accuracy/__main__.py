@@ -14,15 +14,13 @@ from importlib.metadata import version
 from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.accuracy.job import default_workload, run_job
 from experiments.accuracy.report import cost_summary, summary_lines
 from experiments.runner import cli_checks, preflight
-from experiments.runner.records import config_error, environment, finished, one_line, record_path, refuse, run_identity
+from experiments.runner.records import environment
 from kvoffload.errors import ConfigError
-from kvoffload.paths import write_json_atomic
 
 
 def settings(cfg: DictConfig) -> tuple[list[str], list[int], int | None]:
@@ -101,37 +99,11 @@ def _load_average() -> list[float] | None:
 @hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
     """One accuracy run; its outcome for the sweep's summary (records.SweepSummary)."""
-    hc = HydraConfig.get()
-    overrides, choices = list(hc.overrides.task), dict(hc.runtime.choices)
-    path = record_path(Path(cfg.results_dir), run_identity(cfg, overrides, choices))
-    base = {"run": path.parent.name, "overrides": overrides, "config": OmegaConf.to_container(cfg, resolve=True)}
-    try:
-        if finished(path) and not preflight.switch(cfg.force, "force"):
-            print(f"[accuracy] skip: {path} exists (force=true repeats it)", file=sys.stderr)
-            return {"status": "skipped", "error": None, "record": str(path)}
-        rec = {"status": "ok", **base, **run(cfg, choices.get("system", "?"))}
-    except Exception as e:
-        err = config_error(e)
-        if err is None or hc.mode != RunMode.MULTIRUN:
-            if err is not None:
-                refuse(err)
-            raise
-        print(f"[accuracy] FAILED (config): {one_line(err)}; the sweep continues", file=sys.stderr)
-        write_json_atomic(path, {"status": "failed", "error": one_line(err), **base})
-        return {"status": "failed", "error": one_line(err), "record": str(path)}
-    write_json_atomic(path, rec)
-    print("\n".join(summary_lines(rec)))
-    print(f"[accuracy] record: {path}", file=sys.stderr)
-    return {"status": "ok", "error": None, "record": str(path)}
+    return run_job("accuracy", cfg, lambda c, system, _: run(c, system), summary_lines)
 
 
 def cli() -> None:
-    """workload=accuracy unless the command line names a workload, put among its overrides (Hydra's parser takes
-    them as one run of positional arguments)."""
-    overrides = cli_checks.command_line_overrides(sys.argv[1:])
-    if not any(o.split("=", 1)[0].lstrip("+~") == "workload" for o in overrides):
-        at = sys.argv.index(overrides[0], 1) if overrides else len(sys.argv)
-        sys.argv.insert(at, "workload=accuracy")
+    default_workload("accuracy")
     cli_checks.refuse_unknown_keys()
     main()
 

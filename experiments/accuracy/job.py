@@ -12,8 +12,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import preflight
-from experiments.records import config_error, finished, one_line, record_path, refuse, run_identity
+from experiments.runner import preflight
+from experiments.runner.records import config_error, finished, one_line, record_path, refuse, run_identity
 from kvoffload.paths import write_json_atomic
 
 
@@ -50,7 +50,7 @@ def run_job(
 def default_workload(name: str) -> None:
     """Puts workload=<name> among the command line's overrides unless it names a workload (Hydra's parser takes
     the overrides as one run of positional arguments)."""
-    from experiments import cli_checks
+    from experiments.runner import cli_checks
 
     overrides = cli_checks.command_line_overrides(sys.argv[1:])
     if not any(o.split("=", 1)[0].lstrip("+~") == "workload" for o in overrides):

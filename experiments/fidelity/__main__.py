@@ -16,13 +16,13 @@ import time
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import cli_checks, preflight
 from experiments.accuracy.backbone import PrefillCache, backbone_for
 from experiments.accuracy.job import default_workload, run_job
-from experiments.execute import build_system, load_tokenizer
 from experiments.fidelity import documents as docs
 from experiments.fidelity.measure import METRICS, prefix_tokens, reference, teacher_forced
-from experiments.records import environment
+from experiments.runner import cli_checks, preflight
+from experiments.runner.execute import build_system, load_tokenizer
+from experiments.runner.records import environment
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import GB
 from kvoffload.model.config import ModelConfig
