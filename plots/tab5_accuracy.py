@@ -69,6 +69,16 @@ def data(root: Path) -> dict:
     return {"scores": scores, "files": files, "tasks": tasks, "records": recs, "commits": commits}
 
 
+HEADROOM = 0.2  # below this FullAttn score a cell cannot show what a sparse system loses: every system is at the floor
+
+
+def headroom_cells(scores: dict, model: str) -> set[str]:
+    """The tasks of `model` where FullAttn scores at least HEADROOM (on a 0-1 scale; the paper's 0-100 scores
+    scaled): the cells that can tell the systems apart."""
+    full = scores.get((model, "fullattn"), {})
+    return {t for t, v in full.items() if v / (100 if t in paper.TAB5_TASKS else 1) >= HEADROOM}
+
+
 def is_accuracy(rec: dict) -> bool:
     """A summary record, or a finished record of experiments.accuracy (its per-task, per-length results)."""
     return rec.get("experiment") == "accuracy" or (rec.get("status") == "ok" and isinstance(rec.get("tasks"), dict))
