@@ -18,6 +18,8 @@ from pathlib import Path
 
 from plots import (
     ablation,
+    fidelity,
+    fidelity_frontier,
     fig2_breakdown,
     fig3_13_link,
     fig4_6_similarity,
@@ -112,6 +114,21 @@ FIGURES = (
     ),
     Figure("tab5_accuracy", "tab5_accuracy", tab5_accuracy.plot, "paper Tab. 5: accuracy"),
     Figure("tab5_ablation", "tab5_ablation", tab5_ablation.plot, "Tab. 5 ablations: CLO's retriever and eta"),
+    Figure("fidelity", "fidelity", fidelity.plot, "fidelity against exact attention (SmolLM2, CPU)"),
+    Figure(
+        "fidelity_frontier_128k_b1",
+        "fidelity_frontier/128k_b1",
+        fidelity_frontier.plot_results,
+        "speed vs fidelity: Llama-3 shapes at 128K BSZ 1 (GPU), SmolLM2 on 2K documents (CPU)",
+        {"cpu": "fidelity/2k"},
+    ),
+    Figure(
+        "fidelity_frontier_32k_b8",
+        "fidelity_frontier/32k_b8",
+        fidelity_frontier.plot_results,
+        "speed vs fidelity: Llama-3 shapes at 32K BSZ 8 (GPU), SmolLM2 on 2K documents (CPU)",
+        {"cpu": "fidelity/2k"},
+    ),
     Figure("phases_gpu_smoke_eager", "gpu_smoke_llama3/eager", phase_breakdown.plot, "FullAttn smoke runs, eager"),
     Figure(
         "phases_gpu_smoke_graph",

@@ -136,14 +136,18 @@ the workload (`plan_inputs` in each record), so the plan does not depend on the 
 """
 
 
-def readme(root: Path) -> str:
-    parts = [HEAD]
+def tables(root: Path) -> str:
+    parts = []
     for length, records in by_length(load(root)).items():
         parts += [f"\n## {tokens(length)} documents\n", table(records)]
         pt = paired_table(records)
         if pt:
             parts += ["\nPaired against CLO's default run:\n", pt]
-    return "\n".join(parts) + "\n"
+    return "\n".join(parts)
+
+
+def readme(root: Path) -> str:
+    return HEAD + tables(root) + "\n"
 
 
 def main() -> None:

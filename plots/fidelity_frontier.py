@@ -116,6 +116,12 @@ def plot(fidelity_root: Path, gpu_root: Path, out: Path) -> list[tuple[dict, dic
     return matched
 
 
+def plot_results(gpu_root: Path, out: Path, cpu: str) -> list[tuple[dict, dict]]:
+    """plots.all's form: the GPU records' folder, the CPU records' folder relative to the results folder above it
+    (results/fidelity_frontier/<point>/ and results/<cpu>)."""
+    return plot(Path(gpu_root).parents[1] / cpu, gpu_root, out)
+
+
 def main() -> None:
     import argparse
 

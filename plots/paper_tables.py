@@ -8,6 +8,8 @@ from pathlib import Path
 
 from plots import (
     ablation,
+    fidelity,
+    fidelity_frontier,
     fig2_breakdown,
     fig3_13_link,
     fig4_6_similarity,
@@ -429,7 +431,25 @@ def tab5_ablation_table(root: Path, folder: str) -> str:
     return md(["variant", "cells", "mean score", "real hit rate"], rows) + "\n\n" + source(folder, d["records"])
 
 
+def fidelity_table(root: Path, folder: str) -> str:
+    """Per length, every run's distance from exact attention and the paired differences against CLO (the paper
+    reports none: its Table 5 is task accuracy)."""
+    return fidelity.tables(root) + "\n\n" + source(folder, fidelity.load(root))
+
+
+def frontier_table(gpu_root: Path, folder: str, cpu: str = "fidelity/2k") -> str:
+    matched = fidelity_frontier.pairs(gpu_root.parents[1] / cpu, gpu_root)
+    rows = [
+        [c["label"], fidelity_frontier.settings(c)["topk_ratio"], f1(c["summary"]["top1"]["mean"] * 100),
+         f1(g["metrics"]["decode_tokens_per_s"])]
+        for c, g in matched
+    ]  # fmt: skip
+    return md(["run", "top-k", "top-1 agreement % (CPU)", "decode tokens/s (GPU)"], rows)
+
+
 TABLES = {
+    fidelity.plot: fidelity_table,
+    fidelity_frontier.plot_results: frontier_table,
     fig2_breakdown.plot: fig2_table,
     ablation.plot: ablation_table,
     tab4_hit_rate.plot: tab4_table,
