@@ -250,6 +250,7 @@ class InfiniGen(OffloadedBaseline):
             else:
                 scores = self.partial_scores(layer, q)
             idx = select_topk(scores, k_sel, 0, method=self.topk)  # [B, Hkv, k] positions among the middle tokens
+        self.note_middle(layer, idx)
         if self.fetcher is not None:
             t = self.host[layer].shape[2]
             base = (torch.arange(b * hkv, device=idx.device) * t).view(b, hkv, 1)

@@ -147,6 +147,19 @@ class OffloadedBaseline(KVOffloadSystem):
             keep = None if real is None else torch.cat([real.new_ones(real.shape[:2] + (n_win,)), real], dim=2)
             return attend(q, torch.cat([win, sel], dim=2), keep)
 
+    def note_middle(self, layer: int, idx: torch.Tensor, real: torch.Tensor | None = None) -> None:
+        """note_selection of the middle positions idx [B, Hkv, k] a subclass selected (real: which are tokens),
+        with the window's sink and recent positions."""
+        if self.selections is None:
+            return
+        sink, recent, n_mid = split_prompt(self.t0, self.sink, self.recent)
+        b, hkv = idx.shape[:2]
+        pos = (idx.view(b, hkv, -1) + sink).masked_fill(idx.view(b, hkv, -1) >= n_mid, -1)
+        if real is not None:
+            pos = pos.masked_fill(~real.view(b, hkv, -1), -1)
+        window = torch.cat([torch.arange(sink), torch.arange(self.t0 - recent, self.t0)]).to(idx.device)
+        self.note_selection(layer, torch.cat([window.expand(b, hkv, -1), pos], dim=2))
+
     def append_window(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """The step's new token into the layer's window; returns the window's length with it."""
         sink, recent, _ = split_prompt(self.t0, self.sink, self.recent)

@@ -135,6 +135,7 @@ class PQCache(OffloadedBaseline):
             torch.cuda.current_stream().wait_event(self.admitted[layer])
         with self.phase("retrieval"):
             idx = select_topk(self.retriever.scores(layer, q, self.heads), k_sel, 0, method=self.topk)  # [B, Hkv, k]
+            self.note_middle(layer, idx)
             blk = idx // bs
             slot = self.slot_map[layer].gather(1, blk.view(b, -1)).view_as(idx)
             miss = slot < 0

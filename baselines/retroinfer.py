@@ -304,6 +304,7 @@ class RetroInfer(OffloadedBaseline):
             else:
                 idx = select_topk(scores, k_sel, 0, method=self.topk, work=work).view(rows, k_sel)
             self.retrieved = idx  # the positions the step attends (the estimation zone is the clusters outside them)
+            self.note_middle(layer, idx.view(spec.batch, spec.num_kv_heads, -1), real)
             ublock, uid = distinct_sorted(idx // bs, lru.n_blocks)
         with self.phase("launch_sync"):
             ublock_host = ublock.to(torch.int32).cpu()  # a blocking copy: the launch thread waits for the device

@@ -128,6 +128,17 @@ class LayerStore:
             return None
         return self.persist[:, :, :, 0].transpose(1, 2), self.persist[:, :, :, 1].transpose(1, 2), persist_idx
 
+    def attended(self, persist_idx: torch.Tensor | None) -> torch.Tensor:
+        """The prompt positions [B, Hkv, n] the layer attends, in the model's head order: sink, recent, and each
+        cached head's slots (their positions, as the gathers recorded them) or each persistent head's top-k."""
+        b = self.slot_idx.shape[0]
+        rows = self.slot_idx if persist_idx is None else torch.cat([self.slot_idx, persist_idx], dim=1)
+        window = torch.cat([torch.arange(self.sink), torch.arange(self.t0 - self.recent, self.t0)]).to(rows.device)
+        rows = torch.cat([window.expand(b, rows.shape[1], -1), rows], dim=2)
+        out = torch.empty_like(rows)
+        out[:, self.order] = rows  # store order -> model order
+        return out
+
     def memory(self) -> dict[str, int]:
         persist = self.persist.nbytes if self.persist is not None else 0
         return {

@@ -229,6 +229,8 @@ class CLO(KVOffloadSystem):
             if persist_idx is None and st.persist is not None:
                 with self.phase("retrieval"):
                     persist_idx = st.select_persistent(st.permute_q(q), self.retriever, layer)
+            if self.selections is not None and st.k:
+                self.note_selection(layer, st.attended(persist_idx))
             with self.phase("attention"):
                 return st.attend(q, self.win_len, persist_idx)
         compute = torch.cuda.current_stream()
@@ -240,6 +242,8 @@ class CLO(KVOffloadSystem):
                 parts.split(0, st.nc)
         with self.phase("retrieval"):
             persist_idx = st.select_persistent(st.permute_q(q), self.retriever, layer)
+        if self.selections is not None:
+            self.note_selection(layer, st.attended(persist_idx))
         with self.phase("attention"):
             parts.split(st.nc, parts.hkv, st.persist_rows(persist_idx))
             compute.wait_stream(self.attn_stream)  # the buffers and q are freed on this stream, after the join

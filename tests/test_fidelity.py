@@ -41,7 +41,7 @@ def texts(backbone):
     return out
 
 
-def run(backbone, name, group, refs):
+def run(backbone, name, group, refs, probe=True):
     # a short window, so that the short documents leave the sparse systems a middle to select from
     window = [] if name == "fullattn" else ["system.sink=4", "system.recent=8"]
     overrides = ["workload=fidelity", "dtype=float32", "device=cpu", *f"system={name}".split(" "), *window]
@@ -49,7 +49,7 @@ def run(backbone, name, group, refs):
     prefix = LENGTH - STEPS - 1
     layer_s = backbone.layer_time_s * len(group)
     system = backbone.system(cfg.system, system_name, prefix, STEPS, len(group), layer_s)
-    return teacher_forced(backbone, system, group, refs)
+    return teacher_forced(backbone, system, group, refs, (4, 8) if window and probe else None)
 
 
 @pytest.mark.slow
@@ -81,6 +81,24 @@ def test_a_sparse_system_departs_from_the_reference(backbone, texts):
     oracle = "clo +clo_ablation=oracle system.topk_ratio=0.05"  # 4 of 295 middle tokens
     per_doc, _ = run(backbone, oracle, texts, refs)
     assert all(d["kl"] > 1e-3 for d in per_doc)
+
+
+@pytest.mark.slow
+def test_what_the_sparse_layers_attended(backbone, texts):
+    """The oracle attends the exact top-k of the real query (recall 1) and misses some of exact attention's weight;
+    a system that reuses or hashes recalls less; the measure leaves the fidelity itself unchanged."""
+    refs = [reference(backbone, d, STEPS) for d in texts]
+    oracle, cost = run(backbone, "clo +clo_ablation=oracle system.topk_ratio=0.05", texts, refs)
+    assert all(d["recall"] == pytest.approx(1.0) and 0.0 < d["mass"] < 1.0 for d in oracle)
+    assert set(cost["per_layer"]) == {str(i) for i in range(2, 30)}  # CLO's two dense layers attend everything
+    for name in ("clo", "retroinfer", "infinigen", "pqcache"):
+        probed, _ = run(backbone, name, texts, refs)
+        assert all(0.0 <= d["recall"] <= 1.0 and 0.0 < d["mass"] <= 1.0 for d in probed), name
+    assert min(d["recall"] for d in probed) < 1.0
+    plain, _ = run(backbone, "pqcache", texts, refs, probe=False)
+    assert [d["kl"] for d in plain] == [d["kl"] for d in probed] and "recall" not in plain[0]
+    full, _ = run(backbone, "fullattn", texts, refs)
+    assert "recall" not in full[0]
 
 
 def test_step_metrics_by_hand():

@@ -105,7 +105,7 @@ def run(cfg: DictConfig, system_name: str, identity: list[str]) -> dict:
         # divides a layer's time among the batch's sequences, so the batch gets the time of as many layers)
         layer_s = backbone.layer_time_s * len(group)
         system = backbone.system(cfg.system, system_name, s["prefix"], s["steps"], len(group), layer_s)
-        results, cost = teacher_forced(backbone, system, group, refs)
+        results, cost = teacher_forced(backbone, system, group, refs, window(cfg.system))
         state = system.describe()
         del system, refs
         per_doc += results
@@ -117,9 +117,9 @@ def run(cfg: DictConfig, system_name: str, identity: list[str]) -> dict:
         )
     for d in per_doc:
         d["dll"] = d["ll"] - d["ll_ref"]
+    measured = [m for m in (*METRICS, "dll", "recall", "mass") if all(m in d for d in per_doc)]
     summary = {
-        m: dict(zip(("mean", "low", "high"), interval([d[m] for d in per_doc], s["resamples"])))
-        for m in (*METRICS, "dll")
+        m: dict(zip(("mean", "low", "high"), interval([d[m] for d in per_doc], s["resamples"]))) for m in measured
     }
     lookups = sum(b["lookups"] for b in batches)
     folder = s["folder"]
@@ -138,11 +138,31 @@ def run(cfg: DictConfig, system_name: str, identity: list[str]) -> dict:
         "bytes_h2d_per_step": _mean(b["bytes_h2d_per_step"] for b in batches),  # per sequence
         "decode_ms_per_step": _mean(b["decode_ms_per_step"] for b in batches),  # per batch of `batch` documents
         "batches": batches,
+        "per_layer": per_layer(batches),
         "references_computed": computed,
         "wall_s": round(time.perf_counter() - t_start, 2),
         "system_state": state,
         "environment": environment(backbone.device),
     }
+
+
+def window(system_cfg: DictConfig) -> tuple[int, int] | None:
+    """A sparse system's (sink, recent), for SelectionProbe; None for one that attends everything."""
+    if "sink" not in system_cfg or "recent" not in system_cfg:
+        return None
+    return int(system_cfg.sink), int(system_cfg.recent)
+
+
+def per_layer(batches: list[dict]) -> dict[str, dict[str, float]]:
+    """Per sparse layer, recall and mass over every document (each batch weighted by its documents)."""
+    out: dict[str, dict[str, float]] = {}
+    total = sum(b["docs"] for b in batches if "per_layer" in b)
+    for b in batches:
+        for layer, (recall, mass) in b.get("per_layer", {}).items():
+            row = out.setdefault(layer, {"recall": 0.0, "mass": 0.0})
+            row["recall"] += recall * b["docs"] / total
+            row["mass"] += mass * b["docs"] / total
+    return out
 
 
 def label(system_name: str, identity: list[str]) -> str:

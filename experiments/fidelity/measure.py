@@ -15,6 +15,7 @@ import torch
 
 from experiments.accuracy.backbone import Backbone, Prefill, PrefillRecorder
 from experiments.fidelity.documents import Document
+from experiments.fidelity.selection import SelectionProbe
 from kvoffload.generate import sync_device
 from kvoffload.kv.interface import KVOffloadSystem
 
@@ -73,27 +74,37 @@ def step_metrics(logp: torch.Tensor, ref: torch.Tensor, target: torch.Tensor) ->
 
 
 def teacher_forced(
-    backbone: Backbone, system: KVOffloadSystem, docs: list[Document], refs: list[Reference]
+    backbone: Backbone,
+    system: KVOffloadSystem,
+    docs: list[Document],
+    refs: list[Reference],
+    window: tuple[int, int] | None = None,
 ) -> tuple[list[dict], dict]:
     """The system's decode steps over the documents' last N tokens after their prefixes, the documents decoded as
     one batch (a system treats its sequences independently: tests/test_fidelity.py checks that a batch gives each
-    document what it gets alone), scored against refs. Returns (per document {doc, kl, top1, ll, ll_ref}, the
-    batch's cost: hit rate, host->device bytes per sequence and step, ms per step)."""
+    document what it gets alone), scored against refs. window: the system's (sink, recent), to measure what its
+    sparse layers attended (SelectionProbe); None: not measured. Returns (per document {doc, kl, top1, ll, ll_ref,
+    and recall and mass over the sparse layers where measured}, the batch's cost: hit rate, host->device bytes per
+    sequence and step, ms per step, and per sparse layer the batch's mean recall and mass)."""
     steps = refs[0].logp.shape[0]
     t0 = prefix_tokens(len(docs[0].ids), steps)
     ids = torch.tensor([d.ids for d in docs], dtype=torch.long, device=backbone.device)  # [B, L]
     ref = torch.stack([r.logp for r in refs], dim=1)  # [N, B, V]
-    batched(refs).load_into(system)
-    rows, stats = [], []
-    sync_device(backbone.device)
-    start = time.perf_counter()
+    prefill = batched(refs)
+    probe = None if window is None else SelectionProbe(system, prefill.k, *window)
+    prefill.load_into(system)
+    rows, stats, seconds = [], [], 0.0
     for i in range(steps):
+        sync_device(backbone.device)
+        start = time.perf_counter()
         system.begin_step()
         logits = backbone.model.decode(ids[:, t0 + i], system.position, system)  # [B, V]
         stats.append(system.end_step())
+        sync_device(backbone.device)
+        seconds += time.perf_counter() - start  # the decode step alone, not what is measured of it
         rows.append(step_metrics(torch.log_softmax(logits.float(), dim=-1), ref[i], ids[:, t0 + i + 1]))
-    sync_device(backbone.device)
-    seconds = time.perf_counter() - start
+        if probe is not None:
+            probe.after_step()
     means = torch.stack(rows).double().mean(0).tolist()  # [B, 4]
     per_doc = [{"doc": d.name, **dict(zip(METRICS, m))} for d, m in zip(docs, means)]
     lookups = sum(s.lookups for s in stats)
@@ -104,4 +115,10 @@ def teacher_forced(
         "bytes_h2d_per_step": sum(s.bytes_h2d for s in stats) / steps / len(docs),
         "decode_ms_per_step": seconds * 1e3 / steps,
     }
+    layers = probe.per_layer() if probe is not None else {}
+    if layers:
+        by_doc = torch.stack(list(layers.values())).double().mean(0).tolist()  # [B, 2] over the sparse layers
+        for d, (recall, mass) in zip(per_doc, by_doc):
+            d["recall"], d["mass"] = recall, mass
+        cost["per_layer"] = {str(layer): v.double().mean(0).tolist() for layer, v in layers.items()}
     return per_doc, cost

@@ -136,6 +136,7 @@ class KVOffloadSystem(ABC):
         self.length = 0  # tokens held per sequence
         self.static_shapes = False
         self.position = torch.zeros(1, dtype=torch.long)
+        self.selections: dict[int, torch.Tensor] | None = None  # keep_selections() turns them on
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     @abstractmethod
@@ -223,3 +224,21 @@ class KVOffloadSystem(ABC):
     def describe(self) -> dict:
         """What the record should say about this system's state and sources (plans, scores, weights)."""
         return {}
+
+    # ---- what a step attended (measurement only) ------------------------------------------------------------
+    def keep_selections(self) -> None:
+        """From now on keep, per sparse layer, which prompt positions its last decode attended
+        (attended_positions): off by default, so that no speed run pays for it."""
+        self.selections = {}
+
+    def note_selection(self, layer: int, positions: torch.Tensor) -> None:
+        """A system's decode (or its one-layer-ahead selection) hands over the prompt positions it attends in
+        `layer`; kept only after keep_selections()."""
+        if self.selections is not None:
+            self.selections[layer] = positions
+
+    def attended_positions(self, layer: int) -> torch.Tensor | None:
+        """The prompt positions [B, Hkv, n] that the last decode of `layer` attended (its sink, recent and selected
+        tokens; every generated token is attended besides), in the model's head order, -1 where a row is no token;
+        None where the system attends the whole prompt (a dense layer, FullAttn) or does not say."""
+        return None if self.selections is None else self.selections.get(layer)
