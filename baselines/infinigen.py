@@ -1,6 +1,6 @@
-"""InfiniGen-style baseline (spec 3; snu-comparch/InfiniGen, and the re-implementation the CLO authors used in
-gpzlx1/HATA kvcache_infinigen.py): no cache; during layer l-1 the important tokens of layer l are speculated from
-partial query/key channels and prefetched from host memory every step.
+"""InfiniGen-style baseline (docs/systems.md, "InfiniGen-style"; snu-comparch/InfiniGen, and the re-implementation the
+CLO authors used in gpzlx1/HATA kvcache_infinigen.py): no cache; during layer l-1 the important tokens of layer l are
+speculated from partial query/key channels and prefetched from host memory every step.
 
 Speculation. InfiniGen skews each head's query/key space with an orthogonal matrix from an SVD (so that q.k is
 unchanged and a few channels carry most of it), keeps a "partial key" = the keys on `channel_fraction` of the

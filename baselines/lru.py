@@ -1,5 +1,5 @@
-"""RetroInfer's CPU-side block cache manager (spec 3): an exact LRU of `capacity` device cache slots per KV head,
-updated once per decode step for the whole set of blocks the step retrieved.
+"""RetroInfer's CPU-side block cache manager (docs/systems.md, "RetroInfer-style"): an exact LRU of `capacity` device
+cache slots per KV head, updated once per decode step for the whole set of blocks the step retrieved.
 
 RetroInfer does this in C++ with a thread pool (WaveBufferCPU / BufferManager in microsoft/RetrievalAttention:
 an ordered set per head, misses admitted in retrieval order until the cache is full, the rest bypass it). A

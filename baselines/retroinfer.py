@@ -1,5 +1,5 @@
-"""RetroInfer-style baseline (spec 3; microsoft/RetrievalAttention): KV offloaded to host memory, a device block
-cache per (sequence, layer, KV head) managed by an LRU on the CPU.
+"""RetroInfer-style baseline (docs/systems.md, "RetroInfer-style"; microsoft/RetrievalAttention): KV offloaded to host
+memory, a device block cache per (sequence, layer, KV head) managed by an LRU on the CPU.
 
 Per decode step and sparse layer:
   retrieval         top-k middle tokens per KV head with CLO's retriever (hash or exact), mapped to block ids

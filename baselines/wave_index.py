@@ -1,5 +1,6 @@
-"""RetroInfer's wave index, the part of it that decides what a step retrieves and estimates (spec 3; RetroInfer in
-microsoft/RetrievalAttention), as an option of the RetroInfer-style baseline (`retriever=wave`).
+"""RetroInfer's wave index, the part of it that decides what a step retrieves and estimates
+(docs/systems.md, "RetroInfer-style"; RetroInfer in microsoft/RetrievalAttention), as an option of the RetroInfer-style
+baseline (`retriever=wave`).
 
 At prefill the middle keys of each KV head are clustered: segmented k-means (the context cut into segments
 of `segment` tokens, each clustered on its own, `cluster_size` keys per cluster on average, RetroInfer's

@@ -10,9 +10,9 @@ from kvoffload.offload.budget import check_budget
 from kvoffload.offload.retrieval import RETRIEVERS, check_hash_weights, check_topk_method
 from kvoffload.offload.transfer import TRANSFERS, cpu_threads
 
-# which query selects a persistent head's top-k rows: the layer's real query, on the critical path (spec 2.3:
-# persistent heads "run top-k there"), or the speculative one, one layer ahead with the other heads' selection
-# (as the prefetch heads select theirs); attention always uses the real query
+# which query selects a persistent head's top-k rows: the layer's real query, on the critical path
+# (docs/systems.md, "Speculative query": persistent heads "run top-k there"), or the speculative one, one layer ahead
+# with the other heads' selection (as the prefetch heads select theirs); attention always uses the real query
 PERSIST_QUERIES = ("real", "speculative")
 
 

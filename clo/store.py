@@ -111,9 +111,10 @@ class LayerStore:
         return self.retrieve(retriever, layer, qp, self.persistent)
 
     def attend(self, q: torch.Tensor, win_len: torch.Tensor, persist_idx: torch.Tensor | None) -> torch.Tensor:
-        """Hybrid attention (spec 2.7) over the window (sink, recent, generated: win_len [B] rows, on the device),
-        the slots and the persistent heads' KV at persist_idx (select_persistent's), each where it lies. q and the
-        result are in the model's head order (the kernel maps the store's heads to it: no permuted copies)."""
+        """Hybrid attention (docs/systems.md, "Hybrid attention") over the window (sink, recent, generated: win_len [B]
+        rows, on the device), the slots and the persistent heads' KV at persist_idx (select_persistent's), each where it
+        lies. q and the result are in the model's head order (the kernel maps the store's heads to it: no permuted
+        copies)."""
         return hybrid_attention(q, *self.buffers(win_len), self.persist_rows(persist_idx), q_heads=self.order)
 
     def buffers(self, win_len: torch.Tensor):

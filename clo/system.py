@@ -1,5 +1,5 @@
-"""CLO (spec 2): a head-wise approximate GPU cache keyed on query similarity, importance-aware thresholds,
-persistent heads + one-layer-ahead speculative prefetch, and a transfer path with no CPU gather.
+"""CLO (docs/systems.md, "CLO"): a head-wise approximate GPU cache keyed on query similarity, importance-aware
+thresholds, persistent heads + one-layer-ahead speculative prefetch, and a transfer path with no CPU gather.
 
 Where each token's K/V lives, per layer at or above `dense_layers` (below it: dense attention, full KV on
 the device):
@@ -8,7 +8,7 @@ the device):
   slots   per cached KV head, the top-k middle rows selected for its query label (device)
   persist the full prompt KV of the layer's persistent heads (device)
 
-One decode step, per sparse layer l (spec 2.6):
+One decode step, per sparse layer l (docs/systems.md, "The decode step"):
   prepare(l, q_spec)  during layer l-1: `ahead` runs `select` (lookup, then top-k for the heads that missed)
                       on the side stream and `move` (their rows into their slots) on the copy stream
   decode(l, q, k, v)  appends k, v to the window, waits for layer l's transfers, and `attend`s over window +

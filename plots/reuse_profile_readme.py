@@ -37,8 +37,8 @@ def readme(data: dict, record_name: str = "record.json") -> str:
         f"{data['environment']['device']})",
         "",
         "What a synthetic query process has to reproduce besides the head-level query cosine it is calibrated on "
-        "today (issue 15, item 5): how much of a KV head's exact top-k survives from one decode step to the next, "
-        "and how close the one-layer-ahead speculative query (spec 2.3) and its top-k are to the real ones.",
+        "today: how much of a KV head's exact top-k survives from one decode step to the next, "
+        "and how close the one-layer-ahead speculative query and its top-k are to the real ones.",
         "",
         f"    {prov['command']}",
         "",

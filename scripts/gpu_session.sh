@@ -5,7 +5,7 @@
 # bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
 # memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) fig10_beyond (FIG10B) multi_gpu (MULTI; several GPUs, ~4 min) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather lru block_copy (~1 min each) pin_alloc (~4 min) skew_eigh (seconds) fig2 fig2_untimed (~3.5 min each) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
-# It installs the carried wheels (hardware.md), runs the GPU tests, the kernel benchmarks and the system runs,
+# It installs the carried wheels (docs/gpu.md), runs the GPU tests, the kernel benchmarks and the system runs,
 # and packs every record and log into $OUT/gpu_session.tgz (one file: the device returns at most 8).
 # Stages are independent and time-boxed, so one failure or overrun does not lose the others' output.
 set -u
@@ -71,7 +71,7 @@ stage fig3_13 240 python3 -m experiments.bench.bench_link --out "$out/fig3_13_li
 stage query_process 240 python3 -m experiments.bench.bench_query_process --out "$out/query_process.json"
 # RetroInfer-style's CPU LRU alone at Figure 10's shapes, by threads, inline vs deferred (its step's host work)
 stage lru 150 python3 -m experiments.bench.bench_lru --out "$out/lru.json"
-# InfiniGen-style's CPU gather alone by pool size, memory kind, index pattern, threads and chunk (issue 15)
+# InfiniGen-style's CPU gather alone by pool size, memory kind, index pattern, threads and chunk
 stage host_gather 240 python3 -m experiments.bench.bench_host_gather --tokens ${GATHER_TOKENS:-131072,524288} \
   --out "$out/host_gather.json"
 # how long pinning a 64 GiB host store takes by cudaHostAlloc from one thread or from P at once (PIN_ALLOC_THREADS) vs
@@ -131,8 +131,8 @@ stage trace_baselines 240 $run +experiment=fig2_breakdown system=retroinfer,infi
 stage fig10 ${FIG10_SECS:-540} bash -c 'sweeps "$@"' _ fig10_throughput "${FIG10:-}"
 # beyond the paper's grid (BSZ 128/256 at 1K-4K; FIG10B='seqlen=704k,768k batch=1' for the long line; ";" as FIG10)
 stage fig10_beyond ${FIG10B_SECS:-540} bash -c 'sweeps "$@"' _ fig10_beyond "${FIG10B:-}"
-# issue 20: one sweep across every GPU of the host (hydra/launcher=gpus), then on one GPU, wall times compared;
-# the carried .whl must hold hydra-joblib-launcher and joblib (README, "Several GPUs of one host")
+# one sweep across every GPU of the host (hydra/launcher=gpus), then on one GPU, wall times compared;
+# the carried .whl must hold hydra-joblib-launcher and joblib (docs/scaleout.md)
 stage multi_gpu 580 python3 -m experiments.bench.multi_gpu_sweep --out "$out/multi_gpu.json" --runs "$out/multi_gpu" \
   -- +experiment=fig10_throughput ${MULTI:-seqlen=8k batch=1,2,4,8}
 # Figure 10 points with one steady step traced (the record's trace_phase_ms splits a graph step by its kernels):

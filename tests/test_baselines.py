@@ -447,7 +447,7 @@ def test_run_command_with_real_smollm2(system, tmp_path):
 
 @pytest.mark.slow
 def test_real_smollm2_needle_answers_equal_fullattn(smollm2_folder):
-    """Issue 4: at the default top-k 10 %, both baselines give FullAttn's greedy answer on the needle prompt."""
+    """At the default top-k 10 %, both baselines give FullAttn's greedy answer on the needle prompt."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
     from transformers import AutoTokenizer

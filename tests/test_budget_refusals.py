@@ -1,4 +1,4 @@
-"""Device budgets that cannot be honoured are refused before anything is allocated (issue 16): a budget above what
+"""Device budgets that cannot be honoured are refused before anything is allocated: a budget above what
 the device has, one that does not even hold the weights, and a batch or prompt that does not fit it, with the
 estimate and the largest batch that would. The device is faked where the preflight reads it
 (preflight.device_memory); execute.execute calls these checks before it loads a weight."""

@@ -1,4 +1,4 @@
-"""Chunked prefill (issue 16): a layer runs over the prompt a chunk of queries at a time, each chunk attending to
+"""Chunked prefill: a layer runs over the prompt a chunk of queries at a time, each chunk attending to
 the keys up to its own end. It must give what the whole prompt at once gives: the logits of every position and
 the K/V handed to the KV system, for chunk sizes that do and do not divide the prompt."""
 

@@ -1,4 +1,4 @@
-"""CLO's prefill (issue 16): each layer's K/V staged in the store's head order, then copied to host memory and
+"""CLO's prefill: each layer's K/V staged in the store's head order, then copied to host memory and
 its keys hash-encoded by kvoffload.offload.host.Offload, on CUDA while the next layer computes. On the CPU the
 offload runs in place; here it is also deferred to the latest moment the asynchronous path allows (the next layer's
 prefill, or end_prefill), which must leave every store as the synchronous path makes it."""

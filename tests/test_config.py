@@ -73,17 +73,19 @@ ROOT = CONF.parent
 
 
 def shown_commands(module: str) -> list[str]:
-    """The arguments of every `python -m <module>` command the README and the experiment bundles show, as text."""
+    """The arguments of every `python -m <module>` command the README, docs/ and the experiment bundles show, as
+    text."""
     import re
 
-    texts = [(ROOT / "README.md").read_text(), *(p.read_text() for p in sorted((CONF / "experiment").glob("*.yaml")))]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((CONF / "experiment").glob("*.yaml"))]
+    texts = [p.read_text() for p in pages]
     return [
         cmd for text in texts for cmd in re.findall(rf"-m {re.escape(module)}\b([^\n]*)", text.replace("\\\n", " "))
     ]
 
 
 def shown_overrides(module: str) -> list[str]:
-    """The overrides of every `python -m <module>` command the README and the experiment bundles show."""
+    """The overrides of every `python -m <module>` command the README, docs/ and the experiment bundles show."""
     return [t for cmd in shown_commands(module) for t in cmd.split() if "=" in t and not t.startswith("-")]
 
 
@@ -348,7 +350,7 @@ def test_the_jobs_checked_are_the_sweeps_jobs():
 
 
 def test_every_shown_run_command_passes_the_job_check():
-    """The README's and the bundles' `python -m experiments.run` commands are not refused by the check that runs
+    """The README's, docs/' and the bundles' `python -m experiments.run` commands are not refused by the check that runs
     before their first job (a placeholder such as <p> is Hydra's to refuse)."""
     import shlex
 

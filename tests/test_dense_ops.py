@@ -161,7 +161,7 @@ def test_silu_mul_triton_matches_ref(dtype):
 
 def separate_inputs(layer, nxt, x, add, position, inv_freq):
     """Layer.decode_inputs's results made one kernel (or torch op) at a time: the layer's norm, q/k/v and RoPE,
-    then the next layer's norm of the same sum, its q rows and RoPE (the speculative query, spec 2.3)."""
+    then the next layer's norm of the same sum, its q rows and RoPE (the speculative query, docs/systems.md)."""
     from kvoffload.kernels.dense_ops import rms_norm, rope
     from kvoffload.kernels.gemv import linear
 

@@ -1,4 +1,4 @@
-"""Correctness first (issue 15, item 6), at every prompt length: middles (prompt - sink - recent) that are and are
+"""Correctness first, at every prompt length: middles (prompt - sink - recent) that are and are
 not a multiple of the block size, shorter than a block, and empty.
   (a) top-k 100 % is FullAttn, for every offloading baseline (RetroInfer-style, block and token selection, with
       the hash, exact, wave and pq retrievers; InfiniGen-style, speculative and oracle;

@@ -202,7 +202,7 @@ def test_a_sweep_over_two_gpus_pins_each_worker_and_keeps_records_skips_and_the_
 
 
 def test_the_multi_gpu_comparison_runs_one_sweep_both_ways(tmp_path):
-    """experiments.bench.multi_gpu_sweep (issue 20's evidence): the same sweep over a pool of GPUs and on its first one,
+    """experiments.bench.multi_gpu_sweep: the same sweep over a pool of GPUs and on its first one,
     each into its own folder, both wall times in one record (on a CPU host the named pool is notional)."""
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="hydra-joblib-launcher is not installed")
     out = tmp_path / "multi_gpu.json"

@@ -224,7 +224,7 @@ def test_the_staged_kv_outlives_its_copy():
 
 @pytest.mark.parametrize("t", [32768, 131072])
 def test_clos_prefill_keeps_up_with_fullattns(t):
-    """Issue 16's target at Llama-3-8B's layer shapes (8 layers: 1 dense, 7 offloaded, as 30 of 32), B=1: CLO's
+    """The prefill target at Llama-3-8B's layer shapes (8 layers: 1 dense, 7 offloaded, as 30 of 32), B=1: CLO's
     prefill at least 0.8x FullAttn's tokens/s, its host stores allocated (pinned) before, as the runner does."""
     cfg = shapes(8)
     model = synthetic_decoder(cfg, 0, CUDA, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The figure producers of issue 18 on the CPU at tiny sizes: experiments.producers.fig4_6_similarity (every sample
+"""The figure producers on the CPU at tiny sizes: experiments.producers.fig4_6_similarity (every sample
 recomputed from the queries it saw) and experiments.bench.bench_link (its record's rows, checked rows, refusals); each
 record drawn."""
 

@@ -1,5 +1,5 @@
-"""The one-layer-ahead hook (spec 2.3): during layer l-1 of a decode step, a system that asks for it gets
-layer l's query computed from layer l-1's input, before layer l-1's attention runs."""
+"""The one-layer-ahead hook (docs/systems.md, "Speculative query"): during layer l-1 of a decode step, a system that
+asks for it gets layer l's query computed from layer l-1's input, before layer l-1's attention runs."""
 
 import torch
 

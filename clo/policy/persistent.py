@@ -1,5 +1,5 @@
-"""Which heads are hard to reuse, and what to do with them (spec 2.3, Eq. 11-13). Pure Python over small
-tables: testable anywhere.
+"""Which heads are hard to reuse, and what to do with them: Eq. 11-13 (docs/systems.md, "Persistent heads and
+prefetch"). Pure Python over small tables: testable anywhere.
 
   D_i = tau_i - (s_hat_i - epsilon)                 reuse difficulty; D_i > 0: hard to reuse
   N_p = floor(T_comp * B_link / mem_head)            heads whose top-k KV the link moves in one layer

@@ -1,4 +1,4 @@
-"""Importance-aware reuse thresholds (spec 2.2, Eq. 7-9); the GQA aggregation of Eq. 10 is
+"""Importance-aware reuse thresholds (docs/systems.md, "Thresholds", Eq. 7-9); the GQA aggregation of Eq. 10 is
 kvoffload.kernels.head_cache.aggregate_similarity. Pure tensor math
 on [layers, kv_heads] tables: no model, no device state."""
 

@@ -1,5 +1,5 @@
 """RetroInfer-style's block copy against CLO's row gather and a bulk copy of the same bytes, at Figure 10's shapes
-(issue 15: in a 128K step RetroInfer-style's copies ran well below the link rate the floor gives them).
+(why: in a 128K step RetroInfer-style's copies ran well below the link rate the floor gives them).
 
 One sparse layer's fetch of a point: every (sequence, KV head) row looks up the blocks its step selects (top-k share
 of the middle, `block_size` tokens a block); `--hit` of the lookups hit the cache, the rest are misses whose blocks

@@ -1,4 +1,4 @@
-"""CLO's mechanisms on the GPU, each next to its physical limit, all variants in one run (issue 3):
+"""CLO's mechanisms on the GPU, each next to its physical limit, all variants in one run:
 
 transfer  scattered 256 B / 512 B rows (10% of a 512 MiB pinned pool) moved by the GPU-initiated UVA gather
           (zero CPU threads; several caps on its grid) and by CPU gather + copy with 1/4/16 threads, against

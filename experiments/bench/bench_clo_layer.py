@@ -1,5 +1,5 @@
 """One CLO decode layer at Llama-3-8B shape (BSZ 1, 128K, top-k 10%), part by part, each replayed from a CUDA
-graph and reported next to its physical floor (issue 3's per-layer target; paper Figure 11's breakdown).
+graph and reported next to its physical floor (paper Figure 11's breakdown).
 
 The layer's KV is synthetic (random K/V); its persistent/prefetch heads are the plan the runner would make for
 that layer (DuoAttention importance, the llama3-from-smollm2 reuse profile, the measured layer time and link).

@@ -1,4 +1,4 @@
-"""Every system's CPU decode step on real SmolLM2 weights (issue 17 item 3: each within 2x FullAttn's at 8K, so that
+"""Every system's CPU decode step on real SmolLM2 weights (the target: each within 2x FullAttn's at 8K, so that
 the accuracy sweep can run on a CPU).
 
 Per length: one needle prompt, prefilled once (the accuracy backbone's dense prefill), handed to each system in turn

@@ -1,6 +1,6 @@
 """The CPU gather of InfiniGen-style's fetch (baselines/cpu_fetch.py) alone, by what it might depend on: the host
 pool's size and memory kind, the index pattern, the thread count and the chunk size. Why its gather reaches less
-than hardware.md's 16-thread figure is read from this record (issue 15).
+than the link benchmark's 16-thread CPU gather (experiments.bench.bench_link) is read from this record.
 
 A pool is one layer's host store, [heads, tokens, 512 B rows]; a gather takes `--fraction` of each head's rows:
   random        uniform over the whole pool (the calibration's pattern before it used a step's own indices)

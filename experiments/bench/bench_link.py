@@ -1,5 +1,5 @@
 """Paper Figures 3 and 13: the host -> device bandwidth each transfer path reaches, by transfer volume and by CPU
-thread count, against a bulk pinned copy of the same bytes measured in the same run (issue 18, item 5).
+thread count, against a bulk pinned copy of the same bytes measured in the same run.
 
 A volume of T tokens is T selected rows of every KV head of one layer (Llama-3-8B shapes by default: 8 KV heads,
 512 B rows of K and V), picked at random among T / fraction rows of the head (the top-k share of a context of

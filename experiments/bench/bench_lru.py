@@ -1,7 +1,7 @@
 """RetroInfer-style's CPU cache manager alone (baselines/lru.py, native backend), at Figure 10's shapes: what a
 decode step's LRU costs on the host, by thread count, inline (the whole step between the sync and the fetch) and
 deferred (the decision there, the state change in a worker beside the GPU's work). The step's host work is on its
-critical path: this record says which thread count and which mode leave it shortest (issue 15).
+critical path: this record says which thread count and which mode leave it shortest.
 
 A shape is a (seqlen, batch) point: rows = batch x KV heads, each row looking up the step's blocks of
 RetroInfer.geometry (its default config: top-k 10 %, 8-token blocks, a cache of 3x a step's blocks). The blocks

@@ -9,8 +9,8 @@ that run side by side share the host's cores, RAM and memory bandwidth, which th
 --gpus names the pool (default: the visible GPUs, as the launcher takes them); on a host without GPUs a named pool
 runs the jobs on the CPU, which only checks the command and the record. --runs must be new or empty: a sweep skips
 the points whose records exist, and a comparison of skipped sweeps would time nothing. The launcher needs
-hydra-joblib-launcher and joblib (on the GPU machine: `fetch-wheels.sh hydra-joblib-launcher==1.2.0
-joblib==1.6.0`, README).
+hydra-joblib-launcher and joblib (on the GPU machine: their wheels in `.whl/`, `hydra-joblib-launcher==1.2.0
+joblib==1.6.0`, docs/scaleout.md).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.runs.exists() and any(args.runs.iterdir()):
         problem = f"--runs {args.runs} is not empty: its records would be skipped, not timed; give a new folder"
     elif importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None:
-        problem = "hydra/launcher=gpus needs hydra-joblib-launcher and joblib (README: several GPUs of one host)"
+        problem = "hydra/launcher=gpus needs hydra-joblib-launcher and joblib (docs/scaleout.md)"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -1,5 +1,5 @@
-"""Top-k recall of learned HATA hash weights against SimHash at the same rbit, on held-out prompts (spec 2.4,
-issue 17 item 4). For each layer at or above CLO's dense layers, KV head and decode step of greedy decodes with
+"""Top-k recall of learned HATA hash weights against SimHash at the same rbit, on held-out prompts (docs/workloads.md,
+"HATA hash weights"). For each layer at or above CLO's dense layers, KV head and decode step of greedy decodes with
 real weights (needle prompts at other seeds and depths than experiments.producers.train_hata's, and a random-token
 prompt out of distribution), against the exact top-k of the real query over the prompt's middle (CLO's sink/recent/top-k
 split, sum_j q_j . k over the query group, as ExactRetriever):

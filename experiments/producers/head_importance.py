@@ -1,4 +1,4 @@
-"""Head importance for a model without published DuoAttention gates (spec 2.2, issue 17 item 4): a documented
+"""Head importance for a model without published DuoAttention gates (docs/workloads.md, "Head importance"): a documented
 retrieval-head proxy, not DuoAttention's gate optimisation. Over greedy decodes of needle prompts with real weights,
 per layer and KV head: the softmax attention mass each decode query puts on the prompt's middle, i.e. outside the
 first `sink` and last `recent` prompt tokens (the tokens a streaming head would keep), averaged over the head's

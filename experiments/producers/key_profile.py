@@ -1,4 +1,4 @@
-"""Key geometry of a real model, and why it decides a block cache's hit rate (issue 15, item 5).
+"""Key geometry of a real model, and why it decides a block cache's hit rate (docs/workloads.md, "Key process").
 
 A top-k set moves between decode steps as much as the scores q_t . k_j over the tokens j decorrelate. For keys
 with mean m and covariance S that correlation is q_t' S q_{t-1} / sqrt(q_t' S q_t q_{t-1}' S q_{t-1}) (the mean

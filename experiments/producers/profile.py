@@ -1,7 +1,7 @@
-"""Offline profile of query reuse (spec 2.3): per layer and KV head, the mean cosine similarity of a query
-head's query to its query one step earlier (s_hat_i), averaged over the head's query group and the steps.
-Also the per-head distribution the paper plots (Fig. 4-6). Writes data/profiles/<model>.json, or +profile_out=<path>;
-an existing file (data/profiles/smollm2.json is committed) is only replaced with force=true.
+"""Offline profile of query reuse (docs/systems.md, "Persistent heads and prefetch"): per layer and KV head, the mean
+cosine similarity of a query head's query to its query one step earlier (s_hat_i), averaged over the head's query group
+and the steps. Also the per-head distribution the paper plots (Fig. 4-6). Writes data/profiles/<model>.json, or
++profile_out=<path>; an existing file (data/profiles/smollm2.json is committed) is only replaced with force=true.
 
     python -m experiments.producers.profile model=smollm2 seqlen=3k workload.gen_tokens=64 workload.stop_at_eos=false \\
         +profile_out=/tmp/smollm2.json

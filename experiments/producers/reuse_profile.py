@@ -1,5 +1,5 @@
 """Token-level reuse profile of a real model's decode: what a synthetic query process must reproduce so that a
-workload at paper shapes does not favour one system (issue 15, item 5).
+workload at paper shapes does not favour one system (docs/workloads.md, "Query process").
 
 experiments/producers/profile.py measures only the head-level quantity CLO's policy reads: the adjacent-step cosine of a
 head's query. A block cache (RetroInfer-style) lives on token-level reuse, and CLO's speculative path lives on
@@ -9,7 +9,7 @@ kvoffload/offload/budget.py; scores summed over the query group of q . k, as Exa
 
   query_cos          cos(q_t, q_{t-lag}), each query head's, mean over the KV head's group      (lag 1: s_hat)
   topk_overlap       |S_t & S_{t-lag}| / k, S_t the exact top-k of the real query at step t
-  spec_query_cos     cos(q_spec_t, q_t): the speculative query of spec 2.3 (RoPE(W_Q^l RMSNorm_l(x_{l-1})),
+  spec_query_cos     cos(q_spec_t, q_t): the speculative query (docs/systems.md; RoPE(W_Q^l RMSNorm_l(x_{l-1})),
                      made from layer l-1's input, what the decoder hands to prepare(l, .)) against layer l's query
   spec_topk_overlap  |S_spec_t & S_t| / k, S_spec_t the exact top-k of the speculative query
 

@@ -1,9 +1,10 @@
 """How well the speculative query selects a head's top-k (the accuracy side of CLO's persist_query switch).
 
 CLO's persistent heads select their top-k rows with the layer's real query (persist_query=real) or, to take that
-selection off the critical path, with the speculative query of spec 2.3 one layer ahead (persist_query=speculative),
-as the prefetch heads always do. With real weights, each decode step and each KV head of the sparse layers, this
-compares against the exact top-k of the real query (q . k over the prompt's middle, CLO's sink/recent/top-k split):
+selection off the critical path, with the speculative query one layer ahead (docs/systems.md, "Speculative query")
+(persist_query=speculative), as the prefetch heads always do. With real weights, each decode step and each KV head of
+the sparse layers, this compares against the exact top-k of the real query (q . k over the prompt's middle, CLO's
+sink/recent/top-k split):
 
   recall  |S & S*| / k             S* = exact top-k of the real query
   mass    the real query's softmax attention over the middle that S covers (group mean), S* the best possible

@@ -1,10 +1,10 @@
-"""Learned HATA hash weights (spec 2.4): per layer and KV head, W [head_dim, rbit] such that sign(q W) and sign(k W)
-rank a query's keys as q . k does. HATA's recipe (gpzlx1/HATA, our own code): positives are the top fraction
-(10 %) of the prompt's middle keys by q . k for each query, summed over the KV head's query group as the
-retriever scores them. The sign is relaxed to tanh(beta x) (beta annealed upwards, so that the relaxed codes end
-close to the signs the retriever uses), and the loss is listwise: the softmax of the relaxed hash scores
-(1 - 2 hamming / rbit) |k|, summed over the group, should put its mass on the positives. W starts from the
-SimHash projection HashRetriever draws with the same seed, so training moves the baseline rather than a new draw.
+"""Learned HATA hash weights (docs/systems.md, "Retrieval"): per layer and KV head, W [head_dim, rbit] such that
+sign(q W) and sign(k W) rank a query's keys as q . k does. HATA's recipe (gpzlx1/HATA, our own code): positives are the
+top fraction (10 %) of the prompt's middle keys by q . k for each query, summed over the KV head's query group as the
+retriever scores them. The sign is relaxed to tanh(beta x) (beta annealed upwards, so that the relaxed codes end close
+to the signs the retriever uses), and the loss is listwise: the softmax of the relaxed hash scores
+(1 - 2 hamming / rbit) |k|, summed over the group, should put its mass on the positives. W starts from the SimHash
+projection HashRetriever draws with the same seed, so training moves the baseline rather than a new draw.
 
 Queries and keys come from greedy decodes of needle prompts with real weights: the keys as prefill hands them to
 the KV system (after RoPE), the queries as each decode step does. Writes data/hata/<model>-rbit<rbit>.safetensors

@@ -99,7 +99,9 @@ class RunNumbers:
 def check_decode_workload(cfg) -> None:
     """experiments.run decodes; the accuracy workload is experiments.accuracy's."""
     if cfg.workload.get("name") == "accuracy":
-        raise ConfigError("workload=accuracy runs lm-eval tasks: python -m experiments.accuracy [overrides] (README)")
+        raise ConfigError(
+            "workload=accuracy runs lm-eval tasks: python -m experiments.accuracy [overrides] (docs/accuracy.md)"
+        )
 
 
 def weights_source(model_cfg) -> str:

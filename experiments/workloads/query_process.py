@@ -12,14 +12,14 @@ Two forms, chosen by the profile (data/profiles/*.json) it is built from:
   chain of unit directions orthogonal to p, so cos(u_t, u_{t-L}) = c + (1 - c) rho^L per head (c = `persistent`).
   At the first step p and a_0 are drawn so that u_0 is the model's own query direction.
 
-Speculative query (the one-layer-ahead hook's, spec 2.3): with `spec_cos` in the profile it is the layer's query
-direction u_t turned towards an error direction w_t: g u_t + sqrt(1 - g^2) w_t (w_t's part orthogonal to u_t),
-g = the head's spec_cos, so its cosine with the real query is g. w_t is a chain of its own with the query's
-dynamics (not fresh noise each step: the speculative queries of different steps must stay as alike as the real
-ones, which CLO's lookups compare). Without `spec_cos` it equals the real query (perfect speculation).
-The model's own query keeps its norm. All state lives on the device and is updated in place: a step replayed
-from a CUDA graph advances the chain, with no host sync. On CUDA a call of the persistent form is one launch
-(kvoffload.kernels.query_chain; this torch code is its specification), with the same random draws.
+Speculative query (the one-layer-ahead hook's, docs/systems.md, "Speculative query"): with `spec_cos` in the profile it
+is the layer's query direction u_t turned towards an error direction w_t: g u_t + sqrt(1 - g^2) w_t (w_t's part
+orthogonal to u_t), g = the head's spec_cos, so its cosine with the real query is g. w_t is a chain of its own with the
+query's dynamics (not fresh noise each step: the speculative queries of different steps must stay as alike as the real
+ones, which CLO's lookups compare). Without `spec_cos` it equals the real query (perfect speculation). The model's own
+query keeps its norm. All state lives on the device and is updated in place: a step replayed from a CUDA graph advances
+the chain, with no host sync. On CUDA a call of the persistent form is one launch (kvoffload.kernels.query_chain; this
+torch code is its specification), with the same random draws.
 
     python -m experiments.workloads.query_process data/profiles/smollm2-reuse.json --fit \\
         --out data/profiles/smollm2-process.json        # fit c, rho, spec_cos from a reuse record

@@ -485,12 +485,12 @@ def hybrid_attention(
     q_heads: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over the union of two KV buffers, each (k, v, lengths) as decode_attention takes them, read where
-    they lie (spec 2.7). `indexed` = (pk, pv, idx): the last Hp KV heads' second-buffer rows are pk/pv [B, T, Hp, D] at
-    the token indices idx [B, Hp, k] (a negative index: no row, not attended; CLO's persistent heads: their full KV on
-    the device, read at their top-k); `second` then holds the other heads. On CUDA one split kernel covers both and one
-    merge combines them; the specification is the indexed rows gathered (`gather_indexed`), then per-buffer attention
-    merged by log-sum-exp (`merge_attention`). q_heads: as SplitAttention's (the specification permutes q's head groups,
-    attends, and puts the output back in q's order)."""
+    they lie (docs/systems.md, "Hybrid attention"). `indexed` = (pk, pv, idx): the last Hp KV heads' second-buffer rows
+    are pk/pv [B, T, Hp, D] at the token indices idx [B, Hp, k] (a negative index: no row, not attended; CLO's
+    persistent heads: their full KV on the device, read at their top-k); `second` then holds the other heads. On CUDA
+    one split kernel covers both and one merge combines them; the specification is the indexed rows gathered
+    (`gather_indexed`), then per-buffer attention merged by log-sum-exp (`merge_attention`). q_heads: as
+    SplitAttention's (the specification permutes q's head groups, attends, and puts the output back in q's order)."""
     empty = first[0].shape[1] == 0 or second[0].shape[1] == 0  # no rows at all: the kernel needs both buffers
     if q.is_cuda and triton is not None and not empty:
         return decode_attention_triton(q, *first, second=second, indexed=indexed, q_heads=q_heads)

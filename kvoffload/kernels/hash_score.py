@@ -1,4 +1,4 @@
-"""Hash scores of HATA-style retrieval (spec 2.4): one pass over the packed key codes and key norms.
+"""Hash scores of HATA-style retrieval (docs/systems.md, "Retrieval"): one pass over the packed key codes and key norms.
 
   codes   [B, Hk, T, rbit/8] uint8  sign bits of the keys (bit i of byte j = bit 8j + i)
   norms   [B, Hk, T] fp32            |k|

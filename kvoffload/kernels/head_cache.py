@@ -1,4 +1,4 @@
-"""Fused cache lookup + query-label update (spec 2.1): one pass over the queries and the labels.
+"""Fused cache lookup + query-label update (docs/systems.md, "Head cache"): one pass over the queries and the labels.
 
   q       [B, Hc, G, D]  the (speculative) queries of the cached KV heads, G query heads each
   labels  [B, Hc, G, D]  fp32, the queries each slot was filled for (updated in place on a miss)

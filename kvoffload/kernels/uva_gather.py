@@ -1,4 +1,5 @@
-"""Zero-copy gather of KV rows from pinned host memory into device cache slots (spec 2.5, the `uva` path).
+"""Zero-copy gather of KV rows from pinned host memory into device cache slots (docs/systems.md, "Transfer": the `uva`
+path).
 
   host   [B, Hkv, T, 2, D]  pinned CPU tensor (K then V of one token of one KV head: one contiguous row)
   heads  [h] long           KV heads that own the slots (device)

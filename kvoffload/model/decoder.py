@@ -62,7 +62,7 @@ class Attention(nn.Module):
         return tuple(t.contiguous() for t in y.split([self.h, self.hkv, self.hkv], dim=1))  # views when B = 1
 
     def query_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """W_Q and its bias: the q rows of the fused projection (the speculative query's, spec 2.3)."""
+        """W_Q and its bias: the q rows of the fused projection (the speculative query's, docs/systems.md)."""
         n, bias = self.h * self.d, self.qkv_proj.bias
         return self.qkv_proj.weight[:n], None if bias is None else bias[:n]
 
@@ -149,11 +149,11 @@ class Layer(nn.Module):
         inv_freq: torch.Tensor,
         nxt: Layer | None = None,
     ) -> tuple:
-        """One decode step into this layer's attention: x [B, 1, hidden] plus `add` (the previous layer's MLP
-        output, or None) -> (x + add, q [B, H, D], k, v [B, Hkv, D], q_spec [B, H, D] or None), RoPE'd at
-        position[0]. With `nxt`, q_spec is the next layer's speculative query from the same input (spec 2.3:
-        RoPE(W_Q^{l+1} RMSNorm_{l+1}(x))), made beside q/k/v: both norms in one kernel, both projections
-        written into one buffer (linear_pair), one RoPE launch for q_spec, q and k."""
+        """One decode step into this layer's attention: x [B, 1, hidden] plus `add` (the previous layer's MLP output, or
+        None) -> (x + add, q [B, H, D], k, v [B, Hkv, D], q_spec [B, H, D] or None), RoPE'd at position[0]. With `nxt`,
+        q_spec is the next layer's speculative query from the same input (docs/systems.md, "Speculative query":
+        RoPE(W_Q^{l+1} RMSNorm_{l+1}(x))), made beside q/k/v: both norms in one kernel, both projections written into
+        one buffer (linear_pair), one RoPE launch for q_spec, q and k."""
         attn, norm = self.self_attn, self.input_layernorm
         if nxt is None:
             h, x = norm.add_and_norm(x, add)
@@ -281,11 +281,11 @@ class Decoder(nn.Module):
         position: torch.Tensor,
         speculative: bool,
     ) -> tuple:
-        """The model's own work between attention i-1 and attention i, which touches no KV system: layer i-1's
-        o_proj and MLP (or the embedding, for i = 0), then layer i's q, k, v and, with `speculative`, layer i+1's
-        query from layer i's input (spec 2.3). Returns (x, q [B, H, D], k, v [B, Hkv, D], q_spec [B, H, D] or
-        None); for i = num_layers, (logits [B, V],). x [B, 1, hidden] is layer i-1's input, o [B, H, D] its
-        attention output."""
+        """The model's own work between attention i-1 and attention i, which touches no KV system: layer i-1's o_proj
+        and MLP (or the embedding, for i = 0), then layer i's q, k, v and, with `speculative`, layer i+1's query from
+        layer i's input (docs/systems.md, "Speculative query"). Returns (x, q [B, H, D], k, v [B, Hkv, D],
+        q_spec [B, H, D] or None); for i = num_layers, (logits [B, V],). x [B, 1, hidden] is layer i-1's input,
+        o [B, H, D] its attention output."""
         layers = self.model.layers
         if i == 0:
             x, add = self.model.embed_tokens(token)[:, None, :], None  # [B, 1, hidden]

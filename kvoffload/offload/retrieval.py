@@ -1,4 +1,4 @@
-"""Top-k retrieval over the offloaded middle of the prompt (spec 2.4).
+"""Top-k retrieval over the offloaded middle of the prompt (docs/systems.md, "Retrieval").
 
 HashRetriever (HATA): keys and queries become sign bits of x @ W (W: head_dim x rbit per layer and KV head);
 score(k) = sum over the query group of (1 - 2 * hamming(q_j, k) / rbit) * |k|. Codes and key norms are made

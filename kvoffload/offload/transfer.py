@@ -1,4 +1,4 @@
-"""Moving selected KV rows from host memory into device cache slots (spec 2.5).
+"""Moving selected KV rows from host memory into device cache slots (docs/systems.md, "Transfer").
 
 The host store is head-major, one row = K and V of one token of one KV head ([B, Hkv, T, 2, D]): a row is
 2*D*dtype bytes (512 B for d=128 bf16), read whole. Both paths write only the slots of missed heads:
