@@ -39,7 +39,7 @@ def report(results: Path, out: Path, figures: Path) -> str:
     head = (
         f"# Ours vs the paper (generated)\n\nWritten by `python -m experiments.report` from the records under "
         f"`{results.name}/`; do not edit by hand. The paper's numbers are `plots/paper.py`'s, each with its figure "
-        "or table (`../shared/docs/spec.md`, section 4).\n"
+        "or table (`plots/paper.py`).\n"
     )
     tail = "\n\n## Not yet measured\n\n" + "\n".join(missing) if missing else ""
     return head + "\n" + "\n\n".join(parts) + tail + "\n"

@@ -1,6 +1,6 @@
 """The paper's published numbers, drawn beside ours as a labelled reference series. None of them is measured here:
-each is copied from the paper (CLO, arXiv 2511.14510 v1) as ../shared/docs/spec.md (sections 1 and 4) quotes it,
-with the figure or table it comes from. The paper ran Llama3-8B / Qwen2.5-14B on a 48 GB GPU over PCIe 4.0."""
+each is copied from the paper (CLO, arXiv 2511.14510 v1), with the figure or table it comes from. The paper ran
+Llama3-8B / Qwen2.5-14B on a 48 GB GPU over PCIe 4.0."""
 
 from __future__ import annotations
 

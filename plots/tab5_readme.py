@@ -137,7 +137,7 @@ def table_readme(folder: Path) -> str:
         lines += [f"| mean @ {tokens(length)} ({len(mine)} tasks) | {means} | | |"]
     means = " | ".join(f"**{mean(s, cells):.3f}**" for s in systems)
     lines += [f"| **mean of the {len(cells)} cells** | {means} | | |", ""]
-    lines += ["Points below FullAttn (mean of the cells; issue 17's target for CLO: within 1.0 over the whole table;"]
+    lines += ["Points below FullAttn (mean of the cells; the target for CLO: within 1.0 over the whole table;"]
     lines += ["negative: above it), with a 95 % paired bootstrap interval over the samples (each cell's documents"]
     lines += ["resampled, the same for both systems; 2000 draws): an interval that holds 0 is no measurable gap, one"]
     lines += ["that holds 1.0 cannot tell whether the target is met.", ""]
@@ -168,7 +168,7 @@ def table_readme(folder: Path) -> str:
     prefill_h = sum(c["prefills_computed"] * (c["prefill_s"] or 0) for c in costs) / 3600
     system_h = sum(c["samples"] * c["system_s"] for c in costs) / 3600
     lines += ["", f"The records here cost {prefill_h + system_h:.1f} h of one thread: {prefill_h:.1f} h of prefills"]
-    lines += [f"(each prompt's, shared by the systems of its cell) and {system_h:.1f} h in the systems (issue 17's"]
+    lines += [f"(each prompt's, shared by the systems of its cell) and {system_h:.1f} h in the systems (the"]
     lines += ["target: the whole table in 3 h of a 2-core machine). Per sample, means over the records:", ""]
     lines += ["| system | commit | records | decode ms/step | system s/sample |", "|---|---|---|---|---|"]
     for s in systems:
