@@ -48,23 +48,29 @@ class SelectionProbe:
 
     def measure(self, layer: int, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """[B, 2]: recall and mass of one layer at this step."""
-        prompt = self.prompt_k[layer].float()  # [B, Hkv, T0, D]
-        keys = torch.cat([prompt, torch.stack(self.new_k[layer], dim=2)], dim=2)  # and every generated token
-        b, hkv, t, d = keys.shape
+        prompt = self.prompt_k[layer]  # [B, Hkv, T0, D]
+        b, hkv, t0, d = prompt.shape
         qg = q.view(b, hkv, -1, d)
-        attended = torch.zeros(b, hkv, t + 1, dtype=torch.bool, device=q.device)  # the last column takes -1
-        attended.scatter_(2, pos.clamp(min=-1) % (t + 1), True)
-        attended = attended[..., :t]
-        attended[..., self.t0 :] = True
-        weights = torch.softmax(torch.einsum("bkgd,bktd->bkgt", qg, keys) / math.sqrt(d), dim=-1)
-        mass = (weights * attended[:, :, None]).sum(-1).mean(dim=(1, 2))
+        on_prompt = torch.einsum("bkgd,bktd->bkgt", qg, prompt.float())  # q.k of every query head
+        on_new = torch.einsum("bkgd,bktd->bkgt", qg, torch.stack(self.new_k[layer], dim=2))
+        weights = torch.softmax(torch.cat([on_prompt, on_new], dim=-1) / math.sqrt(d), dim=-1)
+        attended = torch.zeros(b, hkv, t0 + 1, dtype=torch.bool, device=q.device)  # the last column takes -1
+        attended = attended.scatter_(2, pos % (t0 + 1), True)[..., :t0]
+        on_attended = torch.einsum("bkgt,bkt->bkg", weights[..., :t0], attended.to(weights.dtype))
+        mass = (on_attended + weights[..., t0:].sum(-1)).mean(dim=(1, 2))  # every generated token is attended
         lo, hi = self.sink, self.t0 - self.recent
-        picked = attended[..., lo:hi]
-        k = picked.sum(-1, keepdim=True)  # [B, Hkv, 1]
-        score = torch.einsum("bkd,bktd->bkt", qg.sum(2), prompt[:, :, lo:hi])
-        rank = score.argsort(-1, descending=True).argsort(-1)  # each position's place in the exact order
-        hit = (picked & (rank < k)).sum(-1).float()
-        recall = torch.where(k[..., 0] > 0, hit / k[..., 0].clamp(min=1), torch.ones_like(hit)).mean(1)
+        middle = (pos >= lo) & (pos < hi)  # [B, Hkv, n]: the noted positions in the middle (each noted once)
+        k = middle.sum(-1)  # [B, Hkv]
+        kmax = int(k.max())
+        if kmax == 0:
+            return torch.stack([torch.ones_like(mass), mass], dim=-1)
+        # the group's summed query against each middle key: the oracle retriever's score
+        score = torch.einsum("bkd,bktd->bkt", qg.sum(2), prompt[:, :, lo:hi].float())
+        top = score.topk(kmax, dim=-1).indices
+        exact = torch.zeros(b, hkv, hi - lo, dtype=torch.bool, device=q.device)
+        exact.scatter_(2, top, torch.arange(kmax, device=q.device) < k[..., None])
+        hit = (exact.gather(2, (pos - lo).clamp(0, hi - lo - 1)) & middle).sum(-1)
+        recall = torch.where(k > 0, hit / k.clamp(min=1), 1.0).mean(1)
         return torch.stack([recall, mass], dim=-1)
 
     def per_layer(self) -> dict[int, torch.Tensor]:
