@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The Triton kernels against their torch references on a machine without a GPU, in Triton's interpreter:
 #   bash scripts/interpret_kernels.sh [pytest arguments, e.g. -k uva]
-# CI's suite skips these tests (its environment has no triton). The first run installs triton and a numpy whose
-# integers the interpreter's loop bounds accept (2.4 refuses them) into a folder of their own, not into .venv, so
-# the project's own environment is left as install.sh made it.
+# The suite skips these tests (.venv has no triton); .ci/run runs this script after it (about 2 minutes). The first
+# run installs triton and a numpy whose integers the interpreter's loop bounds accept (2.4 refuses them) into a
+# folder of their own, not into .venv, so the project's own environment is left as install.sh made it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site=${INTERPRET_SITE:-${TMPDIR:-/tmp}/clo-interpret-site}

@@ -25,6 +25,7 @@ def in_tmp(tmp: Path) -> list[str]:
     return [f"results_dir={tmp}", f"hydra.run.dir={tmp / 'out'}", f"hydra.sweep.dir={tmp / 'multi'}"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, says",
     [
@@ -55,6 +56,7 @@ def test_lm_evals_command_line_runs_the_clo_model(tmp_path):
     assert 0.0 <= score <= 1.0
 
 
+@pytest.mark.slow
 def test_a_sweep_records_each_jobs_refusal_and_exits_1(tmp_path):
     p = run("experiments.accuracy", "--multirun", "system=fullattn,clo", "workload.limit=0", *in_tmp(tmp_path))
     assert p.returncode == 1, p.stderr[-2000:]

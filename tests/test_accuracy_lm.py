@@ -50,6 +50,7 @@ def hf(smollm2_folder):
     return get_model("hf")(pretrained=str(smollm2_folder), dtype="float32", device="cpu", batch_size=1)
 
 
+@pytest.mark.slow
 def test_greedy_generations_equal_lm_evals_hf_backend(lm, hf):
     reqs = gen_requests(lm.tokenizer)
     first = len(lm.records)
@@ -62,6 +63,7 @@ def test_greedy_generations_equal_lm_evals_hf_backend(lm, hf):
     assert recs[3]["new_tokens"] < 16 and "Paris" in ours[3]  # the instruct model ends its answer with EOS
 
 
+@pytest.mark.slow
 def test_loglikelihood_equals_transformers(lm, smollm2_folder):
     from transformers import LlamaForCausalLM
 
@@ -86,6 +88,7 @@ def test_loglikelihood_equals_transformers(lm, smollm2_folder):
     assert rolling == pytest.approx(float(logp.gather(1, torch.tensor(ids[1:])[:, None]).sum()), abs=2e-3)
 
 
+@pytest.mark.slow
 def test_prefill_is_shared_between_systems(lm):
     """A second system over the same backbone reuses the prompt's prefill and, the prompt being shorter than CLO's
     sink + recent window (all of it attended), generates what FullAttn generated. On a longer prompt CLO's cache
@@ -177,6 +180,7 @@ print((rss() - base) / cache.used)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_the_prefill_caches_churn_does_not_fragment_the_heap():
     """An 8K sweep's process held far more than its prefill cache: evicted prompts' K/V left holes in glibc's heap.

@@ -14,6 +14,9 @@ from experiments.accuracy.offline import NLTK_DATA, MissingData, offline_nltk
 from kvoffload.errors import ConfigError
 from kvoffload.paths import ROOT
 
+# lm-eval, its RULER data and the real SmolLM2 tokenizer and weights: end-to-end, left out of the fast loop
+pytestmark = pytest.mark.slow
+
 SIX = ["niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe"]
 
 
@@ -79,7 +82,6 @@ def test_accuracy_run_without_network(tmp_path, smollm2_folder):
     assert rec["cost_per_sample"]["samples"] == 1 and rec["skipped"] == []
 
 
-@pytest.mark.slow
 def test_six_ruler_tasks_generate_offline_at_2k_4k_8k(tmp_path, smollm2_folder):
     """Each task's 500 samples at each length, made with no network: every prompt within the length, every
     answer inside its prompt."""

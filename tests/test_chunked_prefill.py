@@ -125,7 +125,8 @@ def test_the_last_chunk_row_sees_every_key_and_the_first_only_its_past():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("chunk", [1, 7, 8, 40, 4096])  # 8 divides the 40-token prompt, 7 does not; 40, 4096: one
+# 8 divides the 40-token prompt, 7 does not; 40, 4096: one; 1: a chunk a token (seconds: the full suite)
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 7, 8, 40, 4096])
 def test_chunked_prefill_equals_the_whole_prompt(family, chunk):
     cfg = tiny(family)
     model = synthetic_decoder(cfg, 0, CPU, torch.float32)
@@ -146,6 +147,7 @@ def test_chunked_prefill_equals_the_whole_prompt(family, chunk):
     torch.testing.assert_close(last, want_logits[:, -1], atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_real_smollm2_chunked_prefill_equals_the_whole_prompt(smollm2_folder):
     from kvoffload.model.weights import hf_decoder
 

@@ -35,6 +35,7 @@ def run(model, system, prompt, n, stop=frozenset()):
     return generate(model, system, prompt, n, stop)
 
 
+@pytest.mark.slow
 def test_full_budget_clo_generates_fullattn_tokens_with_every_part_on(tmp_path):
     cfg = ModelConfig(
         name="t",

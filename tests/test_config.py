@@ -338,6 +338,7 @@ def test_a_run_command_is_refused_before_its_first_job(argv, words, capsys):
     assert all(w in err for w in words), err
 
 
+@pytest.mark.slow
 def test_the_jobs_checked_are_the_sweeps_jobs():
     """A bundle's sweeper params crossed with the command line's (whose value of a key wins), as Hydra's basic
     sweeper runs them; what does not fit (a length beyond the model's context) is the job's to record."""
@@ -349,6 +350,7 @@ def test_the_jobs_checked_are_the_sweeps_jobs():
     refuse_unknown_keys(["--config-dir=/elsewhere", "+experiment=mine"], jobs=True)  # its options: Hydra's to find
 
 
+@pytest.mark.slow
 def test_every_shown_run_command_passes_the_job_check():
     """The README's, docs/' and the bundles' `python -m experiments.run` commands are not refused by the check that runs
     before their first job (a placeholder such as <p> is Hydra's to refuse)."""

@@ -121,11 +121,13 @@ def real_models(folder, dtype):
     return ours, ref
 
 
+@pytest.mark.slow
 def test_real_smollm2_logits_match_transformers(smollm2_folder):
     ours, ref = real_models(smollm2_folder, torch.float32)
     check_prefill_and_decode(ref, ours, seq=64, batch=1, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_real_smollm2_bf16_logits_close(smollm2_folder):
     ours, ref = real_models(smollm2_folder, torch.bfloat16)
     ids = torch.randint(0, ours.cfg.vocab_size, (1, 48), generator=torch.Generator().manual_seed(3))
@@ -137,6 +139,7 @@ def test_real_smollm2_bf16_logits_close(smollm2_folder):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
 
 
+@pytest.mark.slow
 def test_real_smollm2_greedy_matches_generate(smollm2_folder):
     from transformers import AutoTokenizer
 

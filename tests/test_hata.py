@@ -126,6 +126,7 @@ def test_the_importance_proxy_and_its_file():
     assert meta["model"] == "smollm2"
 
 
+@pytest.mark.slow
 def test_the_commands_write_their_files_on_a_tiny_model(tmp_path):
     """train_hata writes W and refuses to overwrite it; hata_recall scores it against SimHash and the exact top-k
     (a tiny random model stands in for the real weights, which the commands need)."""

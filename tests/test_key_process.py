@@ -34,6 +34,7 @@ def fields(layers: int, kv_heads: int, d: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_sampled_keys_have_the_profiles_geometry():
     f = fields(2, 2, 16)
     proc = KeyProcess(f, seed=3)
@@ -121,6 +122,7 @@ def composed(*overrides):
         return compose("config", overrides=["wandb.enabled=false", "device=cpu", *overrides])
 
 
+@pytest.mark.slow
 def test_profile_files_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         KeyProcess.from_profile(str(tmp_path / "none.json"), 30, 3, 64, 0)

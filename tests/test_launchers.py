@@ -172,6 +172,7 @@ def sweep(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job_process", ["inline", "fork"])
 def test_a_sweep_over_two_gpus_pins_each_worker_and_keeps_records_skips_and_the_table(tmp_path, job_process):
     """fork: each job in a child of its worker, which inherits the worker's GPU."""
@@ -201,6 +202,7 @@ def test_a_sweep_over_two_gpus_pins_each_worker_and_keeps_records_skips_and_the_
     assert time.monotonic() - t0 < 240
 
 
+@pytest.mark.slow
 def test_the_multi_gpu_comparison_runs_one_sweep_both_ways(tmp_path):
     """experiments.bench.multi_gpu_sweep: the same sweep over a pool of GPUs and on its first one,
     each into its own folder, both wall times in one record (on a CPU host the named pool is notional)."""

@@ -29,6 +29,7 @@ def config(tmp_path, *overrides):
         )
 
 
+@pytest.mark.slow
 def test_similarity_record_holds_every_sample(tmp_path):
     probes = []
     data = measure(config(tmp_path), decode=lambda cfg, make_kv, min_steps: tiny_decode(cfg, make_kv, keep=probes))
@@ -163,6 +164,7 @@ def test_the_table5_gap_interval_is_paired_and_covers_the_gap():
         paired_interval({**same, ("clo", "a@2048"): {20: 1.0}}, "clo", ["a@2048"])
 
 
+@pytest.mark.slow
 def test_pin_alloc_bench_on_the_cpu(tmp_path, capsys):
     """experiments.bench.bench_pin_alloc: a row per way of pinning, each from a process of its own, with the link
     measured on memory made that way; bad input refused with one line and exit status 2."""
@@ -195,6 +197,7 @@ def test_pin_alloc_bench_on_the_cpu(tmp_path, capsys):
     assert e.value.code == 2 and "cudaHostAlloc does not use" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_huge_page_tunable_reaches_malloc():
     """hardware.pin_huge_pages and bench_pin_alloc's THP way: a process started with thp_env's GLIBC_TUNABLES places
     a touched 64 MiB buffer on transparent huge pages where the system's THP mode is "madvise" (glibc >= 2.35), and

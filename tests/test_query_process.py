@@ -96,6 +96,7 @@ def test_persistent_process_follows_its_fitted_lag_curve():
     )
 
 
+@pytest.mark.slow
 def test_speculative_query_is_at_its_target_cosine():
     spec = torch.tensor([[1.0, 1.0], [0.93, 0.6]])
     proc = ProfileQueryProcess(

@@ -100,6 +100,7 @@ def test_group_cosine_is_the_group_mean():
     torch.testing.assert_close(group_cosine(q, flip, 2), torch.tensor([[-1.0, 1.0]]))
 
 
+@pytest.mark.slow
 def test_metrics_match_a_reference_recomputation(tmp_path):
     cfg = config(tmp_path)
     kept = []
@@ -174,6 +175,7 @@ def test_metrics_match_a_reference_recomputation(tmp_path):
     assert rec["metrics"]["spec_topk_overlap"]["layers"] == [1, 2]
 
 
+@pytest.mark.slow
 def test_command_writes_its_file_and_refuses_to_overwrite(tmp_path):
     cfg = config(tmp_path)
     out = tmp_path / "reuse.json"
@@ -192,6 +194,7 @@ def test_command_writes_its_file_and_refuses_to_overwrite(tmp_path):
     assert json.loads(out.read_text())["experiment"] == "reuse_profile"
 
 
+@pytest.mark.slow
 def test_readme_from_the_record(tmp_path):
     data, path = run(config(tmp_path), tiny_decode)
     text = readme(json.loads(path.read_text()))

@@ -81,6 +81,7 @@ def ok_commit(recs: dict) -> str:
     return commit
 
 
+@pytest.mark.slow
 def test_sweep_survives_a_failing_run_and_resumes(tmp_path):
     p = run("--multirun", "seqlen=64,96,9000", *FAST, tmp=tmp_path, check=False)
     assert p.returncode == 1, p.stderr[-3000:]  # a job failed: the sweep ran on, then says so
@@ -101,6 +102,7 @@ def test_sweep_survives_a_failing_run_and_resumes(tmp_path):
     assert "[sweep] 3 jobs: 0 ok, 2 skipped, 1 failed" in again.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fresh", "fork"])
 def test_job_processes_of_their_own_keep_records_failures_skips_and_the_table(tmp_path, mode):
     args = ("--multirun", "seqlen=64,96,9000", f"job_process={mode}", *FAST)
@@ -121,6 +123,7 @@ def test_job_processes_of_their_own_keep_records_failures_skips_and_the_table(tm
     assert "[sweep] 3 jobs: 0 ok, 2 skipped, 1 failed" in again.stderr
 
 
+@pytest.mark.slow
 def test_a_sweep_whose_every_job_fails_exits_1_with_the_table(tmp_path):
     p = run("--multirun", "seqlen=9000,10000", "system=clo", "system.eta=1.5", *FAST, tmp=tmp_path, check=False)
     assert p.returncode == 1, p.stderr[-3000:]
@@ -131,6 +134,7 @@ def test_a_sweep_whose_every_job_fails_exits_1_with_the_table(tmp_path):
     assert "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_a_sweep_that_only_succeeds_or_skips_exits_0(tmp_path):
     p = run("--multirun", "seqlen=64", *FAST, tmp=tmp_path)
     assert "[sweep] 1 job: 1 ok, 0 skipped, 0 failed" in p.stderr
@@ -146,6 +150,7 @@ def single_error(p: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -164,6 +169,7 @@ def test_a_systems_own_bad_setting_is_a_config_error(tmp_path, args, message):
     assert rec["status"] == "failed" and rec["error_kind"] == "config" and message in rec["error"]
 
 
+@pytest.mark.slow
 def test_a_systems_bad_setting_in_a_sweep_is_recorded_as_config(tmp_path):
     p = run("--multirun", "system=clo", "system.eta=1.5", "seqlen=64", *FAST, tmp=tmp_path, check=False)
     assert p.returncode == 1 and "FAILED (config): system=clo: eta=1.5" in p.stderr
@@ -171,6 +177,7 @@ def test_a_systems_bad_setting_in_a_sweep_is_recorded_as_config(tmp_path):
     assert rec["error_kind"] == "config"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "arg,message",
     [
@@ -185,6 +192,7 @@ def test_bad_numbers_are_one_line(tmp_path, arg, message):
     assert message in single_error(run("seqlen=64", *FAST, arg, tmp=tmp_path, check=False))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arg", ["+sytem=clo", "sytem=clo", "++sytem=clo"])
 def test_a_typod_top_level_key_is_refused(tmp_path, arg):
     """`sytem=clo` got Hydra's hint `+sytem=clo`, which then ran FullAttn and exited 0."""
@@ -193,11 +201,13 @@ def test_a_typod_top_level_key_is_refused(tmp_path, arg):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.slow
 def test_a_new_setting_appended_to_a_system_is_refused(tmp_path):
     line = single_error(run("system=clo", "+system.etaa=0.5", "seqlen=64", *FAST, tmp=tmp_path, check=False))
     assert "system.etaa" in line and "conf/system/" in line
 
 
+@pytest.mark.slow
 def test_run_identity_follows_values_not_spelling(tmp_path):
     """seqlen=0.125k and seqlen=128 are one run: the second skips the first; 0.50 and 0.5 likewise."""
     run("seqlen=0.125k", "workload.needle_depth=0.50", *FAST, "workload.gen_tokens=2", tmp=tmp_path)
@@ -207,6 +217,7 @@ def test_run_identity_follows_values_not_spelling(tmp_path):
     assert "seqlen=128," in name and "workload.needle_depth=0.5," in name
 
 
+@pytest.mark.slow
 def test_records_are_complete_json_with_provenance(tmp_path):
     run("seqlen=64", *FAST, tmp=tmp_path)
     (rec,) = records(tmp_path).values()
@@ -217,6 +228,7 @@ def test_records_are_complete_json_with_provenance(tmp_path):
     assert not list((tmp_path / "results").rglob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_wandb_offline_run(tmp_path):
     run("seqlen=64", *FAST[:-1], "wandb.enabled=true", "wandb.mode=offline", f"wandb.dir={tmp_path}", tmp=tmp_path)
     assert list((tmp_path / "wandb").glob("offline-run-*"))
@@ -228,6 +240,7 @@ def bad(tmp, *args):
     return p.stderr
 
 
+@pytest.mark.slow
 def test_unknown_names_list_the_valid_ones(tmp_path):
     assert "fullattn" in bad(tmp_path, "system=nope")
     err = bad(tmp_path, "model=nope")
@@ -235,10 +248,12 @@ def test_unknown_names_list_the_valid_ones(tmp_path):
     assert "decode" in bad(tmp_path, "workload=nope")
 
 
+@pytest.mark.slow
 def test_seqlen_beyond_max_positions(tmp_path):
     assert "max_position_embeddings=8192" in bad(tmp_path, "seqlen=8k", *FAST)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("system", ["fullattn", "clo"])
 def test_llama3_128k_refused_on_this_machine_with_estimate(tmp_path, system):
     err = bad(tmp_path, f"system={system}", "model=llama3", "seqlen=128k", "device=cpu", "wandb.enabled=false")
@@ -248,6 +263,7 @@ def test_llama3_128k_refused_on_this_machine_with_estimate(tmp_path, system):
     assert "model=smollm2" in err and "more RAM" in err
 
 
+@pytest.mark.slow
 def test_profile_refuses_to_overwrite_a_profile(tmp_path):
     """The README's profiling command named the committed data/profiles/smollm2.json and overwrote it."""
     committed = ROOT / "data" / "profiles" / "smollm2.json"
@@ -297,6 +313,7 @@ def test_profile_overwrites_with_force_true(tmp_path):
     assert len(json.loads(mine.read_text())["s_hat"]) == 30
 
 
+@pytest.mark.slow
 def test_huge_pages_restart_the_run_with_glibcs_tunable(tmp_path):
     """hardware.pin_huge_pages: experiments.run starts itself again with glibc's huge-page tunable (read only when
     a process starts), and the record says its tunables (on a CPU nothing is pinned: no huge-page figure)."""
@@ -311,6 +328,7 @@ def test_huge_pages_restart_the_run_with_glibcs_tunable(tmp_path):
     assert "mixing hardware.pin_huge_pages=true and false needs job_process=fresh" in mixed
 
 
+@pytest.mark.slow
 def test_a_fresh_sweep_gives_each_job_the_huge_pages_it_asks(tmp_path):
     args = ("--multirun", "hardware.pin_threads=2", "hardware.pin_huge_pages=false,true", "job_process=fresh")
     run(*args, "seqlen=64", *FAST, tmp=tmp_path)
@@ -339,15 +357,18 @@ def test_thp_env_adds_or_removes_only_the_huge_page_tunable():
     assert thp_env({"X": "1"}, on=False) == {"X": "1"}
 
 
+@pytest.mark.slow
 def test_gpu_budget_too_small(tmp_path):
     err = bad(tmp_path, "hardware.gpu_mem_gb=0.05", "seqlen=64", *FAST)
     assert "the budget is 0.05 GB (hardware.gpu_mem_gb), less than smollm2's weights alone" in err
 
 
+@pytest.mark.slow
 def test_weights_path_missing(tmp_path):
     assert "does not exist" in bad(tmp_path, f"model.path={tmp_path / 'nowhere'}", "seqlen=64", *FAST[1:])
 
 
+@pytest.mark.slow
 def test_weights_path_with_other_shapes(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -366,6 +387,7 @@ def test_weights_path_with_other_shapes(tmp_path):
     assert "does not match model=smollm2" in err and "hidden_size" in err
 
 
+@pytest.mark.slow
 def test_graph_decode_on_cpu_is_refused(tmp_path):
     assert "needs CUDA" in bad(tmp_path, "decode_mode=graph", "seqlen=64", *FAST)
     assert "needs CUDA" in bad(tmp_path, "decode_mode=piecewise", "seqlen=64", *FAST)
@@ -423,10 +445,12 @@ def test_fig10_experiment_sweeps_batch_and_plots(tmp_path):
     assert all(p["decode_tokens_per_s"] > 0 for p in points.values()) and len(points) == 2
 
 
+@pytest.mark.slow
 def test_accuracy_workload_is_pointed_to_its_command(tmp_path):
     assert "python -m experiments.accuracy" in bad(tmp_path, "workload=accuracy", *FAST[:1])
 
 
+@pytest.mark.slow
 def test_bad_workload_settings_refused_before_loading(tmp_path):
     err = bad(tmp_path, "workload.prompt=poem", "seqlen=64", *FAST[:1], *FAST[2:])
     assert "valid: auto, needle, random" in err and "[run]" not in err
@@ -472,6 +496,7 @@ def test_a_refusal_at_this_commit_is_finished_a_crash_is_not(tmp_path, monkeypat
     assert not finished(tmp_path / "never" / "record.json")
 
 
+@pytest.mark.slow
 def test_a_sweep_run_again_skips_its_fit_refusals(tmp_path, monkeypatch):
     """A point refused for the host's RAM is recorded with its commit, and the same sweep run again at that commit
     skips it as it skips a finished run."""
@@ -485,6 +510,7 @@ def test_a_sweep_run_again_skips_its_fit_refusals(tmp_path, monkeypatch):
     assert again.returncode == 0 and "[sweep] 1 job: 0 ok, 1 skipped, 0 failed" in again.stderr, again.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_trace_dir_writes_one_decode_step(tmp_path):
     """trace_dir=: the profiler records one steady step (here, on a CPU, its operators) into a Chrome trace."""
     run(
@@ -565,6 +591,7 @@ def test_sweep_summary_table_counts_every_outcome():
     cb.on_multirun_end(config=None)  # nothing failed: no exit
 
 
+@pytest.mark.slow
 def test_fresh_job_processes_see_the_sweeps_config_dir(tmp_path):
     """A --config-dir (a user's own bundles) reaches each job's fresh process: its experiment composes there too."""
     conf = tmp_path / "myconf" / "experiment"
@@ -587,6 +614,7 @@ def test_the_record_names_the_thread_runtimes_settings(monkeypatch):
     assert got["OMP_WAIT_POLICY"] == "ACTIVE" and "SECRET_TOKEN" not in got
 
 
+@pytest.mark.slow
 def test_the_record_reads_package_versions_without_importing_them():
     """A forked sweep job imports nothing for its record's versions: importing transformers (and flashinfer on a
     GPU) to read __version__ cost each job a second or more."""
@@ -646,6 +674,7 @@ def test_stop_child_ends_and_reaps_a_job_that_outlives_its_sweep():
         os.waitpid(pid, 0)  # reaped
 
 
+@pytest.mark.slow
 def test_a_forked_job_ends_when_its_sweep_is_killed(tmp_path):
     """A sweep process killed by pid (SIGKILL: no handler runs) takes its forked job with it."""
     if not sys.platform.startswith("linux"):

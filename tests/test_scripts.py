@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvoffload.paths import ROOT
 
 
@@ -94,6 +96,7 @@ def test_gpu_session_resumes_the_last_call_of_its_sweep_on_a_warm_machine(tmp_pa
     assert p.returncode == 2 and "SWEEP=b c: letters" in p.stderr
 
 
+@pytest.mark.slow
 def test_touch_host_memory_refuses_more_than_available_and_touches_what_fits():
     script = str(ROOT / "scripts/touch_host_memory.py")
     p = subprocess.run([sys.executable, script, "--gb", "1e9"], capture_output=True, text=True)

@@ -63,6 +63,7 @@ def prefill_random(system: KVOffloadSystem, spec: KVSpec) -> torch.Generator:
 PLAN_UNDER_BUDGET = {"clo", "retroinfer"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SYSTEMS)
 def test_under_a_budget_the_estimate_obeys_it_and_equals_what_is_allocated(name):
     system, spec = build(name, t0=2000)  # top-k 10 % reaches beyond sink + recent: a block cache exists
@@ -81,7 +82,8 @@ def test_under_a_budget_the_estimate_obeys_it_and_equals_what_is_allocated(name)
     assert system.memory_parts() == estimate
 
 
-@pytest.mark.parametrize("t0", [T0, 50])  # 50: no longer than sink + recent, so no middle at all
+# 50: no longer than sink + recent, so no middle at all; T0 (a middle to select from) takes seconds: the full suite
+@pytest.mark.parametrize("t0", [pytest.param(T0, marks=pytest.mark.slow), 50])
 @pytest.mark.parametrize("name", SYSTEMS)
 def test_estimate_equals_what_is_allocated_and_decode_runs(name, t0):
     system, spec = build(name, t0)

@@ -110,6 +110,7 @@ def offline_run(wandb_dir: Path) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_a_run_logs_offline_with_group_job_type_flat_config_summary_and_phase_table(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     cfg = OmegaConf.create({"wandb": wandb_cfg(tmp_path, mode="auto")})  # auto, without a key: offline
@@ -138,6 +139,7 @@ def test_a_run_logs_offline_with_group_job_type_flat_config_summary_and_phase_ta
     }
 
 
+@pytest.mark.slow
 def test_committed_records_are_logged_after_the_fact_grouped_by_their_folder(tmp_path, monkeypatch, capsys):
     """The GPU machine runs without wandb: experiments.tracking.wandb_records logs a results folder's decode records as
     experiments.run would have, the folder's name as the group; refusals are skipped, an empty folder refused."""
@@ -207,6 +209,7 @@ def test_every_experiment_bundle_logs_to_wandb():
             assert compose("config", overrides=[f"+experiment={b}"]).wandb.enabled is True, b
 
 
+@pytest.mark.slow
 def test_the_run_command_logs_its_bundle_as_the_group(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     p = subprocess.run(

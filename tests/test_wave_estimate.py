@@ -113,6 +113,7 @@ def test_one_key_clusters_all_estimated_equal_full_attention(selection, block_si
     assert (off[0][0] - want[0][0]).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 def test_on_clustered_keys_the_estimate_is_closer_to_full_attention():
     """Keys around 24 centres per head (tokens interleaved), values random, queries along random mixes of centres:
     RetroInfer-style with its estimation zone (RetroInfer's 0.232, and every cluster) against the retrieval zone
