@@ -56,6 +56,7 @@ def recall(w, q, k, frac=0.1):
     return float(mask.gather(-1, got).float().mean())
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss_and_beats_the_random_projection():
     train = [subspace_data(s) for s in (1, 2)]
     q_test, k_test = subspace_data(3)

@@ -27,7 +27,7 @@ def test_tables_from_fake_records(tmp_path):
     assert "| CLO | graph |" not in text and "| CLO | piecewise | 9.00 | 90.0% | - | - | 16.7% | <1% |" in text
     assert "RetroInfer-style 11.1x, InfiniGen-style 14.4x; the paper: 2.1-5.2x (llama3, Fig. 2/11)" in text
     assert "`fig2_breakdown_128k/record_clo.json`" in text and "(commit abc1234)" in text
-    assert "| CLO | 1 | 0.5 | 80.0% | 74.7-85.0% | 0.94-1.07 | 100.0 |" in text
+    assert "| CLO | 1 | 0.5 | 80.0% | 74.69-84.99% | 0.94-1.07 | 100.0 |" in text
     assert "(figure not built: `python -m plots.all" in text
     assert "- paper Fig. 10: throughput: no records yet (`fig10_throughput/`)" in text
 
