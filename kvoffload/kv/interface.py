@@ -179,17 +179,26 @@ class KVOffloadSystem(ABC):
         self.static_shapes = True
 
     @abstractmethod
-    def _allocate(self, spec: KVSpec) -> None: ...
+    def _allocate(self, spec: KVSpec) -> None:
+        """Allocate what estimate_parts(spec) promised (allocate() has checked it against the budget and set spec,
+        timer, length and position); nothing here may depend on the prompt's values."""
 
     # ---- per layer ---------------------------------------------------------------------------------------
     @abstractmethod
-    def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The prompt's post-RoPE K and V of `layer`, [B, Hkv, T, D], once per layer in order, after the layer's
+        dense prefill attention (a system never changes the prefill's output). The caller does not reuse them: the
+        system may keep, copy, offload or index them. end_prefill(T) follows the last layer."""
 
     def prepare(self, layer: int, q_spec: torch.Tensor) -> None:  # noqa: B027 (optional: a no-op by default)
         """One layer ahead: a speculative query for `layer`, given while the layer before it computes."""
 
     @abstractmethod
-    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One decode step of `layer`: q [B, H, D] the step's post-RoPE query, k and v [B, Hkv, D] the new token's,
+        which the system appends at position `self.length` (or reads `self.position` on the device under static
+        shapes); returns the attention output [B, H, D] over every token it decides to attend. Called between
+        begin_step() and end_step(), layers in order; the statistics of the step go into `self.step`."""
 
     # ---- per step ----------------------------------------------------------------------------------------
     def end_prefill(self, prompt_len: int) -> None:
