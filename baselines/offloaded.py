@@ -11,7 +11,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload.budget import check_budget, select_budget, split_prompt
 from kvoffload.offload.host import Offload, host_stores, host_stores_pinned, layer_store
-from kvoffload.offload.layers import DenseLayers, prompt_window
+from kvoffload.offload.layers import DenseLayers, prompt_window, window_positions
 from kvoffload.offload.retrieval import check_topk_method
 from kvoffload.offload.transfer import TransferEngine
 from kvoffload.offload.transfer import cpu_threads as resolve_threads
@@ -157,7 +157,7 @@ class OffloadedBaseline(KVOffloadSystem):
         pos = (idx.view(b, hkv, -1) + sink).masked_fill(idx.view(b, hkv, -1) >= n_mid, -1)
         if real is not None:
             pos = pos.masked_fill(~real.view(b, hkv, -1), -1)
-        window = torch.cat([torch.arange(sink), torch.arange(self.t0 - recent, self.t0)]).to(idx.device)
+        window = window_positions(self.t0, sink, recent, idx.device)
         self.note_selection(layer, torch.cat([window.expand(b, hkv, -1), pos], dim=2))
 
     def append_window(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ from kvoffload.kernels.append_kv import append_kv
 from kvoffload.kernels.decode_attention import hybrid_attention
 from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.budget import split_prompt
-from kvoffload.offload.layers import prompt_window
+from kvoffload.offload.layers import prompt_window, window_positions
 from kvoffload.offload.retrieval import select_topk, topk_work
 from kvoffload.offload.transfer import to_device
 
@@ -134,7 +134,7 @@ class LayerStore:
         cached head's slots (their positions, as the gathers recorded them) or each persistent head's top-k."""
         b = self.slot_idx.shape[0]
         rows = self.slot_idx if persist_idx is None else torch.cat([self.slot_idx, persist_idx], dim=1)
-        window = torch.cat([torch.arange(self.sink), torch.arange(self.t0 - self.recent, self.t0)]).to(rows.device)
+        window = window_positions(self.t0, self.sink, self.recent, rows.device)
         rows = torch.cat([window.expand(b, rows.shape[1], -1), rows], dim=2)
         out = torch.empty_like(rows)
         out[:, self.order] = rows  # store order -> model order

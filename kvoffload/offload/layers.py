@@ -23,6 +23,11 @@ def prompt_window(k: torch.Tensor, v: torch.Tensor, sink: int, recent: int, max_
     return window
 
 
+def window_positions(t0: int, sink: int, recent: int, device: torch.device) -> torch.Tensor:
+    """The prompt positions prompt_window keeps: the first `sink` and the last `recent` of t0 (already split)."""
+    return torch.cat([torch.arange(sink), torch.arange(t0 - recent, t0)]).to(device)
+
+
 class DenseLayers:
     """The first `count` layers of a model under a sparse system: full KV on the device, dense attention through
     the decode-attention kernel (its torch reference off CUDA)."""
