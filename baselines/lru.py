@@ -62,7 +62,7 @@ NATIVE_PARALLEL_MIN = 512
 # above it, a thread per this many lookups at most: a thread with less work costs more to wake than it saves. On the
 # GPU machine's 16 cores this gave Figure 10's 8K BSZ 1 step (8 rows x 92 blocks) 4 threads, which ran it faster
 # than 8 in each of two paired sweeps; from 128K (a head's 1628 blocks) every row keeps its own thread
-# (results/retroinfer_host_path/).
+# (results/investigations/retroinfer_host_path/).
 NATIVE_LOOKUPS_PER_THREAD = 184
 BACKENDS = ("native", "torch")
 

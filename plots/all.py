@@ -54,7 +54,7 @@ FIGURES = (
     ),
     Figure(
         "fig2_breakdown_fitted_queries",
-        "synthetic_workload_check/fig2_128k_de575a6",
+        "investigations/synthetic_workload_check/fig2_128k_de575a6",
         fig2_breakdown.plot,
         "paper Fig. 2 under the fitted persistent + AR(1) query process",
     ),
@@ -144,7 +144,7 @@ FIGURES = (
         "CLO vs FullAttn, 32K-512K (several commits, each bar labelled; its README says which)",
         {"allow_mixed": True},
     ),
-    Figure("phases_baselines_topk", "baselines_topk_ab_128k", phase_breakdown.plot, "baselines' top-k, torch vs radix"),
+    Figure("phases_baselines_topk", "investigations/baselines_topk_ab_128k", phase_breakdown.plot, "baselines' top-k, torch vs radix"),
 )
 
 

@@ -57,7 +57,7 @@ stage() {  # stage <name> <seconds> <command...>
  python3 -c "import torch, triton, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__)"
 ) > "$out/env.txt" 2>&1
 # first: the host memory touched once before host-bound runs (the first job of a fresh machine gathered slowly,
-# results/infinigen_threads/); its log gives the first-touch rate
+# results/investigations/infinigen_threads/); its log gives the first-touch rate
 stage host_warmup 150 python3 scripts/touch_host_memory.py ${HOST_WARMUP_GB:+--gb $HOST_WARMUP_GB}
 stage pytest_gpu ${PYTEST_SECS:-420} python3 -m pytest -m gpu -q --durations=15 tests/
 # FOCUS picks tests by name (-k), FOCUS_FILES the files (default tests/test_gpu.py)

@@ -128,11 +128,11 @@ def test_lru_bench_on_the_cpu(tmp_path, capsys):
 
 
 def test_the_infinigen_fetch_readme_is_current():
-    """results/infinigen_cpu_fetch/README.md is what its generator makes of the records beside it."""
+    """results/investigations/infinigen_cpu_fetch/README.md is what its generator makes of the records beside it."""
     from kvoffload.paths import ROOT
     from plots.infinigen_fetch_readme import readme
 
-    folder = ROOT / "results" / "infinigen_cpu_fetch"
+    folder = ROOT / "results" / "investigations" / "infinigen_cpu_fetch"
     assert (folder / "README.md").read_text() == readme(folder)
 
 

@@ -80,7 +80,7 @@ def test_timeline_reports_copies_and_the_host_round_trip_after_each_read_back():
 
 
 def test_a_committed_infinigen_trace_shows_its_copies():
-    c = copies(load_events(RESULTS / "infinigen_step_8k" / "trace_infinigen_8k_b1.json.gz"))
+    c = copies(load_events(RESULTS / "investigations" / "infinigen_step_8k" / "trace_infinigen_8k_b1.json.gz"))
     # a fetch and a read-back per sparse layer (and the window's length, in the attention's graph)
     assert c["HtoD"]["bulk"]["copies"] == 30 and c["DtoH"]["copies"] == 30
     assert c["HtoD"]["bulk"]["median_bytes"] > 1e6 > c["DtoH"]["median_bytes"]

@@ -6,7 +6,7 @@ left once q is shorter than k, so a chunk after the first takes one of three pat
           chunk's own keys, square causal: one cuDNN call each, merged by their log-sum-exps. torch (2.11) prefers
           cuDNN's attention there, so the first chunk, and the unchunked prefill before, ran on it; with flash
           attention 2 for the other chunks FullAttn's 128K prefill fell from 10.8K to 8.0K tokens/s
-          (results/chunked_prefill_check/README.md; tests/test_prefill_gpu.py times the two paths)
+          (results/investigations/chunked_prefill_check/README.md; tests/test_prefill_gpu.py times the two paths)
   flash   (CUDA) flash attention 2, whose own causal mask is bottom-right (torch's causal_lower_right)
   masked  (elsewhere) an explicit mask, a few hundred query rows at a time
 """
