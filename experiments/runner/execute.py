@@ -155,7 +155,8 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     keys_line = f"; keys: {keys_desc}" if keys_desc else ""  # else the model's own keys, from its prefill
     log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}{keys_line}")
     hbm = numbers.hbm_gb_s or copy_bandwidth_gb_s(device)
-    link_record = paced_link(device, cap, link) if cap is not None else {"cap_gb_s": None}
+    unpaced = {"cap_gb_s": None, "bulk_unpaced_gb_s": round(link, 2) if device.type == "cuda" else None}
+    link_record = paced_link(device, cap, link) if cap is not None else unpaced
     stages.mark("measure")  # the link, HBM, one layer's time, the plan, the prompt: all before the weights load
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the record's peak is the run's, not its measurements' buffers
