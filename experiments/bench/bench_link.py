@@ -64,10 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {msg.replace('hardware.link_gb_s', '--link-gb-s')}", file=sys.stderr)
         sys.exit(2)
     shape = (args.kv_heads, args.head_dim, args.fraction, args.iters, args.uva_programs)
-    rows = sweep(device, tokens, threads, *shape)
-    for cap in caps:
-        print(f"-- paced to {cap:g} GB/s")
-        rows += sweep(device, tokens, threads, *shape, pacer=shared_pacer(device, cap))
+    rows = sweep(device, tokens, threads, *shape, pacers=[None, *(shared_pacer(device, c) for c in caps)])
     record = bench_record(
         "link_bandwidth",
         "experiments.bench.bench_link",
