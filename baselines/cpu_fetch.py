@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from kvoffload.offload.link import LinkPacer, paced_copy
 from kvoffload.offload.transfer import cpu_threads
 
 # rows per gather + copy chunk (16 MiB of 512-byte rows). Every chunk costs the worker a Python iteration, which
@@ -49,9 +50,17 @@ def gather_threads(cores: int, layer_bytes: int, batch: int) -> int:
 
 class PipelinedFetcher:
     def __init__(
-        self, rows: int, row_elems: int, dtype: torch.dtype, device: torch.device, threads: int, chunk_rows: int
+        self,
+        rows: int,
+        row_elems: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        threads: int,
+        chunk_rows: int,
+        pacer: LinkPacer | None = None,
     ) -> None:
         self.threads, self.chunk_rows = threads, chunk_rows
+        self.pacer = pacer  # hardware.link_gb_s: each chunk's copy at the cap (None: the real link)
         self.staging = [torch.empty(rows, row_elems, dtype=dtype, pin_memory=True) for _ in range(2)]
         self.idx = [torch.empty(rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self.copied: list[torch.cuda.Event | None] = [None, None]  # each parity's last copy
@@ -89,7 +98,7 @@ class PipelinedFetcher:
                 torch.index_select(host_rows, 0, idx[a:b], out=staging[a:b])
                 self.gather_ms += (time.perf_counter() - t0) * 1e3
                 self.gather_bytes += (b - a) * staging.stride(0) * staging.element_size()
-                out_rows[a:b].copy_(staging[a:b], non_blocking=True)
+                paced_copy(self.pacer, out_rows[a:b], staging[a:b])
             done = torch.cuda.Event()
             done.record(self.stream)
         self.copied[parity] = done

@@ -163,7 +163,13 @@ class InfiniGen(OffloadedBaseline):
                         self.cpu_threads, rows * 2 * spec.head_dim * spec.dtype_bytes, spec.batch
                     )
                 self.fetcher = PipelinedFetcher(
-                    rows, 2 * spec.head_dim, spec.dtype, spec.device, self.cpu_threads, self.fetch_chunk_rows
+                    rows,
+                    2 * spec.head_dim,
+                    spec.dtype,
+                    spec.device,
+                    self.cpu_threads,
+                    self.fetch_chunk_rows,
+                    self.pacer,
                 )
         if not n_mid:
             return

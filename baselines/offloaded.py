@@ -12,6 +12,7 @@ from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload.budget import check_budget, select_budget, split_prompt
 from kvoffload.offload.host import Offload, host_stores, host_stores_pinned, layer_store
 from kvoffload.offload.layers import DenseLayers, prompt_window, window_positions
+from kvoffload.offload.link import link_pacer
 from kvoffload.offload.retrieval import check_topk_method
 from kvoffload.offload.transfer import TransferEngine
 from kvoffload.offload.transfer import cpu_threads as resolve_threads
@@ -75,13 +76,14 @@ class OffloadedBaseline(KVOffloadSystem):
     def _allocate(self, spec: KVSpec) -> None:
         if self.dense_layers > spec.num_layers:
             raise ConfigError(f"dense_layers={self.dense_layers} exceeds the model's {spec.num_layers} layers")
-        self.transfer = TransferEngine(self.transfer_kind, self.cpu_threads, spec.device, self.uva_programs)
+        self.pacer = link_pacer(spec)  # hardware.link_gb_s: every transfer at the cap; None: the real link
+        self.transfer = TransferEngine(self.transfer_kind, self.cpu_threads, spec.device, self.uva_programs, self.pacer)
         L = spec.num_layers
         self.dense = DenseLayers(spec, self.dense_layers)
         self.window: list[torch.Tensor | None] = [None] * L
         rows = None if spec.prompt_len is None else self.host_rows(spec.prompt_len)  # None: allocated at prefill
         self.host = host_stores(spec, self.dense_layers, rows)  # pinned before the prefill, as CLO's
-        self.offload = Offload(spec.device)  # each layer's host copy, while the next layer computes (as CLO's)
+        self.offload = Offload(spec.device, self.pacer)  # each layer's host copy, behind the next layer (as CLO's)
         self.heads = torch.arange(spec.num_kv_heads, device=spec.device)
         self.t0 = 0
         self.link_gb_s = spec.link_bytes_per_s / 1e9  # what the system floor divides the moved bytes by, as CLO's

@@ -34,6 +34,7 @@ from baselines.offloaded import OffloadedBaseline, sized
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec, StepStats, host_work
 from kvoffload.offload.budget import split_prompt
+from kvoffload.offload.link import paced_copy
 from kvoffload.offload.retrieval import make_retriever, metadata_bytes_per_head, select_topk
 from kvoffload.offload.transfer import TransferEngine, gather_to_device, to_device
 
@@ -111,7 +112,7 @@ class PQCache(OffloadedBaseline):
         cuda = spec.device.type == "cuda"
         # on CUDA the admitted blocks move as PQCache's do, by the GPU from pinned memory on a side stream, with no
         # CPU gather: its per-block DMA, for a head-major store whose block is a run of rows per KV head
-        self.block_copy = TransferEngine("uva", 1, spec.device) if cuda else None
+        self.block_copy = TransferEngine("uva", 1, spec.device, pacer=self.pacer) if cuda else None
         self.side = torch.cuda.Stream(spec.device) if cuda else None
         self.admitted: list[torch.cuda.Event | None] = [None] * L  # a layer's last cache step, done on the side
 
@@ -195,7 +196,7 @@ class PQCache(OffloadedBaseline):
         (PQCache's path) by CPU threads into pinned staging and one copy, uva by the GPU reading the host store."""
         spec, engine = self.spec, engine or self.transfer
         if engine.kind == "cpu_gather" or spec.device.type != "cuda":
-            return gather_to_device(self.host[layer], rows, engine.threads, spec.device)
+            return gather_to_device(self.host[layer], rows, engine.threads, spec.device, engine.pacer)
         out = torch.empty(1, 1, rows.numel(), 2, spec.head_dim, dtype=spec.dtype, device=spec.device)
         host = self.host[layer].view(1, 1, -1, 2, spec.head_dim)
         engine.fill(host, self.fill_heads, to_device(rows, spec.device).view(1, 1, -1), self.fill_miss, out)
@@ -234,7 +235,7 @@ class PQCache(OffloadedBaseline):
                     self.cache[layer][to_device(seq, spec.device), to_device(slots[seq, col], spec.device)] = rows
                     self.step.bytes_h2d += rows.shape[0] * hkv * bs * spec.row_bytes
                 # as PQCache's block_pos_record: the whole map, each step
-                self.slot_map[layer].copy_(block_slot, non_blocking=True)
+                paced_copy(self.pacer, self.slot_map[layer], block_slot)  # bytes_h2d counts it: paced too
                 self.step.bytes_h2d += self.slot_map[layer].nbytes
             if self.side is not None:
                 self.admitted[layer] = self.side.record_event()

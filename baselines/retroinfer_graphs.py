@@ -33,6 +33,7 @@ from kvoffload.kernels.decode_attention import hybrid_attention
 from kvoffload.kernels.uva_gather import uva_copy_blocks
 from kvoffload.kv.interface import host_work
 from kvoffload.offload.budget import split_prompt
+from kvoffload.offload.link import moving
 from kvoffload.offload.retrieval import select_topk, topk_work
 
 
@@ -100,7 +101,9 @@ class LayerGraphs:
         idx, flat = block_rows(self.dest, self.blocks, self.bs, self.n_mid, self.cap)
         host = s.host[self.layer].view(-1, self.bs, 2, self.d)  # [rows * n_blocks, bs, 2, D] pinned
         cache = s.cache[self.layer].view(-1, self.bs, 2, self.d)  # [rows * cap, bs, 2, D]
-        uva_copy_blocks(host, self.src.view(-1), cache, flat.view(-1))
+        # hardware.link_gb_s: one slot of the missed blocks' bytes, counted on the GPU from src (>= 0: a miss)
+        with moving(s.pacer, count=self.src.view(-1), unit_bytes=host[0].nbytes):
+            uva_copy_blocks(host, self.src.view(-1), cache, flat.view(-1))
         return idx
 
     def _attend(self, idx: torch.Tensor) -> None:

@@ -67,6 +67,11 @@ def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
     else:
         tau = torch.full((L, hkv), cfg.eta)
     s_hat, profile_source = load_profile(cfg.profile, L, hkv)
+    if cfg.link_gb_s is not None and spec.link_cap_gb_s is not None and cfg.link_gb_s > spec.link_cap_gb_s:
+        raise ConfigError(
+            f"system.link_gb_s={cfg.link_gb_s:g} plans with more than the link's cap, "
+            f"hardware.link_gb_s={spec.link_cap_gb_s:g}: pin at most the cap, or null to plan with the cap"
+        )
     link = cfg.link_gb_s * 1e9 if cfg.link_gb_s is not None else spec.link_bytes_per_s
     layer_s = cfg.layer_time_ms / 1e3 if cfg.layer_time_ms is not None else spec.layer_time_s or UNMEASURED_LAYER_S
     n_p = heads_per_layer_time(layer_s, link, spec.batch * k_select(cfg, spec.max_len) * spec.row_bytes)

@@ -30,6 +30,7 @@ from kvoffload.kernels.head_cache import lookup_and_update
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload.host import Offload, host_stores, host_stores_pinned, layer_store
 from kvoffload.offload.layers import DenseLayers
+from kvoffload.offload.link import link_pacer
 from kvoffload.offload.retrieval import make_retriever
 from kvoffload.offload.transfer import TransferEngine, to_device
 
@@ -68,7 +69,8 @@ class CLO(KVOffloadSystem):
     def _allocate(self, spec: KVSpec) -> None:
         self.plan_for(spec)
         cfg, cuda = self.cfg, spec.device.type == "cuda"
-        self.transfer = TransferEngine(cfg.transfer, cfg.cpu_threads, spec.device, cfg.uva_programs)
+        pacer = link_pacer(spec)  # hardware.link_gb_s: every transfer at the cap; None: the real link
+        self.transfer = TransferEngine(cfg.transfer, cfg.cpu_threads, spec.device, cfg.uva_programs, pacer)
         self.retriever = make_retriever(
             cfg.retriever,
             spec.num_layers,
@@ -98,7 +100,7 @@ class CLO(KVOffloadSystem):
         # than computed from the position in every layer: tiny kernels on the critical path otherwise
         self.win_at = torch.zeros(1, dtype=torch.long, device=spec.device)
         self.win_len = torch.zeros(spec.batch, dtype=torch.long, device=spec.device)
-        self.offload = Offload(spec.device)  # prefill's host copies and hash encoding
+        self.offload = Offload(spec.device, pacer)  # prefill's host copies and hash encoding
         self.hosts = host_stores(spec, cfg.dense_layers, spec.prompt_len)  # handed to the stores at prefill
 
     # ---- prefill -------------------------------------------------------------------------------------------

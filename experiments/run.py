@@ -62,6 +62,13 @@ def summary(rec: dict) -> str:
         f"{'n/a' if m['hit_rate'] is None else round(m['hit_rate'], 3)};"
         f" host->device {m['bytes_h2d_per_step'] / 1e6:.2f} MB/step",
     ]
+    link = rec.get("link") or {}
+    if link.get("cap_gb_s") is not None:  # hardware.link_gb_s: the cap beside what it let through
+        got = ", ".join(f"{k} {v:.2f}" for k, v in link["achieved_gb_s"].items())
+        lines.append(
+            f"   link capped at {link['cap_gb_s']:g} GB/s (unpaced bulk {link['bulk_unpaced_gb_s']:.2f}); "
+            f"achieved at the start: {got} GB/s"
+        )
     return "\n".join(lines)
 
 

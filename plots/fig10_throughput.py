@@ -55,6 +55,12 @@ def data(root: Path, allow_mixed: bool = False) -> dict:
             f"records of several device budgets under {root} ({shown}; hardware.gpu_mem_gb): a figure draws one; "
             + ONE_EACH
         )
+    links = {link_cap_of(r["record"]) for r in recs}
+    if len(links) > 1:  # a capped link is another machine: its points are not the same grid's
+        shown = ", ".join(f"{c:g} GB/s" if c else "none" for c in sorted(links, key=lambda c: c or 0))
+        raise RecordError(
+            f"records of several link caps under {root} ({shown}; hardware.link_gb_s): a figure draws one; " + ONE_EACH
+        )
     points: dict[tuple, dict] = {}
     for r in recs:
         rec = r["record"]
@@ -82,6 +88,7 @@ def data(root: Path, allow_mixed: bool = False) -> dict:
         "speedup": speedup,
         "speedup_median": speedup_median,
         "budget_gb": budgets.pop(),
+        "link_cap_gb_s": links.pop() if links else None,
         "model": one_value(recs, lambda r: r["model"], "models"),
         "records": recs,
     }
@@ -110,6 +117,11 @@ def budget_text(budget_gb: float | None) -> str:
 def budget_of(rec: dict) -> float | None:
     """The device budget a run record ran under (hardware.gpu_mem_gb; None: none)."""
     return (rec.get("config") or {}).get("hardware", {}).get("gpu_mem_gb")
+
+
+def link_cap_of(rec: dict) -> float | None:
+    """The link cap a run record ran under (hardware.link_gb_s; None: the real link)."""
+    return (rec.get("config") or {}).get("hardware", {}).get("link_gb_s")
 
 
 def refusals(root: Path) -> list[tuple[tuple[str, int, int, str], float | None]]:

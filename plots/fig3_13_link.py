@@ -32,7 +32,9 @@ def data(root: Path) -> dict:
         raise RecordError(f"unknown transfer path {', '.join(bad)} in {recs.files[0]}; known: {', '.join(PATHS)}")
     if not any(r["path"] == "bulk" for r in rec["rows"]):
         raise RecordError(f"no bulk copy in {recs.files[0]}: the paths are measured against it")
-    return {"rows": rec["rows"], "device": rec["device"], "record": rec, "records": recs}
+    # the real link's rows: a record made with --link-gb-s also holds each cap's paced rows (cap_gb_s set)
+    rows = [r for r in rec["rows"] if r.get("cap_gb_s") is None]
+    return {"rows": rows, "device": rec["device"], "record": rec, "records": recs}
 
 
 def series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements, in stages, for a session with little device time:
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
-# Stages: host_warmup (before host-bound runs) pytest_gpu (~5 min) fig3_13 bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
+# Stages: host_warmup (before host-bound runs) pytest_gpu (~5 min) fig3_13 link_cap pytest_link_cap (LINK_CAPS) bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
 # bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
 # memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) fig10_beyond (FIG10B) multi_gpu (MULTI; several GPUs, ~4 min) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather lru block_copy (~1 min each) pin_alloc (~4 min) skew_eigh (seconds) fig2 fig2_untimed (~3.5 min each) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
@@ -67,6 +67,11 @@ stage bench_attn 240 python3 -m experiments.bench.bench_decode_attention --batch
   --out "$out/decode_attention.json"
 # paper Figures 3/13: each transfer path's bandwidth by volume and CPU threads, beside a bulk pinned copy
 stage fig3_13 240 python3 -m experiments.bench.bench_link --out "$out/fig3_13_link/record.json"
+# hardware.link_gb_s: every path paced to each cap (LINK_CAPS), its achieved rate beside the cap (docs/gpu.md, "A
+# slower link"), then the cap's GPU tests (each path within 10 % of the cap, streams, graphs, capped runs)
+stage link_cap 240 python3 -m experiments.bench.bench_link --link-gb-s ${LINK_CAPS:-8,16,21.21,32} \
+  --threads ${LINK_CAP_THREADS:-8,16} --out "$out/link_cap/record.json"
+stage pytest_link_cap 300 python3 -m pytest -m gpu -q --durations=10 tests/test_link_cap_gpu.py
 # what the synthetic query process costs a step on its own, by batch (a workload's cost inside every system's step)
 stage query_process 240 python3 -m experiments.bench.bench_query_process --out "$out/query_process.json"
 # RetroInfer-style's CPU LRU alone at Figure 10's shapes, by threads, inline vs deferred (its step's host work)

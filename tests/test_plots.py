@@ -307,6 +307,10 @@ def test_throughput_from_run_records(tmp_path):
     write(tmp_path / "clo_8", {"record.json": budgeted})
     with pytest.raises(RecordError, match=r"several device budgets .*\(none, 48 GB; hardware.gpu_mem_gb\)"):
         fig10_throughput.data(tmp_path)
+    capped = run_record("clo", batch=8, **{"config.hardware": {"link_gb_s": 21.21}})  # a slower link beside it
+    write(tmp_path / "clo_8", {"record.json": capped})
+    with pytest.raises(RecordError, match=r"several link caps .*\(none, 21.21 GB/s; hardware.link_gb_s\)"):
+        fig10_throughput.data(tmp_path)
 
 
 def test_accuracy_records_against_table_5(tmp_path):

@@ -67,10 +67,21 @@ def test_link_bench_on_the_cpu(tmp_path, capsys):
     assert all(r["bytes"] == r["tokens"] * 2 * 32 and r["gb_s"] > 0 for r in rec["rows"])
     assert rec["command"].startswith("python -m experiments.bench.bench_link --out")
     fig3_13_link.plot(out.parent, tmp_path / "link.png")
-    for bad, why in ((["--tokens", "0"], "at least 1"), (["--fraction", "2"], "must be in (0, 1]")):
+    assert rec["link_caps_gb_s"] == [] and rec["mechanism"] is None
+    # a record with paced rows (--link-gb-s on a GPU) draws the real link's rows only
+    rec["rows"].append({**rec["rows"][0], "gb_s": 1e-6, "cap_gb_s": 8.0, "of_cap": 0.0})
+    out.write_text(json.dumps(rec))
+    assert all("cap_gb_s" not in r for r in fig3_13_link.data(out.parent)["rows"])
+    for bad, why in (
+        (["--tokens", "0"], "at least 1"),
+        (["--fraction", "2"], "must be in (0, 1]"),
+        (["--link-gb-s", "8,0"], "--link-gb-s='0' must be above 0"),
+        (["--link-gb-s", "21.21"], "--link-gb-s=21.21 caps a GPU's host link; a cpu run has none"),
+    ):
         with pytest.raises(SystemExit) as e:
-            bench_link.main(["--out", str(tmp_path / "x.json"), *bad])
-        assert e.value.code == 2 and why in capsys.readouterr().err
+            bench_link.main(["--out", str(tmp_path / "x.json"), "--device", "cpu", *bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and why in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_block_copy_bench_on_the_cpu(tmp_path, capsys):

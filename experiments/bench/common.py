@@ -18,6 +18,7 @@ from experiments.runner.timing import median_ms
 from kvoffload.errors import ConfigError
 from kvoffload.kernels.uva_gather import gather_rows_ref
 from kvoffload.model.config import ModelConfig
+from kvoffload.offload.link import paced_copy
 from kvoffload.offload.transfer import TransferEngine
 from kvoffload.paths import ROOT
 
@@ -60,34 +61,55 @@ def bench_record(bench: str, module: str, argv: list[str] | None, device: torch.
     }
 
 
-def sweep(device, tokens, threads, kv_heads, head_dim, fraction, iters, uva_programs) -> list[dict]:
+def sweep(device, tokens, threads, kv_heads, head_dim, fraction, iters, uva_programs, pacers=(None,)) -> list[dict]:
+    """Every path's rate at every volume (and the CPU gather's at every thread count), once per entry of `pacers`:
+    None, the real link; a kvoffload.offload.link.LinkPacer (hardware.link_gb_s), every path through it, each row
+    beside its cap. The host pool is made once for all of them (GBs of pinned memory at the largest volume)."""
     pool = math.ceil(max(tokens) / fraction)
     cuda = device.type == "cuda"
     host = torch.randn(1, kv_heads, pool, 2, head_dim, dtype=torch.bfloat16)
     host = host.pin_memory() if cuda else host
     heads = torch.arange(kv_heads, device=device)
     rows = []
-    for t in tokens:
-        span = math.ceil(t / fraction)
-        idx = torch.stack([torch.randperm(span)[:t].sort().values for _ in range(kv_heads)])[None].to(device)
-        miss = torch.ones(1, kv_heads, dtype=torch.bool, device=device)
-        slots = torch.zeros(1, kv_heads, t, 2, head_dim, dtype=torch.bfloat16, device=device)
-        nbytes = slots.numel() * slots.element_size()
-        src, dst = host.view(-1)[: slots.numel()], torch.empty(slots.numel(), dtype=torch.bfloat16, device=device)
-        timed = [("bulk", None, lambda: dst.copy_(src, non_blocking=True))]
-        engines = [("uva", None, TransferEngine("uva", 1, device, uva_programs))] if cuda else []
-        engines += [("cpu_gather", n, TransferEngine("cpu_gather", n, device)) for n in (threads if cuda else [1])]
-        for path, n, eng in engines:
-            timed.append((path, n, lambda eng=eng: eng.fill(host, heads, idx, miss, slots)))
-        bulk_ms = None
-        for path, n, fn in timed:
-            slots.zero_()
-            ms = median_ms(fn, device, iters, warmup=1)
-            bulk_ms = ms if path == "bulk" else bulk_ms
-            row = {"path": path, "threads": n if cuda else None, "tokens": t} | rate(nbytes, ms, bulk_ms)
-            if path != "bulk":
-                want = gather_rows_ref(host, heads.cpu(), idx.cpu())
-                row["exact_rows"] = torch.equal(slots.cpu(), want)
-            rows.append(row)
-            print(f"{t:>7} tokens {path:<10} {n or '':>2} {row['gb_s']:8.2f} GB/s = {row['of_bulk']:.2f} of bulk")
+    for pacer in pacers:
+        cap = None if pacer is None else pacer.gb_s
+        if cap is not None:
+            print(f"-- every path paced to {cap:g} GB/s")
+        for t in tokens:
+            rows += volume(device, host, heads, t, threads, fraction, iters, uva_programs, pacer)
+    return rows
+
+
+def volume(device, host, heads, t, threads, fraction, iters, uva_programs, pacer) -> list[dict]:
+    """sweep's rows of one volume, t tokens of every head."""
+    cuda, (kv_heads, head_dim) = device.type == "cuda", (host.shape[1], host.shape[-1])
+    cap = None if pacer is None else pacer.gb_s
+    rows = []
+    span = math.ceil(t / fraction)
+    idx = torch.stack([torch.randperm(span)[:t].sort().values for _ in range(kv_heads)])[None].to(device)
+    miss = torch.ones(1, kv_heads, dtype=torch.bool, device=device)
+    slots = torch.zeros(1, kv_heads, t, 2, head_dim, dtype=torch.bfloat16, device=device)
+    nbytes = slots.numel() * slots.element_size()
+    src, dst = host.view(-1)[: slots.numel()], torch.empty(slots.numel(), dtype=torch.bfloat16, device=device)
+    timed = [("bulk", None, lambda: paced_copy(pacer, dst, src))]
+    engines = [("uva", None, TransferEngine("uva", 1, device, uva_programs, pacer))] if cuda else []
+    engines += [
+        ("cpu_gather", n, TransferEngine("cpu_gather", n, device, pacer=pacer)) for n in (threads if cuda else [1])
+    ]
+    for path, n, eng in engines:
+        timed.append((path, n, lambda eng=eng: eng.fill(host, heads, idx, miss, slots)))
+    bulk_ms = None
+    for path, n, fn in timed:
+        slots.zero_()
+        ms = median_ms(fn, device, iters, warmup=1)
+        bulk_ms = ms if path == "bulk" else bulk_ms
+        row = {"path": path, "threads": n if cuda else None, "tokens": t} | rate(nbytes, ms, bulk_ms)
+        if cap is not None:  # the achieved rate beside the cap it was paced to
+            row |= {"cap_gb_s": cap, "of_cap": round(row["gb_s"] / cap, 3)}
+        if path != "bulk":
+            want = gather_rows_ref(host, heads.cpu(), idx.cpu())
+            row["exact_rows"] = torch.equal(slots.cpu(), want)
+        rows.append(row)
+        beside = f" = {row['of_cap']:.3f} of the {cap:g} GB/s cap" if cap is not None else ""
+        print(f"{t:>7} tokens {path:<10} {n or '':>2} {row['gb_s']:8.2f} GB/s = {row['of_bulk']:.2f} of bulk{beside}")
     return rows

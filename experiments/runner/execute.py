@@ -21,7 +21,7 @@ from tqdm import tqdm
 from experiments.runner import preflight
 from experiments.runner.records import config_error, environment
 from experiments.runner.setting_types import check_system_settings
-from experiments.runner.timing import copy_bandwidth_gb_s, link_gb_s, model_layer_time_s
+from experiments.runner.timing import copy_bandwidth_gb_s, link_gb_s, model_layer_time_s, paced_link
 from experiments.workloads.prompts import PROMPTS, build_prompt
 from kvoffload.errors import ConfigError
 from kvoffload.generate import Generation, generate
@@ -80,6 +80,8 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     stages = StageMarks()
     device = preflight.resolve_device(cfg.device)
     dtype = preflight.resolve_dtype(cfg.dtype, device)
+    cap = numbers.link_cap_gb_s  # hardware.link_gb_s: refused on a CPU run before anything is built
+    preflight.check_link_cap(cap, device)
     system = build_system(cfg.system, system_name)
     chunk, fill = numbers.prefill_chunk, numbers.kv_fill
     what = f"system={system_name} model={model_cfg.name} seqlen={preflight.tokens_text(seqlen)} batch={batch}"
@@ -121,10 +123,13 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
             cfg.model.synthetic_keys, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, numbers.seed
         )
     # the link and one layer's dense time are measured first: the system's plan, its memory estimate and its
-    # allocation all read them
-    link, layer_s = link_gb_s(device), model_layer_time_s(model_cfg, batch, device, dtype)
+    # allocation all read them. A link cap above the measured link is refused before anything else is allocated; under
+    # a cap, plans and floors read the cap as the link
+    link = link_gb_s(device)
+    preflight.check_link_cap(cap, device, link)
+    layer_s = model_layer_time_s(model_cfg, batch, device, dtype)
     budget = preflight.kv_budget(model_cfg, shapes, numbers.gpu_mem_gb, chunk, fill)  # reads neither placeholder
-    spec = replace(shapes, link_gb_s=link, layer_time_s=layer_s, gpu_budget_bytes=budget)
+    spec = replace(shapes, link_gb_s=cap or link, link_cap_gb_s=cap, layer_time_s=layer_s, gpu_budget_bytes=budget)
     plan = preflight.plan_memory(model_cfg, system, spec, seqlen, chunk, fill)
     preflight.check_memory(plan, device, numbers.gpu_mem_gb, what, estimate, spec, model_cfg.name)
     decode_mode = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
@@ -150,6 +155,8 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     keys_line = f"; keys: {keys_desc}" if keys_desc else ""  # else the model's own keys, from its prefill
     log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}{keys_line}")
     hbm = numbers.hbm_gb_s or copy_bandwidth_gb_s(device)
+    unpaced = {"cap_gb_s": None, "bulk_unpaced_gb_s": round(link, 2) if device.type == "cuda" else None}
+    link_record = paced_link(device, cap, link) if cap is not None else unpaced
     stages.mark("measure")  # the link, HBM, one layer's time, the plan, the prompt: all before the weights load
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the record's peak is the run's, not its measurements' buffers
@@ -216,6 +223,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
             gen, system, model_cfg, spec, seqlen, hbm, state.get("link_gb_s"), numbers.warmup_steps, fill
         ),
         "system_state": state,
+        "link": link_record,  # hardware.link_gb_s: the cap, its mechanism, the rates it let through
         "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
         "stages": stages.marks,
         # a graph-replayed step's phases, read from the traced step's kernels (experiments.runner.trace_phases)

@@ -90,6 +90,7 @@ class RunNumbers:
     gpu_mem_gb: float | None
     hbm_gb_s: float | None
     prefill_chunk: int = 8192
+    link_cap_gb_s: float | None = None  # hardware.link_gb_s
     kv_fill: str = "prefill"
     pin_threads: int = 0
     pin_huge_pages: bool = False
@@ -142,12 +143,31 @@ def check_numbers(cfg) -> RunNumbers:
         needle_depth=number(cfg.workload.get("needle_depth", 0.5), "workload.needle_depth", 0.0, 1.0),
         gpu_mem_gb=number(hw.get("gpu_mem_gb"), "hardware.gpu_mem_gb", 0.0, above=True, null=True),
         hbm_gb_s=number(hw.get("hbm_gb_s"), "hardware.hbm_gb_s", 0.0, above=True, null=True),
+        link_cap_gb_s=number(hw.get("link_gb_s"), "hardware.link_gb_s", 0.0, above=True, null=True),
         prefill_chunk=parse_tokens(cfg.get("prefill_chunk", 8192), "prefill_chunk"),
         kv_fill=choice(cfg.workload.get("kv_fill", "prefill"), "workload.kv_fill", KV_FILLS),
         pin_threads=threads,
         pin_huge_pages=huge,
         job_process=choice(cfg.get("job_process", "inline"), "job_process", JOB_PROCESSES),
     )
+
+
+def check_link_cap(cap_gb_s: float | None, device: torch.device, bulk_gb_s: float | None = None) -> None:
+    """hardware.link_gb_s paces a GPU's link (kvoffload/offload/link.py): refused on a CPU run, which has no link, and
+    above the bulk pinned copy rate measured at the start (bulk_gb_s; the link cannot be made faster than it is).
+    Called with the device first (before the system is built), then with the measurement (before any allocation)."""
+    if cap_gb_s is None:
+        return
+    if device.type != "cuda":
+        raise ConfigError(
+            f"hardware.link_gb_s={cap_gb_s:g} caps a GPU's host link; a {device.type} run has none: "
+            "set hardware.link_gb_s=null, or run on a GPU"
+        )
+    if bulk_gb_s is not None and cap_gb_s > bulk_gb_s:
+        raise ConfigError(
+            f"hardware.link_gb_s={cap_gb_s:g} is above this link's bulk pinned copy, measured at "
+            f"{bulk_gb_s:.2f} GB/s at the start of the run: a cap can only slow the link; use at most {bulk_gb_s:.2f}"
+        )
 
 
 def pin_threads(value: Any, key: str) -> int:

@@ -9,6 +9,8 @@ import time
 import torch
 
 from kvoffload.kv.interface import CPU_LINK_GB_S
+from kvoffload.offload.link import MECHANISM, shared_pacer
+from kvoffload.offload.transfer import TransferEngine
 
 
 def median_ms(fn, device: torch.device, repeats: int = 5, warmup: int = 1) -> float:
@@ -52,6 +54,34 @@ def link_gb_s(device: torch.device) -> float:
     """The host->device link that every system plans with and divides its moved bytes by: on CUDA a pinned copy,
     measured once per process and device (every system of a sweep sees the same link); on a CPU run CPU_LINK_GB_S."""
     return pinned_h2d_gb_s(device) if device.type == "cuda" else CPU_LINK_GB_S
+
+
+def paced_link(device: torch.device, cap_gb_s: float, bulk_gb_s: float, nbytes: int = 32 << 20) -> dict:
+    """The record's account of hardware.link_gb_s: the cap, how it is kept, the bulk copy measured unpaced, and the
+    rates that the pacer (the run's own, shared_pacer) lets a bulk pinned copy and a UVA gather of scattered rows
+    (Llama-3 rows: 8 KV heads, 512 B) reach, nbytes each, measured here as the run starts."""
+    pacer = shared_pacer(device, cap_gb_s)
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    bulk_ms = median_ms(lambda: pacer.copy_(dst, src), device)
+    heads, row = 8, 512
+    k = nbytes // (heads * row)
+    host = torch.empty(1, heads, 2 * k, 2, row // 4, dtype=torch.bfloat16, pin_memory=True)
+    idx = torch.stack([torch.randperm(2 * k)[:k].sort().values for _ in range(heads)])[None].to(device)
+    slots = torch.empty(1, heads, k, 2, row // 4, dtype=torch.bfloat16, device=device)
+    miss = torch.ones(1, heads, dtype=torch.bool, device=device)
+    engine = TransferEngine("uva", 1, device, 32, pacer)  # CLO's default uva_programs
+    on = torch.arange(heads, device=device)
+    uva_ms = median_ms(lambda: engine.fill(host, on, idx, miss, slots), device)
+    return {
+        "cap_gb_s": cap_gb_s,
+        "mechanism": MECHANISM,
+        "bulk_unpaced_gb_s": round(bulk_gb_s, 2),
+        "achieved_gb_s": {
+            "bulk": round(nbytes / bulk_ms / 1e6, 2),
+            "uva_gather": round(slots.nbytes / uva_ms / 1e6, 2),
+        },
+    }
 
 
 def replay_ms(fn, reps: int = 20, iters: int = 10, stream: torch.cuda.Stream | None = None) -> float:

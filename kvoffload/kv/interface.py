@@ -44,6 +44,9 @@ class KVSpec:
     # host->device bandwidth (GB/s = 1e9 B/s) that systems plan with and divide their moved bytes by, measured by
     # the runner (experiments.runner.timing.link_gb_s); None: CPU_LINK_GB_S on a CPU run, refused on CUDA
     link_gb_s: float | None = None
+    # hardware.link_gb_s: a cap every transfer path is paced to (kvoffload.offload.link); the runner then hands the
+    # cap as link_gb_s too, so that plans and floors use it. None: the real link, unpaced
+    link_cap_gb_s: float | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVSpec
+from kvoffload.offload.link import LinkPacer, paced_copy
 
 _pin_threads = 0  # this process's setting: torch's default until pin_by_register changes it
 
@@ -171,10 +172,11 @@ class Offload:
     its encoding run on a stream of their own, behind the layer's compute, while the decoder goes on to the next
     layer. The staged K/V they read is held until an event after them has completed: freed earlier, its memory
     would go to the next layer's kernels on the compute stream while the copy still reads it. Off CUDA both run
-    in place."""
+    in place. With a `pacer` (hardware.link_gb_s) the copy keeps to its cap on the device -> host clock."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pacer: LinkPacer | None = None):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pacer = pacer
         self.pending: tuple[torch.cuda.Event, torch.Tensor] | None = None  # (done, the staged K/V)
 
     def start(self, kv: torch.Tensor, host: torch.Tensor, encode: Callable[[], None] | None = None) -> None:
@@ -187,7 +189,7 @@ class Offload:
         self.finish()
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            host.copy_(kv, non_blocking=True)
+            paced_copy(self.pacer, host, kv)
             encode()
             done = torch.cuda.Event()
             done.record()

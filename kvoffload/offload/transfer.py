@@ -10,10 +10,13 @@ The host store is head-major, one row = K and V of one token of one KV head ([B,
               must first come to the host (a sync) - the baselines' path
 
 On a CPU device both are the same host-to-host gather of the missed heads' rows (uva_gather.gather_into_cpu: the
-reference's result)."""
+reference's result). With a `pacer` (hardware.link_gb_s) both paths move their rows at its cap
+(kvoffload/offload/link.py): the UVA gather inside one slot of its missed heads' bytes, counted on the GPU, the
+staging's copy in paced chunks."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -21,6 +24,7 @@ import torch
 from kvoffload.errors import ConfigError
 from kvoffload.kernels import uva_gather as uva_kernel
 from kvoffload.kernels.uva_gather import gather_into_cpu, gather_rows_ref, record_moves_ref, uva_gather
+from kvoffload.offload.link import LinkPacer, moving, paced_copy
 
 TRANSFERS = ("uva", "cpu_gather")
 
@@ -35,7 +39,14 @@ def cpu_threads(threads: int | str) -> int:
 
 
 class TransferEngine:
-    def __init__(self, kind: str, threads: int | str, device: torch.device, uva_programs: int | None = None):
+    def __init__(
+        self,
+        kind: str,
+        threads: int | str,
+        device: torch.device,
+        uva_programs: int | None = None,
+        pacer: LinkPacer | None = None,
+    ):
         if kind not in TRANSFERS:
             raise ConfigError(f"transfer={kind!r}; valid: {', '.join(TRANSFERS)}")
         threads = cpu_threads(threads)
@@ -49,6 +60,7 @@ class TransferEngine:
         self.uva_programs = uva_programs  # cap on the gather's grid (None: one per tile of each (sequence, head))
         self.uva_warps = 4  # per gather program (bench_clo_layer compares others)
         self.host_syncs = 0
+        self.pacer = pacer  # None: the real link, unpaced
 
     def fill(
         self,
@@ -62,9 +74,11 @@ class TransferEngine:
         """slots[b, h] := host rows idx[b, h] wherever miss[b, h]. slots [B, h, k, 2, D] on the device. record:
         (slot_idx, misses), uva_gather's bookkeeping of what moved (the uva kernel does it itself)."""
         if self.device.type == "cuda" and self.kind == "uva":
-            uva_gather(
-                host, heads, idx, miss, slots, programs=self.uva_programs, num_warps=self.uva_warps, record=record
-            )
+            # the slot's bytes: k rows of every missed head, counted on the GPU from the kernel's own mask
+            with moving(self.pacer, count=miss, unit_bytes=math.prod(slots.shape[2:]) * slots.element_size()):
+                uva_gather(
+                    host, heads, idx, miss, slots, programs=self.uva_programs, num_warps=self.uva_warps, record=record
+                )
             return
         if self.device.type == "cuda":
             self._cpu_gather(host, heads, idx, miss, slots)
@@ -83,7 +97,7 @@ class TransferEngine:
         b, h = pairs[:, 0], pairs[:, 1]
         t = host.shape[2]
         flat_idx = ((b * host.shape[1] + heads.cpu()[h]) * t)[:, None] + idx_h[b, h]
-        rows = gather_to_device(host, flat_idx.view(-1), self.threads, self.device)
+        rows = gather_to_device(host, flat_idx.view(-1), self.threads, self.device, self.pacer)
         slots[b.to(self.device), h.to(self.device)] = rows.view(len(pairs), *slots.shape[2:])
 
 
@@ -94,10 +108,12 @@ def to_device(values, dev: torch.device, dtype: torch.dtype | None = None) -> to
     return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
 
 
-def gather_to_device(host: torch.Tensor, rows: torch.Tensor, threads: int, device: torch.device) -> torch.Tensor:
+def gather_to_device(
+    host: torch.Tensor, rows: torch.Tensor, threads: int, device: torch.device, pacer: LinkPacer | None = None
+) -> torch.Tensor:
     """host [..., 2, D] (pinned on CUDA), rows [n] flat row indices on the host -> those rows [n, 2, D] on
     `device`: one native gather (torch's parallel index_select on `threads` OpenMP threads) into pinned staging,
-    then one asynchronous copy."""
+    then one asynchronous copy (paced by `pacer` when given)."""
     flat = host.view(-1, host.shape[-2] * host.shape[-1])
     staging = torch.empty((rows.numel(), flat.shape[1]), dtype=host.dtype, pin_memory=device.type == "cuda")
     before = torch.get_num_threads()
@@ -106,4 +122,7 @@ def gather_to_device(host: torch.Tensor, rows: torch.Tensor, threads: int, devic
         torch.index_select(flat, 0, rows, out=staging)
     finally:
         torch.set_num_threads(before)
-    return staging.to(device, non_blocking=True).view(-1, *host.shape[-2:])
+    if pacer is None or device.type != "cuda":
+        return staging.to(device, non_blocking=True).view(-1, *host.shape[-2:])
+    out = torch.empty(staging.shape, dtype=staging.dtype, device=device)
+    return paced_copy(pacer, out, staging).view(-1, *host.shape[-2:])
