@@ -79,6 +79,7 @@ def task(cfg: DictConfig) -> dict:
     overrides = list(hc.overrides.task)
     choices = dict(hc.runtime.choices)
     identity = run_identity(cfg, overrides, choices)
+    preflight.check_output_paths(cfg)  # the record is written after the long work: where it goes, checked first
     path = record_path(Path(cfg.results_dir), identity)
     if finished(path) and not preflight.switch(cfg.force, "force"):
         print(f"[run] skip: {path} exists (force=true repeats it)", file=sys.stderr)

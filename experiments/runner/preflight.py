@@ -5,9 +5,12 @@ fit, instead of starting and dying from an out-of-memory kill."""
 from __future__ import annotations
 
 import math
+import os
 import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -148,6 +151,36 @@ def check_numbers(cfg) -> RunNumbers:
         pin_huge_pages=huge,
         job_process=choice(cfg.get("job_process", "inline"), "job_process", JOB_PROCESSES),
     )
+
+
+def check_writable(path: Any, key: str, folder: bool = True) -> None:
+    """A folder a run writes into (folder=False: a file, whose folder it writes into) must be one this process can
+    create or write: its nearest existing part a folder it may write. Checked up front, since the record is
+    written after the long work. Nothing is left behind (the probe folder is removed at once)."""
+    target = Path(str(path))
+    if folder and target.is_file():
+        raise ConfigError(f"{key}={path} is a file, not a folder")
+    if not folder and target.is_dir():
+        raise ConfigError(f"{key}={path} is a folder, not a file")
+    probe = target if folder else target.parent
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        what = "a file" if probe.exists() else "a broken link"
+        raise ConfigError(f"{key}={path}: {probe} is {what}, not a folder")
+    try:  # a real write, not os.access: root passes that for folders it cannot write (/proc, a read-only mount)
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=probe))
+    except OSError as e:
+        raise ConfigError(f"{key}={path}: cannot write in {probe} ({e.strerror})") from None
+
+
+def check_output_paths(cfg) -> None:
+    """results_dir, and trace_dir and memory_snapshot where set: writable, before any work."""
+    check_writable(cfg.results_dir, "results_dir")
+    if cfg.get("trace_dir"):
+        check_writable(cfg.trace_dir, "trace_dir")
+    if cfg.get("memory_snapshot"):
+        check_writable(cfg.memory_snapshot, "memory_snapshot", folder=False)
 
 
 def pin_threads(value: Any, key: str) -> int:
