@@ -11,17 +11,24 @@ from kvoffload.errors import ConfigError
 from tests.test_run_command import FAST, run, single_error
 
 
+def given(tmp: Path) -> Path:
+    """The folder of a test's own inputs (a file in results_dir's way, a checkpoint), which written() leaves out."""
+    (tmp / "in").mkdir(exist_ok=True)
+    return tmp / "in"
+
+
 def written(tmp: Path) -> list[Path]:
-    """What a refused run left under tmp (the test's own inputs excepted): the results, Hydra's run folder."""
-    return sorted(p for p in tmp.rglob("*") if p.name not in ("afile", "ro"))
+    """What a refused run left under tmp: its results, Hydra's run folder, W&B's, anything."""
+    return sorted(p for p in tmp.rglob("*") if p.relative_to(tmp).parts[0] != "in")
 
 
 @pytest.mark.parametrize("under", ["afile", "afile/runs"])
 def test_results_dir_at_a_file_is_refused_before_the_run(tmp_path, under):
     """It used to fail after the whole run, in the record's write, with a NotADirectoryError traceback."""
-    (tmp_path / "afile").write_text("not a folder")
-    line = single_error(run(f"results_dir={tmp_path / under}", "seqlen=64", *FAST, tmp=tmp_path, check=False))
-    assert f"results_dir={tmp_path / under}" in line and "is a file, not a folder" in line
+    (given(tmp_path) / "afile").write_text("not a folder")
+    where = given(tmp_path) / under
+    line = single_error(run(f"results_dir={where}", "seqlen=64", *FAST, tmp=tmp_path, check=False))
+    assert f"results_dir={where}" in line and "is a file, not a folder" in line
     assert written(tmp_path) == []
 
 
@@ -36,7 +43,7 @@ def test_results_dir_nobody_can_write_is_refused(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
 def test_results_dir_in_a_read_only_folder_is_refused(tmp_path):
-    ro = tmp_path / "ro"
+    ro = given(tmp_path) / "ro"
     ro.mkdir(mode=0o555)
     line = single_error(run(f"results_dir={ro / 'runs'}", "seqlen=64", *FAST, tmp=tmp_path, check=False))
     assert f"cannot write in {ro}" in line and "Permission denied" in line
@@ -52,3 +59,24 @@ def test_check_writable_leaves_nothing_and_takes_what_it_would_create(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "gone")
     with pytest.raises(ConfigError, match="is a broken link"):
         check_writable(tmp_path / "link" / "runs", "trace_dir")
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('{"hidden_size": 576', "config.json is not valid JSON (Expecting ',' delimiter"),
+        ("{}", "config.json has no 'hidden_size', 'intermediate_size', 'num_hidden_layers'"),
+        (
+            '{"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "vocab_size": 49152}',
+            "no 'num_attention_heads'",
+        ),
+        ("[1, 2]", "config.json holds a JSON list, not an object"),
+    ],
+)
+def test_a_broken_checkpoint_config_is_one_line_naming_it(tmp_path, text, message):
+    """It was a KeyError or JSONDecodeError traceback inside Hydra's "Error executing job" wrapper."""
+    folder = given(tmp_path)
+    (folder / "config.json").write_text(text)
+    line = single_error(run(f"model.path={folder}", "seqlen=64", *FAST[1:], tmp=tmp_path, check=False))
+    assert f"model.path={folder}: {folder / 'config.json'}" in line and message in line
+    assert written(tmp_path) == []

@@ -112,6 +112,19 @@ def weights_source(model_cfg) -> str:
     return "hf" if model_cfg.get("path") else model_cfg.weights
 
 
+def check_model_path(cfg) -> None:
+    """A model.path checkpoint, checked before any work (its weights load only after the measurements): the folder,
+    its config.json read and matched to the model's shapes, its safetensors files there."""
+    if weights_source(cfg.model) != "hf":
+        return
+    from omegaconf import OmegaConf
+
+    from kvoffload.model.weights import check_hf_folder
+
+    model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
+    check_hf_folder(model_cfg, Path(str(cfg.model.path)))
+
+
 def check_kv_fill(cfg, kv_fill: str) -> None:
     """A KV filled without a prefill (projection, key process) is for synthetic weights, and the key process needs
     the model's synthetic_keys profile: bad input for every job of that model, refused before a sweep's first."""
