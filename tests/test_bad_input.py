@@ -80,3 +80,11 @@ def test_a_broken_checkpoint_config_is_one_line_naming_it(tmp_path, text, messag
     line = single_error(run(f"model.path={folder}", "seqlen=64", *FAST[1:], tmp=tmp_path, check=False))
     assert f"model.path={folder}: {folder / 'config.json'}" in line and message in line
     assert written(tmp_path) == []
+
+
+def test_a_bad_wandb_mode_is_refused_before_the_run(tmp_path):
+    """It was a warning after the whole run, which then went unlogged."""
+    args = ("seqlen=64", *FAST[:-1], "wandb.enabled=true", "wandb.mode=bogus", f"wandb.dir={tmp_path}")
+    line = single_error(run(*args, tmp=tmp_path, check=False))
+    assert line == "error: wandb.mode='bogus'; valid: auto, online, offline, disabled"
+    assert written(tmp_path) == []

@@ -140,6 +140,11 @@ def check_numbers(cfg) -> RunNumbers:
         value = _select(cfg, key)
         if value is not _MISSING:
             switch(value, key)
+    mode = _select(cfg, "wandb.mode")
+    if mode is not _MISSING:  # W&B reads it only after the run: a typo would lose the run's log, found late
+        from experiments.runner.wandb_log import MODES
+
+        choice(mode, "wandb.mode", MODES)
     integer(cfg.get("repeat", 0), "repeat", 0)  # a label, checked: it names the run's folder
     hw = cfg.get("hardware") or {}
     threads = pin_threads(hw.get("pin_threads", 0), "hardware.pin_threads")
