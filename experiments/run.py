@@ -5,14 +5,16 @@ as resolved values (records.run_identity). A run whose record ended ok, or refus
 commit, is skipped (records.finished; force=true repeats it); in a sweep a failing run records its error and the
 sweep goes on, and the sweep ends with a table of its jobs (records.SweepSummary) and exit status 1 if any failed.
 Bad input (a ConfigError wherever it is raised, an unknown key) ends a single run with one `error:` line and exit
-status 2, before any long work."""
+status 2, before any long work. Ctrl-C ends a run with one line, a sweep with its table, and exit status 130."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -21,7 +23,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.runner import cli_checks, preflight
 from experiments.runner.job_process import hydra_flags, run_in_forked_child, run_in_fresh_process
-from experiments.runner.records import config_error, finished, git_commit, one_line, record_path, refuse, run_identity
+from experiments.runner.records import (
+    SweepSummary,
+    config_error,
+    finished,
+    git_commit,
+    one_line,
+    record_path,
+    refuse,
+    run_identity,
+)
 from experiments.runner.wandb_log import log_wandb
 from kvoffload.errors import ConfigError
 from kvoffload.offload.host import huge_pages_enabled, thp_env
@@ -86,6 +97,7 @@ def task(cfg: DictConfig) -> dict:
     overrides = list(hc.overrides.task)
     choices = dict(hc.runtime.choices)
     identity = run_identity(cfg, overrides, choices)
+    preflight.check_output_paths(cfg)  # the record is written after the long work: where it goes, checked first
     path = record_path(Path(cfg.results_dir), identity)
     if finished(path) and not preflight.switch(cfg.force, "force"):
         print(f"[run] skip: {path} exists (force=true repeats it)", file=sys.stderr)
@@ -173,6 +185,24 @@ def release_memory() -> None:
 
 
 def cli() -> None:
+    try:
+        checked_main()
+    except KeyboardInterrupt:
+        interrupted()
+
+
+def interrupted() -> NoReturn:
+    """Ctrl-C (SIGINT): one line, or a sweep's table of what ended and what it stopped, and exit status 130 (128 +
+    SIGINT, as a shell reports it) instead of a traceback. A record is written whole or not at all, so a stopped run
+    leaves none (its process ends without one: a sweep run again resumes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not break the table in two
+    sweep = SweepSummary.running
+    message = sweep.interrupted_table() if sweep is not None else "interrupted (Ctrl-C): the run stopped before its end"
+    print(f"\n{message}", file=sys.stderr, flush=True)  # after a progress bar's last \r-drawn line
+    sys.exit(130)
+
+
+def checked_main() -> None:
     jobs = cli_checks.refuse_unknown_keys(jobs=True)  # before Hydra composes: a typo or bad value, one line
     pinning = [n for n in jobs if n is not None and n.pin_threads]
     if len({n.pin_huge_pages for n in pinning}) > 1 and any(n.job_process != "fresh" for n in pinning):

@@ -51,9 +51,33 @@ def test_lm_evals_command_line_runs_the_clo_model(tmp_path):
     more = ["--metadata", "max_seq_lengths=[2048]", "--limit", "1", "--output_path", str(tmp_path)]
     p = run("experiments.accuracy.lm_eval_cli", *args, *more, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
-    (results,) = tmp_path.glob("*/results_*.json")
-    score = json.loads(results.read_text())["results"]["ruler_vt"]["2048,none"]
-    assert 0.0 <= score <= 1.0
+    (results,) = tmp_path.iterdir()  # in --output_path itself, not a randomly named folder under it
+    assert results.name.startswith("results_") and results.suffix == ".json"
+    got = json.loads(results.read_text())
+    assert 0.0 <= got["results"]["ruler_vt"]["2048,none"] <= 1.0 and got["model_name"] == "clo"
+    assert "4096,none" not in got["results"]["ruler_vt"]  # RULER's -1 for a length not run
+    rows = [line.replace(" ", "") for line in p.stdout.splitlines() if line.startswith("|")]
+    assert any("|2048|" in r for r in rows) and not any("|4096|" in r for r in rows), p.stdout
+
+
+def test_the_wrapper_saves_into_output_path_without_the_lengths_not_run(tmp_path):
+    """What lm-eval's run does with the wrapped simple_evaluate: its tracker logs the model (a random name, clo has
+    no `pretrained=`), then saves; the results keep the length run and drop RULER's -1 placeholder."""
+    from lm_eval.loggers import EvaluationTracker
+
+    from experiments.accuracy.lm_eval_cli import clo_evaluate
+
+    def simple_evaluate(**kwargs):
+        kwargs["evaluation_tracker"].general_config_tracker.log_experiment_args("clo", {}, None, None, False)
+        metrics = {"2048,none": 0.5, "2048_stderr,none": 0.1, "4096,none": -1, "4096_stderr,none": "N/A"}
+        return {"results": {"ruler_vt": {"alias": "ruler_vt", **metrics}}, "groups": {}}
+
+    tracker = EvaluationTracker(output_path=str(tmp_path))
+    results = clo_evaluate(simple_evaluate, "clo")(model="clo", evaluation_tracker=tracker)
+    assert results["results"]["ruler_vt"] == {"alias": "ruler_vt", "2048,none": 0.5, "2048_stderr,none": 0.1}
+    tracker.save_results_aggregated(results=results, samples=None)
+    (saved,) = tmp_path.iterdir()
+    assert saved.name.startswith("results_") and json.loads(saved.read_text())["model_name"] == "clo"
 
 
 @pytest.mark.slow

@@ -230,8 +230,9 @@ def test_records_are_complete_json_with_provenance(tmp_path):
 
 @pytest.mark.slow
 def test_wandb_offline_run(tmp_path):
-    run("seqlen=64", *FAST[:-1], "wandb.enabled=true", "wandb.mode=offline", f"wandb.dir={tmp_path}", tmp=tmp_path)
-    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    p = run("seqlen=64", *FAST[:-1], "wandb.enabled=true", "wandb.mode=offline", f"wandb.dir={tmp_path}", tmp=tmp_path)
+    (folder,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert f"[wandb] logged offline to {folder} " in p.stderr
 
 
 def bad(tmp, *args):

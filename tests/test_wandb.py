@@ -111,12 +111,15 @@ def offline_run(wandb_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_run_logs_offline_with_group_job_type_flat_config_summary_and_phase_table(tmp_path, monkeypatch):
+def test_a_run_logs_offline_with_group_job_type_flat_config_summary_and_phase_table(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     cfg = OmegaConf.create({"wandb": wandb_cfg(tmp_path, mode="auto")})  # auto, without a key: offline
     choices = {"experiment": "fig2_breakdown", "system": "clo", "workload": "decode", "model": "smollm2"}
     assert log_wandb(cfg, record(), "seqlen=4k-1234", choices) is True
     got = offline_run(tmp_path)
+    assert (
+        f"[wandb] logged offline to {got['dir']} (upload it with `wandb sync {got['dir']}`)" in capsys.readouterr().err
+    )
     assert got["run"] == {"group": "fig2_breakdown", "job_type": "clo", "name": "seqlen=4k-1234", "project": "test"}
     c = got["config"]
     assert (c["system"], c["model"], c["seqlen"], c["batch"], c["workload"]) == ("clo", "smollm2", 4096, 1, "decode")
@@ -180,6 +183,38 @@ def test_mode_auto_is_online_only_with_an_api_key(monkeypatch):
     assert resolve_mode("auto") == "offline"
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert resolve_mode("auto") == "online" and resolve_mode("disabled") == "disabled"
+
+
+class FakeRun:
+    """What _log touches of a wandb Run, with the folder and page a real one has."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.dir, self.url, self.summary = str(tmp / "wandb" / "offline-run-x" / "files"), "https://wandb.ai/u/p/r", {}
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "mode,where",
+    [
+        (
+            "offline",
+            "logged offline to {tmp}/wandb/offline-run-x (upload it with `wandb sync {tmp}/wandb/offline-run-x`)",
+        ),
+        ("online", "logged to https://wandb.ai/u/p/r"),
+        ("disabled", "not logged: wandb.mode=disabled"),
+    ],
+)
+def test_a_logged_run_says_where_it_went(tmp_path, monkeypatch, capsys, mode, where):
+    import wandb
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: FakeRun(tmp_path))
+    assert log_wandb(OmegaConf.create({"wandb": wandb_cfg(tmp_path, mode=mode)}), record(), "x", {}) is True
+    assert capsys.readouterr().err == f"[wandb] {where.format(tmp=tmp_path)}\n"
 
 
 def test_a_wandb_failure_is_a_warning_not_a_failed_run(tmp_path, monkeypatch, capsys):

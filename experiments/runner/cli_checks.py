@@ -298,6 +298,8 @@ def check_jobs(argv: list) -> list:
             preflight.check_decode_workload(cfg := job_config(job, composed))
             numbers[-1] = preflight.check_numbers(cfg)
             preflight.check_kv_fill(cfg, numbers[-1].kv_fill)
+            preflight.check_model_path(cfg)
+            preflight.check_output_paths(cfg)  # last: a trace_dir naming ${hydra:...} does not resolve here
             if any(o.lstrip("+~").startswith("system.") for o in job):  # the defaults are tested: imports spared
                 check_system_settings(OmegaConf.to_container(cfg.system, resolve=True))
         except ConfigError as e:

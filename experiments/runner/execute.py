@@ -77,6 +77,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
     seqlen, batch, gen_tokens = numbers.seqlen, numbers.batch, numbers.gen_tokens
     preflight.check_length(model_cfg, seqlen, gen_tokens)
+    preflight.check_model_path(cfg)
     stages = StageMarks()
     device = preflight.resolve_device(cfg.device)
     dtype = preflight.resolve_dtype(cfg.dtype, device)

@@ -69,6 +69,8 @@ def run_in_forked_child(job: Callable[[], dict], overrides: list[str], path: Pat
         os.environ["TMPDIR"] = tempfile.tempdir = job_tmp
         try:
             code = 0 if job()["status"] == "ok" else 1
+        except KeyboardInterrupt:  # Ctrl-C reaches the sweep too, whose table says the job was interrupted
+            code = 130
         except BaseException:  # noqa: BLE001 - the child must reach os._exit, never the sweep's own code
             traceback.print_exc()
         finally:

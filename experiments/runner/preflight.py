@@ -5,9 +5,12 @@ fit, instead of starting and dying from an out-of-memory kill."""
 from __future__ import annotations
 
 import math
+import os
 import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,6 +113,19 @@ def weights_source(model_cfg) -> str:
     return "hf" if model_cfg.get("path") else model_cfg.weights
 
 
+def check_model_path(cfg) -> None:
+    """A model.path checkpoint, checked before any work (its weights load only after the measurements): the folder,
+    its config.json read and matched to the model's shapes, its safetensors files there."""
+    if weights_source(cfg.model) != "hf":
+        return
+    from omegaconf import OmegaConf
+
+    from kvoffload.model.weights import check_hf_folder
+
+    model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
+    check_hf_folder(model_cfg, Path(str(cfg.model.path)))
+
+
 def check_kv_fill(cfg, kv_fill: str) -> None:
     """A KV filled without a prefill (projection, key process) is for synthetic weights, and the key process needs
     the model's synthetic_keys profile: bad input for every job of that model, refused before a sweep's first."""
@@ -125,6 +141,11 @@ def check_numbers(cfg) -> RunNumbers:
         value = _select(cfg, key)
         if value is not _MISSING:
             switch(value, key)
+    mode = _select(cfg, "wandb.mode")
+    if mode is not _MISSING:  # W&B reads it only after the run: a typo would lose the run's log, found late
+        from experiments.runner.wandb_log import MODES
+
+        choice(mode, "wandb.mode", MODES)
     integer(cfg.get("repeat", 0), "repeat", 0)  # a label, checked: it names the run's folder
     hw = cfg.get("hardware") or {}
     threads = pin_threads(hw.get("pin_threads", 0), "hardware.pin_threads")
@@ -168,6 +189,36 @@ def check_link_cap(cap_gb_s: float | None, device: torch.device, bulk_gb_s: floa
             f"hardware.link_gb_s={cap_gb_s:g} is above this link's bulk pinned copy, measured at "
             f"{bulk_gb_s:.2f} GB/s at the start of the run: a cap can only slow the link; use at most {bulk_gb_s:.2f}"
         )
+
+
+def check_writable(path: Any, key: str, folder: bool = True) -> None:
+    """A folder a run writes into (folder=False: a file, whose folder it writes into) must be one this process can
+    create or write: its nearest existing part a folder it may write. Checked up front, since the record is
+    written after the long work. Nothing is left behind (the probe folder is removed at once)."""
+    target = Path(str(path))
+    if folder and target.is_file():
+        raise ConfigError(f"{key}={path} is a file, not a folder")
+    if not folder and target.is_dir():
+        raise ConfigError(f"{key}={path} is a folder, not a file")
+    probe = target if folder else target.parent
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        what = "a file" if probe.exists() else "a broken link"
+        raise ConfigError(f"{key}={path}: {probe} is {what}, not a folder")
+    try:  # a real write, not os.access: root passes that for folders it cannot write (/proc, a read-only mount)
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=probe))
+    except OSError as e:
+        raise ConfigError(f"{key}={path}: cannot write in {probe} ({e.strerror})") from None
+
+
+def check_output_paths(cfg) -> None:
+    """results_dir, and trace_dir and memory_snapshot where set: writable, before any work."""
+    check_writable(cfg.results_dir, "results_dir")
+    if cfg.get("trace_dir"):
+        check_writable(cfg.trace_dir, "trace_dir")
+    if cfg.get("memory_snapshot"):
+        check_writable(cfg.memory_snapshot, "memory_snapshot", folder=False)
 
 
 def pin_threads(value: Any, key: str) -> int:

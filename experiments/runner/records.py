@@ -218,16 +218,36 @@ class SweepSummary(Callback):
     rows of this sweep (its id travels to the workers with the pickled callback) from hydra.sweep.dir."""
 
     OUTCOME = "job_outcome.json"
+    STATUSES = ("ok", "skipped", "failed", "interrupted")
+    # The sweep under way in this process: a Ctrl-C ends Hydra's launcher before on_multirun_end, and the run
+    # command's handler prints this sweep's table instead (interrupted_table).
+    running: SweepSummary | None = None
 
     def __init__(self) -> None:
         self.jobs: list[tuple[int, list[str], str, str]] = []
         self.sweep: str | None = None
+        self.current: tuple[int, list[str]] | None = None  # the job started here and not yet ended
 
     def on_multirun_start(self, config, **kwargs: Any) -> None:
         import uuid
 
         self.jobs = []
         self.sweep = uuid.uuid4().hex  # tells this sweep's rows from an earlier sweep's in the same folder
+        SweepSummary.running = self
+
+    def on_job_start(self, config, **kwargs: Any) -> None:
+        num = int(config.hydra.job.get("num", len(self.jobs)) or 0)
+        self.current = (num, list(config.hydra.overrides.task))
+
+    def interrupted_table(self) -> str:
+        """The table of a sweep stopped by Ctrl-C: the jobs that ended and the one it stopped (interrupted), then
+        a line that says so: the jobs after them did not run, and running the command again resumes it."""
+        rows = list(self.jobs)
+        if self.current is not None:
+            rows.append((*self.current, "interrupted", ""))
+        self.jobs, self.current, SweepSummary.running = rows, None, None
+        end = "[sweep] stopped by Ctrl-C: no later job ran; the same command resumes it (finished jobs are skipped)"
+        return f"{self.table()}\n{end}" if rows else end
 
     def on_job_end(self, config, job_return, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
@@ -242,11 +262,13 @@ class SweepSummary(Callback):
             status, error = "ok", ""
         row = (num, list(job_return.overrides or []), status, error)
         self.jobs.append(row)
+        self.current = None
         out_dir = _select(config, "hydra.runtime.output_dir")
         if self.sweep is not None and out_dir:
             write_json_atomic(Path(str(out_dir)) / self.OUTCOME, {"sweep": self.sweep, "row": list(row)})
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
+        SweepSummary.running = None
         rows = {num: (num, ov, st, err) for num, ov, st, err in self.jobs}
         sweep_dir = _select(config, "hydra.sweep.dir")
         for path in Path(str(sweep_dir)).rglob(self.OUTCOME) if sweep_dir else []:  # the jobs other processes ran
@@ -276,13 +298,17 @@ class SweepSummary(Callback):
             (str(num), status, " ".join(o for o in ov if o not in common and not hidden(o)) or "(no overrides)", error)
             for num, ov, status, error in self.jobs
         ]
-        counts = {s: sum(r[1] == s for r in rows) for s in ("ok", "skipped", "failed")}
+        counts = {s: sum(r[1] == s for r in rows) for s in self.STATUSES}
         jobs = f"{len(rows)} job" + ("s" if len(rows) != 1 else "")
         shared = [o for o in overrides[0] if o in common and not hidden(o)]
-        head = f"[sweep] {jobs}: {counts['ok']} ok, {counts['skipped']} skipped, {counts['failed']} failed" + (
+        stopped = f", {counts['interrupted']} interrupted" if counts["interrupted"] else ""
+        head = f"[sweep] {jobs}: {counts['ok']} ok, {counts['skipped']} skipped, {counts['failed']} failed{stopped}" + (
             f" (all with {' '.join(shared)})" if shared else ""
         )
         w0 = max(len(r[0]) for r in rows)
         w2 = max(len(r[2]) for r in rows)
-        lines = [head] + [f"  #{n:<{w0}}  {s:<7}  {ov:<{w2}}" + (f"  error: {e}" if e else "") for n, s, ov, e in rows]
+        w1 = max(7, *(len(r[1]) for r in rows))
+        lines = [head] + [
+            f"  #{n:<{w0}}  {s:<{w1}}  {ov:<{w2}}" + (f"  error: {e}" if e else "") for n, s, ov, e in rows
+        ]
         return "\n".join(line.rstrip() for line in lines)

@@ -65,6 +65,10 @@ def run_group(wandb_cfg, rec: dict, choices: dict[str, Any]) -> str:
     return f"{rec['model']}-{choices.get('workload') or 'decode'}"
 
 
+# wandb.init's modes that a run may ask for, and auto (wandb's `shared` is for a run written by several processes).
+MODES = ("auto", "online", "offline", "disabled")
+
+
 def resolve_mode(mode: str) -> str:
     if mode == "auto":
         return "online" if os.environ.get("WANDB_API_KEY") else "offline"
@@ -72,9 +76,11 @@ def resolve_mode(mode: str) -> str:
 
 
 def log_wandb(cfg, rec: dict, name: str, choices: dict[str, Any]) -> bool:
-    """Logs one finished run; True when it was logged, False (after one warning line) when it was not."""
+    """Logs one finished run and says on stderr where it went (a URL, or the offline folder that `wandb sync`
+    uploads); True when it was logged, False (after one warning line) when it was not."""
     try:
-        _log(cfg.wandb, rec, name, choices)
+        where = _log(cfg.wandb, rec, name, choices)
+        print(f"[wandb] {where}", file=sys.stderr)
         return True
     except Exception as e:  # noqa: BLE001 - any failure of the view must leave the run done
         message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
@@ -85,17 +91,19 @@ def log_wandb(cfg, rec: dict, name: str, choices: dict[str, Any]) -> bool:
         return False
 
 
-def _log(wandb_cfg, rec: dict, name: str, choices: dict[str, Any]) -> None:
+def _log(wandb_cfg, rec: dict, name: str, choices: dict[str, Any]) -> str:
+    """Logs the run; returns where it went."""
     import wandb  # lazy: GPU machines may run without it, and the import costs a second
 
     m = rec["metrics"]
+    mode = resolve_mode(wandb_cfg.mode)
     run = wandb.init(
         project=wandb_cfg.project,
         entity=wandb_cfg.get("entity") or None,
         group=run_group(wandb_cfg, rec, choices),
         job_type=rec["system"],
         name=name,
-        mode=resolve_mode(wandb_cfg.mode),
+        mode=mode,
         config=run_config(rec, choices),
         dir=str(Path(wandb_cfg.dir).resolve()),
         reinit="finish_previous",
@@ -118,5 +126,16 @@ def _log(wandb_cfg, rec: dict, name: str, choices: dict[str, Any]) -> None:
         # After the steps' history: the summary holds the record's means, not the last step's values.
         run.summary.update({k: v for k, v in m.items() if not isinstance(v, dict)})
         run.summary.update({f"phase_ms/{k}": v for k, v in phases.items()})
+        return location(run, mode)
     finally:
         run.finish()
+
+
+def location(run, mode: str) -> str:
+    """Where a W&B run went: its page online; offline its folder (run.dir is the folder's files/)."""
+    if mode == "disabled":
+        return "not logged: wandb.mode=disabled"
+    if mode == "offline":
+        folder = Path(run.dir).parent
+        return f"logged offline to {folder} (upload it with `wandb sync {folder}`)"
+    return f"logged to {run.url}"

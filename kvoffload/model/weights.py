@@ -58,11 +58,41 @@ def synthetic_decoder(cfg: ModelConfig, seed: int, device: torch.device, dtype: 
     return model.eval()
 
 
-def check_hf_config(cfg: ModelConfig, folder: Path) -> None:
+# What ModelConfig.from_hf cannot do without: the rest of a config.json has defaults.
+HF_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def read_hf_config(folder: Path, name: str) -> ModelConfig:
+    """The shapes a checkpoint folder's config.json gives, or a ConfigError naming the folder, the file and what is
+    wrong with it (no folder, no file, not JSON, not a JSON object, a shape key missing or unusable)."""
+    if not folder.is_dir():
+        raise ConfigError(f"model.path={folder} does not exist or is not a folder")
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"model.path={folder}: no config.json there (expected a HuggingFace checkpoint folder)")
-    theirs = ModelConfig.from_hf(json.loads(cfg_file.read_text()), name=cfg.name)
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.path={folder}: {cfg_file} is not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"model.path={folder}: cannot read {cfg_file} ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.path={folder}: {cfg_file} holds a JSON {type(hf).__name__}, not an object")
+    missing = [k for k in HF_SHAPE_KEYS if k not in hf]
+    if missing:
+        raise ConfigError(
+            f"model.path={folder}: {cfg_file} has no {', '.join(repr(k) for k in missing)}: not a HuggingFace "
+            "model config, which names the model's shapes"
+        )
+    try:
+        return ModelConfig.from_hf(hf, name=name)
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # a shape that is no number, or zero heads
+        raise ConfigError(f"model.path={folder}: {cfg_file}: {type(e).__name__}: {e}") from None
+
+
+def check_hf_config(cfg: ModelConfig, folder: Path) -> None:
+    """The checkpoint's shapes are the model config's (read_hf_config's refusals first)."""
+    theirs = read_hf_config(folder, cfg.name)
     keys = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
     diff = [
         f"{k}: config {getattr(cfg, k)} vs checkpoint {getattr(theirs, k)}"
@@ -73,15 +103,19 @@ def check_hf_config(cfg: ModelConfig, folder: Path) -> None:
         raise ConfigError(f"model.path={folder} does not match model={cfg.name}: " + "; ".join(diff))
 
 
+def check_hf_folder(cfg: ModelConfig, folder: Path) -> None:
+    """What hf_decoder checks before it reads a weight: the folder, its config.json, the safetensors files. The
+    run command calls it before any work (a broken checkpoint must not cost a run's measurements first)."""
+    check_hf_config(cfg, folder)
+    if not any(folder.glob("*.safetensors")):
+        raise ConfigError(f"model.path={folder}: no *.safetensors files")
+
+
 def hf_decoder(cfg: ModelConfig, folder: Path, device: torch.device, dtype: torch.dtype) -> Decoder:
     from safetensors.torch import load_file
 
-    if not folder.is_dir():
-        raise ConfigError(f"model.path={folder} does not exist or is not a folder")
-    check_hf_config(cfg, folder)
+    check_hf_folder(cfg, folder)
     files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model.path={folder}: no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
