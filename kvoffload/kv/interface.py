@@ -44,6 +44,10 @@ class KVSpec:
     # host->device bandwidth (GB/s = 1e9 B/s) that systems plan with and divide their moved bytes by, measured by
     # the runner (experiments.runner.timing.link_gb_s); None: CPU_LINK_GB_S on a CPU run, refused on CUDA
     link_gb_s: float | None = None
+    # the model's rotary frequencies [D/2] (kvoffload.model.rope.rope_frequencies), for a system that keeps keys
+    # without their rotation and rotates them again at their positions (ShadowKV-style's low-rank pre-RoPE keys):
+    # prefill hands over post-RoPE keys only. None: not handed over (a system that needs them refuses the run)
+    rope_inv_freq: tuple[float, ...] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -245,6 +249,12 @@ class KVOffloadSystem(ABC):
         `layer`; kept only after keep_selections()."""
         if self.selections is not None:
             self.selections[layer] = positions
+
+    def always_attended(self, prompt_len: int) -> tuple[int, int] | None:
+        """(sink, recent): how many of the first and last positions of a prompt_len-token prompt every step of a
+        sparse layer attends whole, for the selection probe's middle; None: the probe reads the system's `sink` and
+        `recent` settings (a system without them attends everything)."""
+        return None
 
     def attended_positions(self, layer: int) -> torch.Tensor | None:
         """The prompt positions [B, Hkv, n] that the last decode of `layer` attended (its sink, recent and selected
