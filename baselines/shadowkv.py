@@ -7,8 +7,8 @@ the chunks whose landmarks score highest rebuilt (keys) and fetched (values). Pe
              key); the `outliers` chunks worst stood for by their landmark kept exact on the device with the local
              window (the last chunks); the context's values to host memory (pinned on CUDA)
   retrieval  each query head's softmax over the landmarks, the maximum over the query group, the top `select`
-  cache_mgmt chunks selected at the layer's last step keep their rows where they are (moved on the device); the
-             others' keys are rebuilt from U and SV and rotated at their positions
+  cache_mgmt chunks selected at the layer's last step keep their rows; the others' keys are rebuilt from U and
+             SV and rotated at their positions
   transfer   the others' values, host to device
   attention  over the window (local and generated tokens), the outliers and the selected chunks
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from baselines.offloaded import attend, sized
+from baselines.fullattn import dense_decode_attention
+from baselines.offloaded import sized
 from baselines.shadowkv_parts import (
     Geometry,
     chunk_scores,
@@ -27,6 +28,7 @@ from baselines.shadowkv_parts import (
     landmarks_and_outliers,
     low_rank,
     rebuild,
+    slot_assignment,
     unrotate,
 )
 from kvoffload.errors import ConfigError
@@ -34,7 +36,9 @@ from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload import host as host_memory
 from kvoffload.offload.budget import check_budget
 from kvoffload.offload.layers import DenseLayers, window_positions
-from kvoffload.offload.transfer import to_device
+from kvoffload.offload.transfer import TransferEngine, to_device
+
+PATHS = ("auto", "reference", "static")
 
 
 class ShadowKV(KVOffloadSystem):
@@ -50,6 +54,7 @@ class ShadowKV(KVOffloadSystem):
         outlier_chunks: int | None = None,
         local_chunks: int = 4,
         dense_layers: int = 0,
+        path: str = "auto",
     ) -> None:
         super().__init__()
         if topk_ratio is not None:
@@ -64,6 +69,9 @@ class ShadowKV(KVOffloadSystem):
             raise ConfigError(f"{', '.join(bad)}: must be >= 0")
         self.budget, self.topk_ratio, self.rank, self.chunk = budget, topk_ratio, rank, chunk_size
         self.outlier_chunks, self.local_chunks, self.dense_layers = outlier_chunks, local_chunks, dense_layers
+        if path not in PATHS:
+            raise ConfigError(f"path={path!r}; valid: {', '.join(PATHS)}")
+        self.path = path
         self.g: Geometry | None = None
         self.missed = self.stepped = 0  # chunks rebuilt and fetched, steps x sparse layers: the floor's U rows
 
@@ -113,7 +121,7 @@ class ShadowKV(KVOffloadSystem):
             "outliers": sized(self.outlier_kv),
             "landmarks": sized(self.landmarks) + sized(self.landmark_chunks) + sized(self.outlier_ids),
             "low_rank": sized(self.U) + sized(self.SV),
-            "selected": sized(self.selected) + sized(self.selected_chunks),
+            "selected": sized(self.sel_k) + sized(self.sel_v) + sized(self.selected_chunks),
             "host": sized(self.host_v),
         }
 
@@ -125,7 +133,11 @@ class ShadowKV(KVOffloadSystem):
                               "model's rotary frequencies (head_dim / 2 of them)")  # fmt: skip
         self.inv_freq = torch.tensor(spec.rope_inv_freq, dtype=torch.float32, device=spec.device)
         self.dense = DenseLayers(spec, self.dense_layers)
-        names = ("window", "outlier_kv", "landmarks", "landmark_chunks", "outlier_ids", "U", "SV", "selected")
+        self.static = self.path == "static" or (self.path == "auto" and spec.device.type == "cuda")
+        # the static path's value fetch: on CUDA the GPU reads the missed chunks over UVA (no CPU gather, no sync)
+        self.transfer = TransferEngine("uva", 1, spec.device)
+        self.counts = torch.zeros(2, dtype=torch.long, device=spec.device)  # the static path's lookups, misses
+        names = ("window", "outlier_kv", "landmarks", "landmark_chunks", "outlier_ids", "U", "SV", "sel_k", "sel_v")
         for n in (*names, "selected_chunks", "host_v"):
             setattr(self, n, [None] * spec.num_layers)
         self.t0 = 0
@@ -151,7 +163,8 @@ class ShadowKV(KVOffloadSystem):
         self.outlier_ids[layer] = torch.zeros(b, h, g.outliers, dtype=torch.long, device=dev)
         self.U[layer] = torch.zeros(b, t0, self.rank, dtype=dt, device=dev)
         self.SV[layer] = torch.zeros(b, h, self.rank, d, dtype=dt, device=dev)
-        self.selected[layer] = kv(g.select * g.chunk)
+        self.sel_k[layer] = torch.zeros(b, h, g.select * g.chunk, d, dtype=dt, device=dev)
+        self.sel_v[layer] = torch.zeros(b, h, g.select * g.chunk, d, dtype=dt, device=dev)  # a chunk's values in a row
         self.selected_chunks[layer] = torch.full((b, h, g.select), -1, dtype=torch.long, device=dev)
         self.host_v[layer] = host_memory.host_buffer((b, h, g.context_tokens, d), dt, dev.type == "cuda", "a layer's")
         return g
@@ -195,24 +208,27 @@ class ShadowKV(KVOffloadSystem):
         g = self.g
         n_win = g.local + self.length - self.t0 + 1
         self.window[layer][:, :, n_win - 1] = torch.stack([k, v], dim=2)
-        parts = [self.window[layer][:, :, :n_win], self.outlier_kv[layer]]
+        win, out = self.window[layer][:, :, :n_win], self.outlier_kv[layer]
+        keys, values = [win[:, :, :, 0], out[:, :, :, 0]], [win[:, :, :, 1], out[:, :, :, 1]]
         if g.select:
             with self.phase("retrieval"):
                 top = chunk_scores(q, self.landmarks[layer]).topk(g.select, dim=-1).indices
                 chunks = self.landmark_chunks[layer].gather(2, top)  # [B, Hkv, select]
-            self.refill(layer, chunks)
-            parts.append(self.selected[layer])
+            (self.refill_static if self.static else self.refill)(layer, chunks)
+            keys.append(self.sel_k[layer])
+            values.append(self.sel_v[layer])
         self.note(layer)
         with self.phase("attention"):
-            return attend(q, torch.cat(parts, dim=2))
+            return dense_decode_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2))
 
     def refill(self, layer: int, chunks: torch.Tensor) -> None:
-        """The selected buffer := the rows of `chunks` [B, Hkv, select]: a chunk the last step selected too keeps
-        its rows (moved on the device to its new place), the others' keys are rebuilt and their values fetched."""
+        """The reference: the selected buffers := the rows of `chunks` [B, Hkv, select] in their order: a chunk the
+        last step selected too keeps its rows (moved on the device to its new place, as the original's), the others'
+        keys are rebuilt and their values fetched, found by data-dependent indexing."""
         spec, g = self.spec, self.g
         b, h, s = chunks.shape
         c, d = g.chunk, spec.head_dim
-        buf = self.selected[layer].view(b, h, s, c, 2, d)
+        buf = torch.stack([self.sel_k[layer], self.sel_v[layer]], dim=3).view(b, h, s, c, 2, d)
         with self.phase("cache_mgmt"):
             same = chunks[..., :, None] == self.selected_chunks[layer][..., None, :]  # [B, Hkv, select, select]
             hit = same.any(dim=-1)
@@ -227,7 +243,8 @@ class ShadowKV(KVOffloadSystem):
             host = self.host_v[layer]
             hs, hh, hp = (x.to(host.device) for x in (seq, head, pos))
             new[seq, head, slot, :, 1] = to_device(host[hs[:, None], hh[:, None], hp], spec.device)
-        buf.copy_(new)
+        self.sel_k[layer].copy_(new[..., 0, :].view(b, h, s * c, d))
+        self.sel_v[layer].copy_(new[..., 1, :].view(b, h, s * c, d))
         self.selected_chunks[layer].copy_(chunks)
         m = seq.numel()
         self.step.lookups += chunks.numel()
@@ -235,6 +252,42 @@ class ShadowKV(KVOffloadSystem):
         self.step.bytes_h2d += m * c * d * spec.dtype_bytes
         self.missed += m
         self.stepped += 1
+
+    def refill_static(self, layer: int, chunks: torch.Tensor) -> None:
+        """Fixed shapes and no host sync (CUDA's path; path=static on the CPU): the selected buffers as a cache whose
+        slots keep their chunk while it stays selected (slot_assignment); the freed slots' keys rebuilt (every slot's
+        is computed and the kept ones' discarded: fixed shapes), their values read from the host store by the GPU over
+        UVA, a chunk's values one row (only the freed slots' are read)."""
+        spec, g = self.spec, self.g
+        b, h, s = chunks.shape
+        c, d, dev = g.chunk, spec.head_dim, chunks.device
+        with self.phase("cache_mgmt"):
+            held, miss = slot_assignment(self.selected_chunks[layer], chunks)
+            pos = held[..., None] * c + torch.arange(c, device=dev)  # [B, Hkv, select, c]
+            seq = torch.arange(b, device=dev)[:, None, None].expand(b, h, s).reshape(-1)
+            head = torch.arange(h, device=dev)[None, :, None].expand(b, h, s).reshape(-1)
+            k = rebuild(self.U[layer], self.SV[layer], seq, head, pos.view(-1, c), self.inv_freq)
+            fresh = miss.repeat_interleave(c, dim=2)[..., None]
+            self.sel_k[layer].copy_(torch.where(fresh, k.view(b, h, s * c, d).to(spec.dtype), self.sel_k[layer]))
+        with self.phase("transfer_exposed"):
+            host = self.host_v[layer].view(b, h, g.context, 2, c * d // 2)
+            slots = self.sel_v[layer].view(b, h * s, 1, 2, c * d // 2)
+            heads = torch.arange(h * s, device=dev) // s  # each (head, slot) a "head" of the gather, with its miss
+            self.transfer.fill(host, heads, held.view(b, h * s, 1), miss.view(b, h * s), slots)
+        self.selected_chunks[layer].copy_(held)
+        self.counts[0] += chunks.numel()
+        self.counts[1] += miss.sum()
+        self.stepped += 1
+
+    def end_step(self):
+        if self.static:  # the static path's counts, read once a step
+            lookups, misses = self.counts.tolist()
+            self.counts.zero_()
+            self.step.lookups += lookups
+            self.step.hits += lookups - misses
+            self.step.bytes_h2d += misses * self.g.chunk * self.spec.head_dim * self.spec.dtype_bytes
+            self.missed += misses
+        return super().end_step()
 
     def note(self, layer: int) -> None:
         """The prompt positions attended: the local window, the outlier chunks and the selected chunks."""

@@ -135,3 +135,17 @@ def chunk_scores(q: torch.Tensor, landmarks: torch.Tensor) -> torch.Tensor:
     hkv = landmarks.shape[1]
     s = torch.einsum("bkgd,bknd->bkgn", q.view(b, hkv, h // hkv, d).float(), landmarks.float()) / math.sqrt(d)
     return torch.softmax(s, dim=-1).to(landmarks.dtype).amax(dim=2)
+
+
+def slot_assignment(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selected buffer as a cache with fixed shapes (no host sync): old [..., S] the chunk each slot holds (-1:
+    none), new [..., S] the chunks selected now -> (the chunk each slot holds next [..., S], which slots must be
+    refilled [..., S]). A slot whose chunk is selected again keeps it in place; the freed slots take the newly selected
+    chunks in order (the r-th freed slot the r-th new chunk), so nothing kept moves."""
+    kept = (old[..., :, None] == new[..., None, :]).any(dim=-1)  # slot s's chunk is selected again
+    fresh = ~(new[..., :, None] == old[..., None, :]).any(dim=-1)  # chunk j was not held
+    s = new.shape[-1]
+    rank = torch.where(fresh, fresh.long().cumsum(-1) - 1, s)  # a fresh chunk's rank, s for the others
+    by_rank = new.new_full((*new.shape[:-1], s + 1), -1).scatter_(-1, rank, new)[..., :s]
+    free_rank = ((~kept).long().cumsum(-1) - 1).clamp(min=0)
+    return torch.where(kept, old, by_rank.gather(-1, free_rank)), ~kept

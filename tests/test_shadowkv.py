@@ -10,7 +10,7 @@ import torch
 
 from baselines.fullattn import dense_decode_attention
 from baselines.shadowkv import ShadowKV
-from baselines.shadowkv_parts import geometry, landmarks_and_outliers, low_rank, rebuild, unrotate
+from baselines.shadowkv_parts import geometry, landmarks_and_outliers, low_rank, rebuild, slot_assignment, unrotate
 from kvoffload.errors import ConfigError
 from kvoffload.kernels.dense_ops import apply_rotary, cos_sin
 from kvoffload.kv.interface import KVSpec
@@ -73,9 +73,8 @@ def test_the_system_attends_rebuilt_keys_of_a_known_rank_as_the_exact_ones():
         system.decode(layer, q, kn, vn)
         chunks = system.selected_chunks[layer]
         pos = (chunks[..., None] * 8 + torch.arange(8)).flatten(2)  # [B, HKV, 64]
-        kept = system.selected[layer]
-        for j, x in enumerate(prompt[layer]):
-            assert torch.allclose(kept[:, :, :, j], x.gather(2, pos[..., None].expand(-1, -1, -1, D)), atol=1e-4)
+        for kept, x in zip((system.sel_k[layer], system.sel_v[layer]), prompt[layer]):
+            assert torch.allclose(kept, x.gather(2, pos[..., None].expand(-1, -1, -1, D)), atol=1e-4)
     system.end_step()
 
 
@@ -179,3 +178,43 @@ def test_the_probe_sees_the_window_outliers_and_selected_chunks():
     chunks = torch.cat([system.outlier_ids[1], system.selected_chunks[1]], 2)
     assert (pos[..., geo.local :].view(B, HKV, -1, 8)[..., 0] == chunks * 8).all()
     assert all(len(set(p.tolist())) == p.numel() for p in pos.view(-1, pos.shape[-1]))  # each position once
+
+
+def test_slot_assignment_keeps_held_chunks_in_place():
+    old = torch.tensor([[5, 3, 9, -1], [-1, -1, -1, -1], [1, 2, 3, 4]])
+    held, miss = slot_assignment(old, torch.tensor([[3, 7, 5, 2], [8, 6, 4, 2], [4, 3, 2, 1]]))
+    assert held.tolist() == [[5, 3, 7, 2], [8, 6, 4, 2], [1, 2, 3, 4]]
+    assert miss.tolist() == [[False, False, True, True], [True] * 4, [False] * 4]
+    g = torch.Generator().manual_seed(6)
+    old = torch.stack([torch.randperm(40, generator=g)[:16] for _ in range(50)])
+    new = torch.stack([torch.randperm(40, generator=g)[:16] for _ in range(50)])
+    held, miss = slot_assignment(old, new)
+    assert (held.sort(-1).values == new.sort(-1).values).all()  # it holds what was selected
+    assert (held[~miss] == old[~miss]).all()  # a kept chunk stays in its slot
+    assert ((old[..., :, None] == new[..., None, :]).any(-1) == ~miss).all()  # refilled: the chunks let go
+
+
+@pytest.mark.parametrize("dense_layers", [0, 1])
+def test_the_static_path_attends_what_the_reference_does(dense_layers):
+    """CUDA's path (fixed shapes, slots kept in place, UVA reads; on the CPU its gather reference) against the
+    reference: the same outputs, chunks, hits and bytes, step after step."""
+    settings = {"budget": 64, "rank": 8, "outlier_chunks": 4, "dense_layers": dense_layers}
+    ref, _ = built(512, torch.Generator().manual_seed(7), path="reference", **settings)
+    static, _ = built(512, torch.Generator().manual_seed(7), path="static", **settings)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(B, HQ, D, generator=g)
+    for step in range(4):
+        q = q + 0.5 * torch.randn(B, HQ, D, generator=g)  # some chunks stay selected, others change
+        kv = torch.randn(LAYERS, 2, B, HKV, D, generator=g)
+        outs = []
+        for system in (ref, static):
+            system.begin_step()
+            outs.append([system.decode(layer, q, *kv[layer]) for layer in range(LAYERS)])
+        a, b = ref.end_step(), static.end_step()
+        assert (a.lookups, a.hits, a.bytes_h2d) == (b.lookups, b.hits, b.bytes_h2d)
+        assert 0 < a.hits < a.lookups or step == 0
+        for x, y in zip(*outs):
+            assert torch.allclose(x, y, atol=1e-5)
+        for layer in range(dense_layers, LAYERS):
+            same = ref.selected_chunks[layer].sort(-1).values == static.selected_chunks[layer].sort(-1).values
+            assert same.all()
