@@ -267,7 +267,7 @@ class ShadowKV(KVOffloadSystem):
             seq = torch.arange(b, device=dev)[:, None, None].expand(b, h, s).reshape(-1)
             head = torch.arange(h, device=dev)[None, :, None].expand(b, h, s).reshape(-1)
             k = rebuild(self.U[layer], self.SV[layer], seq, head, pos.view(-1, c), self.inv_freq)
-            fresh = miss.repeat_interleave(c, dim=2)[..., None]
+            fresh = miss[..., None, None].expand(b, h, s, c, 1).reshape(b, h, s * c, 1)  # no sync (repeat_interleave)
             self.sel_k[layer].copy_(torch.where(fresh, k.view(b, h, s * c, d).to(spec.dtype), self.sel_k[layer]))
         with self.phase("transfer_exposed"):
             host = self.host_v[layer].view(b, h, g.context, 2, c * d // 2)
