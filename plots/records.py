@@ -21,6 +21,7 @@ SYSTEMS = {
     "retroinfer": "RetroInfer-style",
     "infinigen": "InfiniGen-style",
     "pqcache": "PQCache-style",
+    "shadowkv": "ShadowKV-style",
 }
 MAX_NAMED = 4  # files named in one message before "and N more"
 

@@ -8,10 +8,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.kv.timer import PhaseTimer
+from kvoffload.model.config import ModelConfig
+from kvoffload.model.rope import rope_frequencies
 from kvoffload.paths import ROOT
 
 SYSTEMS = sorted(p.stem for p in (ROOT / "conf" / "system").glob("*.yaml"))
@@ -32,12 +35,13 @@ def build(name: str, t0: int = T0) -> tuple[KVOffloadSystem, KVSpec]:
         torch.float32,
         torch.device("cpu"),
         prompt_len=t0,
+        rope_inv_freq=rope_frequencies(ModelConfig.from_mapping(OmegaConf.to_container(m, resolve=True))),
     )
     return instantiate(cfg.system), spec
 
 
 def test_the_paper_systems_are_configured():
-    assert {"fullattn", "clo", "retroinfer", "infinigen", "pqcache"} <= set(SYSTEMS)
+    assert {"fullattn", "clo", "retroinfer", "infinigen", "pqcache", "shadowkv"} <= set(SYSTEMS)
 
 
 @pytest.mark.parametrize("name", SYSTEMS)

@@ -22,6 +22,7 @@ from kvoffload.generate import sync_device
 from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
 from kvoffload.kv.timer import PhaseTimer
 from kvoffload.model.config import ModelConfig
+from kvoffload.model.rope import rope_frequencies
 from kvoffload.model.weights import build_decoder
 
 
@@ -235,6 +236,7 @@ class Backbone:
             self.dtype,
             self.device,
             prompt_len=prompt_len,
+            rope_inv_freq=rope_frequencies(m),
             link_gb_s=self.link_gb_s,
             layer_time_s=layer_time_s or self.layer_time_s,
         )

@@ -24,7 +24,7 @@ from experiments.runner import cli_checks, preflight
 from experiments.runner.execute import build_system, load_tokenizer
 from experiments.runner.records import environment
 from kvoffload.errors import ConfigError
-from kvoffload.kv.interface import GB
+from kvoffload.kv.interface import GB, KVOffloadSystem
 from kvoffload.model.config import ModelConfig
 from plots.bootstrap import interval
 
@@ -105,7 +105,7 @@ def run(cfg: DictConfig, system_name: str, identity: list[str]) -> dict:
         # divides a layer's time among the batch's sequences, so the batch gets the time of as many layers)
         layer_s = backbone.layer_time_s * len(group)
         system = backbone.system(cfg.system, system_name, s["prefix"], s["steps"], len(group), layer_s)
-        results, cost = teacher_forced(backbone, system, group, refs, window(cfg.system))
+        results, cost = teacher_forced(backbone, system, group, refs, window(cfg.system, system, s["prefix"]))
         state = system.describe()
         del system, refs
         per_doc += results
@@ -146,8 +146,12 @@ def run(cfg: DictConfig, system_name: str, identity: list[str]) -> dict:
     }
 
 
-def window(system_cfg: DictConfig) -> tuple[int, int] | None:
-    """A sparse system's (sink, recent), for SelectionProbe; None for one that attends everything."""
+def window(system_cfg: DictConfig, system: KVOffloadSystem, prompt_len: int) -> tuple[int, int] | None:
+    """A sparse system's (sink, recent), for SelectionProbe: what it says it attends whole of the prompt, else its
+    settings; None for one that attends everything."""
+    said = system.always_attended(prompt_len)
+    if said is not None:
+        return said
     if "sink" not in system_cfg or "recent" not in system_cfg:
         return None
     return int(system_cfg.sink), int(system_cfg.recent)

@@ -28,6 +28,7 @@ from kvoffload.generate import Generation, generate
 from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
 from kvoffload.kv.timer import PHASES, PhaseTimer
 from kvoffload.model.config import ModelConfig
+from kvoffload.model.rope import rope_frequencies
 from kvoffload.model.weights import build_decoder
 from kvoffload.offload.host import THP_TUNABLE, anon_huge_gib, huge_pages_enabled, pin_by_register
 
@@ -103,6 +104,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         dtype,
         device,
         prompt_len=seqlen,
+        rope_inv_freq=rope_frequencies(model_cfg),
         **preflight.UNMEASURED,
     )
     # a point beyond the host's RAM or the budget is refused before the device's context starts and anything is

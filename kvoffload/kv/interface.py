@@ -47,6 +47,10 @@ class KVSpec:
     # hardware.link_gb_s: a cap every transfer path is paced to (kvoffload.offload.link); the runner then hands the
     # cap as link_gb_s too, so that plans and floors use it. None: the real link, unpaced
     link_cap_gb_s: float | None = None
+    # the model's rotary frequencies [D/2] (kvoffload.model.rope.rope_frequencies), for a system that keeps keys
+    # without their rotation and rotates them again at their positions (ShadowKV-style's low-rank pre-RoPE keys):
+    # prefill hands over post-RoPE keys only. None: not handed over (a system that needs them refuses the run)
+    rope_inv_freq: tuple[float, ...] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -248,6 +252,12 @@ class KVOffloadSystem(ABC):
         `layer`; kept only after keep_selections()."""
         if self.selections is not None:
             self.selections[layer] = positions
+
+    def always_attended(self, prompt_len: int) -> tuple[int, int] | None:
+        """(sink, recent): how many of the first and last positions of a prompt_len-token prompt every step of a
+        sparse layer attends whole, for the selection probe's middle; None: the probe reads the system's `sink` and
+        `recent` settings (a system without them attends everything)."""
+        return None
 
     def attended_positions(self, layer: int) -> torch.Tensor | None:
         """The prompt positions [B, Hkv, n] that the last decode of `layer` attended (its sink, recent and selected

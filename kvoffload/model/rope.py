@@ -27,6 +27,11 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_frequencies(cfg: ModelConfig) -> tuple[float, ...]:
+    """The model's rotary frequencies as KVSpec.rope_inv_freq hands them to a system (which never sees the model)."""
+    return tuple(inverse_frequencies(cfg).tolist())
+
+
 class Rotary:
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.inv_freq = inverse_frequencies(cfg).to(device)
