@@ -36,6 +36,7 @@ from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload import host as host_memory
 from kvoffload.offload.budget import check_budget
 from kvoffload.offload.layers import DenseLayers, window_positions
+from kvoffload.offload.link import link_pacer
 from kvoffload.offload.transfer import TransferEngine, to_device
 
 PATHS = ("auto", "reference", "static")
@@ -135,7 +136,8 @@ class ShadowKV(KVOffloadSystem):
         self.dense = DenseLayers(spec, self.dense_layers)
         self.static = self.path == "static" or (self.path == "auto" and spec.device.type == "cuda")
         # the static path's value fetch: on CUDA the GPU reads the missed chunks over UVA (no CPU gather, no sync)
-        self.transfer = TransferEngine("uva", 1, spec.device)
+        self.pacer = link_pacer(spec)  # hardware.link_gb_s: the fetch and the prefill's copy at the cap
+        self.transfer = TransferEngine("uva", 1, spec.device, pacer=self.pacer)
         self.counts = torch.zeros(2, dtype=torch.long, device=spec.device)  # the static path's lookups, misses
         names = ("window", "outlier_kv", "landmarks", "landmark_chunks", "outlier_ids", "U", "SV", "sel_k", "sel_v")
         for n in (*names, "selected_chunks", "host_v"):
@@ -194,7 +196,10 @@ class ShadowKV(KVOffloadSystem):
         for j, x in enumerate((k, v)):
             rows = x[:, :, :n].reshape(b, h, g.context, c, d).gather(2, at)
             self.outlier_kv[layer][:, :, :, j] = rows.reshape(b, h, g.outliers * c, d)
-        self.host_v[layer].copy_(v[:, :, :n])
+        if self.pacer is None:
+            self.host_v[layer].copy_(v[:, :, :n])
+        else:  # the device -> host clock; the static path's gathers read the store on the same stream, after it
+            self.pacer.copy_(self.host_v[layer], v[:, :, :n])
 
     # ---- decode ---------------------------------------------------------------------------------------------
     def begin_step(self) -> None:

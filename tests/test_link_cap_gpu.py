@@ -163,7 +163,7 @@ def run(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("system", ["clo", "retroinfer", "infinigen"])
+@pytest.mark.parametrize("system", ["clo", "retroinfer", "infinigen", "shadowkv"])
 def test_a_capped_run_plans_and_records_the_cap(tmp_path, system):
     cap = round(SHARES[1] * bulk_gb_s(), 2)
     p = run(tmp_path, f"system={system}", f"hardware.link_gb_s={cap}")
