@@ -14,6 +14,7 @@ from plots import (
     fig2_breakdown,
     fig3_13_link,
     fig10_throughput,
+    paper,
     paper_tables,
     tab4_hit_rate,
     tab4_hit_rate_batch,
@@ -118,6 +119,43 @@ def test_fig2_against_committed_records_and_the_paper(tmp_path):
     assert rows["retroinfer"]["file"] == "record_retroinfer_untimed.json"
     assert rows["retroinfer"]["mgmt_percent"] == pytest.approx(17.5, abs=0.05)
     assert rows["pqcache"]["ms_per_step"] == pytest.approx(152.65, abs=0.01)
+
+
+def drawn(module, monkeypatch) -> list:
+    """The figures `module` draws, kept open instead of saved (to read their axes, legends and labels)."""
+    figs = []
+    monkeypatch.setattr(module, "save", lambda fig, out: figs.append(fig))
+    return figs
+
+
+def overlapping(texts) -> list[tuple[str, str]]:
+    """The pairs of drawn texts whose boxes overlap."""
+    boxes = [(t.get_text(), t.get_window_extent()) for t in texts if t.get_text()]
+    return [(a, c) for i, (a, b) in enumerate(boxes) for c, d in boxes[i + 1 :] if b.overlaps(d)]
+
+
+def test_fig2_breaks_its_axis_below_the_tall_bars_and_says_phases_in_words(tmp_path, monkeypatch):
+    """Baselines ten times FullAttn: the axis breaks between the short bars and the tall ones (each panel linear,
+    so the stacks still add up), the legend names phases in words, and no bar's total runs into another's."""
+    figs = drawn(fig2_breakdown, monkeypatch)
+    rows = fig2_breakdown.plot(fig2_folder(tmp_path), tmp_path / "fig2")
+    (fig,) = figs
+    high, low = fig.axes
+    tall = [r["percent_of_fullattn"] for n, r in rows.items() if n in ("retroinfer", "infinigen")]
+    short = [rows[n]["percent_of_fullattn"] for n in ("fullattn", "clo")] + list(paper.FIG2_PERCENT_OF_IDEAL.values())
+    assert max(short) < low.get_ylim()[1] < high.get_ylim()[0] < min(tall) and max(tall) < high.get_ylim()[1]
+    legend = [t.get_text() for t in high.get_legend().get_texts()]
+    assert "exposed transfer" in legend and "cache management" in legend and paper.FIG2 in legend
+    assert not {"transfer_exposed", "cache_mgmt", "launch_sync"} & set(legend)
+    fig.canvas.draw()
+    assert not overlapping([t for ax in fig.axes for t in ax.texts])
+    assert "(paper 27-36%)" in low.get_xticklabels()[2].get_text()  # RetroInfer-style's management beside the paper's
+
+
+def test_fig2_keeps_one_axis_when_no_bar_towers(tmp_path):
+    assert fig2_breakdown.axis_break([100.0, 87.0, 150.0]) is None
+    low_top, high_bottom, high_top = fig2_breakdown.axis_break([100.0, 87.0, 137.0, 900.0, 1700.0])
+    assert 137 < low_top < high_bottom < 900 and high_top > 1700
 
 
 def test_fig2_steps_come_from_the_untimed_runs_split_as_the_timed_ones(tmp_path):
