@@ -287,7 +287,9 @@ def test_the_committed_prefill_readme_quotes_its_records(tmp_path):
     assert (tmp_path / "prefill.png").exists() and len(d["points"]) == 17
 
 
-def test_throughput_from_run_records(tmp_path):
+def fig10_folder(folder: Path) -> Path:
+    """Figure 10's runs at 128K, BSZ 1 and 4, of four systems; refusals for the device budget and the host's RAM,
+    and a length (768K) where every run was refused."""
     recs = {}
     for s, tps in (("clo", 120.0), ("retroinfer", 100.0), ("infinigen", 80.0), ("fullattn", 150.0)):
         for b in (1, 4):
@@ -320,8 +322,12 @@ def test_throughput_from_run_records(tmp_path):
         "overrides": ["system=fullattn", "seqlen=768k", "batch=1", "+experiment=fig10_throughput"],
     }
     for name in recs:
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-    d = fig10_throughput.plot(write(tmp_path, recs), tmp_path / "fig10.png")
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    return write(folder, recs)
+
+
+def test_throughput_from_run_records(tmp_path):
+    d = fig10_throughput.plot(fig10_folder(tmp_path), tmp_path / "fig10.png")
     assert d["speedup"] == {(131072, 1): pytest.approx(1.2), (131072, 4): pytest.approx(1.2)}
     assert d["speedup_median"] == {(131072, 1): pytest.approx(1.25)}  # BSZ 4's records have no steps
     assert d["refused"] == [("clo", 131072, 64, "RAM"), ("fullattn", 131072, 16, "OOM"), ("fullattn", 786432, 1, "OOM")]
@@ -349,6 +355,27 @@ def test_throughput_from_run_records(tmp_path):
     write(tmp_path / "clo_8", {"record.json": capped})
     with pytest.raises(RecordError, match=r"several link caps .*\(none, 21.21 GB/s; hardware.link_gb_s\)"):
         fig10_throughput.data(tmp_path)
+
+
+def test_fig10_panels_tick_their_batches_and_say_whose_refusal(tmp_path, monkeypatch):
+    """Each panel ticks the batches run or refused at its length (768K's one batch, not a span around it); the
+    ratio row says what it is; a refusal's marker takes its system's colour, and the legend shows each kind of
+    refusal in the colours of the systems refused so and says the convention."""
+    figs = drawn(fig10_throughput, monkeypatch)
+    fig10_throughput.plot(fig10_folder(tmp_path), tmp_path / "fig10")
+    (fig,) = figs
+    (t128, t768), (r128, r768) = fig.axes[:2], fig.axes[2:4]
+    assert [t.get_text() for t in r128.get_xticklabels()] == ["1", "4", "16", "64"]  # runs at 1, 4; refusals
+    assert list(t768.get_xticks()) == [1] and 0.5 < t768.get_xlim()[0] < 1 < t768.get_xlim()[1] < 2
+    assert r128.get_ylabel() == fig10_throughput.RATIO_LABEL and r128.get_shared_y_axes().joined(r128, r768)
+    marks = {
+        (line.get_marker(), line.get_color()) for ax in (t128, t768) for line in ax.lines if line.get_marker() in "x+"
+    }
+    colour = fig10_throughput.colour
+    assert marks == {("x", colour("fullattn")), ("+", colour("clo"))}
+    (legend,) = fig.legends
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert set(fig10_throughput.REFUSED_LABELS.values()) <= set(texts) and "colour" in legend.get_title().get_text()
 
 
 def test_accuracy_records_against_table_5(tmp_path):
