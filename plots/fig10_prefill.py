@@ -39,7 +39,7 @@ def plot(root, out, allow_mixed: bool = False) -> dict:
     ax.set_ylabel("prefill tokens/s")
     ax.legend(fontsize=7)
     budget = fig10_throughput.budget_text(d["budget_gb"])
-    ax.set_title(f"Fig. 10 prefill: {d['model']}, {budget}, {d['records'].commits_label}", fontsize=9)
+    ax.set_title(f"Prefill throughput: {d['model']}, {budget}", fontsize=9)
     save(fig, out)
     return d
 

@@ -267,7 +267,7 @@ def save(fig, out: Path) -> list[Path]:
 
     out = Path(out)
     paths = [out.with_suffix(".png"), out.with_suffix(".pdf")] if not out.suffix else [out]
-    # CHECK#
+    check_no_commit(fig)
     if fig.get_layout_engine() is None:  # a constrained figure lays itself out (legends outside its axes)
         fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,9 @@ import json
 import sys
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pytest
+from matplotlib.figure import Figure
 
 from kvoffload.kv.timer import PHASES
 from plots import (
@@ -24,7 +26,7 @@ from plots import (
 )
 from plots import all as plots_all
 from plots.phase_breakdown import plot as phase_plot
-from plots.records import SYSTEMS, NoRecords, RecordError, cli, load_records
+from plots.records import SYSTEMS, NoRecords, RecordError, cli, load_records, save, titles
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -477,8 +479,42 @@ def test_all_draws_what_it_can_and_says_the_rest(tmp_path, capsys):
     assert f"ok: fig2_breakdown <- {results / 'fig2_breakdown_128k'} (commit abc1234)" in out
     assert f"failed: tab4_hit_rate ({results / 'tab4_hit_rate'}): records of 2 commits" in out
     assert f"no records yet: {results / 'fig10_throughput'}" in out
-    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["fig2_breakdown.pdf", "fig2_breakdown.png"]
+    drawn = sorted(p.name for p in (tmp_path / "figs").iterdir())
+    assert drawn == ["fig2_breakdown.caption.md", "fig2_breakdown.pdf", "fig2_breakdown.png"]
     assert "no results folder" in refused(lambda: plots_all.main(["--results", str(tmp_path / "none")]), capsys)
+
+
+def test_a_title_naming_a_commit_is_refused(tmp_path):
+    """A figure names what it shows; the commits go in its caption. Numbers and hex-like words are not commits."""
+    fig, ax = plt.subplots()
+    ax.set_title("Fig. 2: llama3, 128K, 1048576 tokens, defaced")
+    save(fig, tmp_path / "ok.png")
+    fig, ax = plt.subplots()
+    fig.suptitle("Fig. 2: llama3, 128K, commit 9612c61")
+    with pytest.raises(ValueError, match="9612c61"):
+        save(fig, tmp_path / "bad.png")
+    assert not (tmp_path / "bad.png").exists()
+
+
+def test_all_captions_each_figure_with_its_records_commits_and_titles_none(tmp_path, monkeypatch):
+    """Every figure plots.all draws gets <name>.caption.md naming the commit of each record it drew (and the
+    preflight's refusals apart, which ran at none); none of its titles or tick labels names a commit."""
+    results = tmp_path / "results"
+    fig2_folder(results / "fig2_breakdown_128k")
+    fig10 = fig10_folder(results / "fig10_throughput")
+    later = run_record("clo", "def5678", batch=2, **{"metrics.hit_rate_with_refreshes": 0.5})  # filled in later
+    write(fig10, {"record_clo_later.json": later})
+    texts, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (texts.extend(titles(fig)), savefig(fig, *a, **k)))
+    status = plots_all.build(results, tmp_path / "figs", log=lambda line: None)
+    drawn = {name for name, s in status.items() if s == "ok"}
+    assert drawn == {"fig2_breakdown", "fig10_throughput", "tab4_hit_rate_batch"}
+    assert texts and not [t for t in texts if "abc1234" in t or "def5678" in t]
+    for name in drawn:
+        assert "- commit abc1234, " in (tmp_path / "figs" / f"{name}.caption.md").read_text(), name
+    text = (tmp_path / "figs" / "fig10_throughput.caption.md").read_text()
+    assert "- commit def5678, 1 file(s): `record_clo_later.json`" in text
+    assert f"- {plots_all.REFUSED}, 3 file(s): `clo_64/record.json`," in text
 
 
 def test_a_graph_steps_bar_is_split_as_its_traced_kernels(tmp_path):
