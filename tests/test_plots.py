@@ -517,6 +517,16 @@ def test_all_captions_each_figure_with_its_records_commits_and_titles_none(tmp_p
     assert f"- {plots_all.REFUSED}, 3 file(s): `clo_64/record.json`," in text
 
 
+def test_committed_figures_have_their_current_captions():
+    """Each committed figure has the caption its committed records give (python -m plots.all writes both)."""
+    figures = RESULTS / "figures"
+    for f in plots_all.FIGURES:
+        png, cap = figures / f"{f.name}.png", figures / f"{f.name}.caption.md"
+        assert png.exists() == cap.exists(), f"{f.name}: a figure without its caption or the other way round"
+        if png.exists():
+            assert cap.read_text() == plots_all.caption(f, RESULTS), f"{cap} is stale: python -m plots.all"
+
+
 def test_a_graph_steps_bar_is_split_as_its_traced_kernels(tmp_path):
     """CLO's graph step has no events of its own: experiments.runner.trace_phases' split of its traced step divides
     it."""
