@@ -104,7 +104,7 @@ def plot(root: Path, out: Path) -> dict:
     for ax in axes:
         ax.set_xticks(x, [LABELS[v] for v in names_], fontsize=8)
     fig.suptitle(
-        f"ablation: {d['model']} {tokens(d['seqlen'])} on {d['device']}, commit {d['records'].commit}"
+        f"The +T/+G/+P ablation: {d['model']} {tokens(d['seqlen'])} on {d['device']}"
         + ("" if gpu else " (CPU: latency not drawn)"),
         fontsize=9,
     )

@@ -1,9 +1,11 @@
 """Rebuild every figure and table that has records under the results folder, PNG and PDF, the paper's numbers
 beside ours wherever it gives them. One line per figure: ok (its records and commit), `no records yet: <folder>`
 (its producer has not run), or failed (why: mixed commits, an unknown system...); the others are still drawn,
-and the exit status is 1 if any failed. A results folder that does not exist is refused (exit 2). It reads a
-results/-style tree, each figure from its own folder (FIGURES below: fig10_throughput/, tab4_hit_rate/, ...); a
-sweep's own folder is drawn by that figure's module, e.g. `python -m plots.fig10_throughput <folder> --out fig10`.
+and the exit status is 1 if any failed. Beside each figure drawn, <name>.caption.md: what it shows and the
+commit of each record it was drawn from (a figure's titles name none). A results folder that does not exist is
+refused (exit 2). It reads a results/-style tree, each figure from its own folder (FIGURES below:
+fig10_throughput/, tab4_hit_rate/, ...); a sweep's own folder is drawn by that figure's module, e.g.
+`python -m plots.fig10_throughput <folder> --out fig10`.
 
     python -m plots.all [--results results] [--out results/figures]
 """
@@ -32,7 +34,9 @@ from plots import (
     tab5_accuracy,
     tab6_memory,
 )
-from plots.records import NoRecords, RecordError, cli, load_files
+from plots.records import NoRecords, RecordError, cli, commit_of, find, fit_refusal, load_files
+
+REFUSED = "refused before running (the preflight's estimate: no run, no commit)"
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,11 @@ class Figure:
     plot: Callable
     what: str
     options: dict = field(default_factory=dict)
+
+    @property
+    def folders(self) -> list[str]:
+        """The results folders it draws: its own, and the CPU records a speed-vs-fidelity figure pairs with it."""
+        return [self.folder, *([self.options["cpu"]] if "cpu" in self.options else [])]
 
 
 FIGURES = (
@@ -95,7 +104,7 @@ FIGURES = (
         "fig10_prefill",
         "fig10_prefill",
         fig10_prefill.plot,
-        "paper Fig. 10: prefill throughput, real prefills (two commits and cards, each row named)",
+        "paper Fig. 10: prefill throughput, real prefills (two cards, each point's named)",
         {"allow_mixed": True},
     ),
     Figure(
@@ -134,17 +143,22 @@ FIGURES = (
         "phases_gpu_smoke_graph",
         "gpu_smoke_llama3/graph",
         phase_breakdown.plot,
-        "FullAttn smoke runs, graph (two commits, each bar labelled; its README says why)",
+        "FullAttn smoke runs, graph (two commits, each bar's in the caption; its README says why)",
         {"allow_mixed": True},
     ),
     Figure(
         "phases_clo_gpu",
         "clo_gpu",
         phase_breakdown.plot,
-        "CLO vs FullAttn, 32K-512K (several commits, each bar labelled; its README says which)",
+        "CLO vs FullAttn, 32K-512K (several commits, each bar's in the caption; its README says which)",
         {"allow_mixed": True},
     ),
-    Figure("phases_baselines_topk", "investigations/baselines_topk_ab_128k", phase_breakdown.plot, "baselines' top-k, torch vs radix"),
+    Figure(
+        "phases_baselines_topk",
+        "investigations/baselines_topk_ab_128k",
+        phase_breakdown.plot,
+        "baselines' top-k, torch vs radix",
+    ),
 )
 
 
@@ -153,6 +167,34 @@ def commits_of(folder: Path) -> str:
         return load_files(folder, "*.json", lambda r: "environment" in r, allow_mixed=True).commit
     except RecordError:
         return "?"
+
+
+def drawn_record(rec: dict) -> bool:
+    """A record a figure draws: a finished run or a benchmark's rows (not a crash), stamped with its commit."""
+    return "environment" in rec and rec.get("status", "ok") == "ok"
+
+
+def files_by_commit(folder: Path) -> dict[str, list[str]]:
+    """commit -> the files of folder's drawn records made at it; the preflight's refusals (nothing ran, so no
+    commit) under 'refused before running'."""
+    by: dict[str, list[str]] = {}
+    for r in find(folder, "*.json", lambda r: drawn_record(r) or fit_refusal(r), "records"):
+        key = (commit_of(r["record"]) or "no commit") if drawn_record(r["record"]) else REFUSED
+        by.setdefault(key, []).append(r["file"])
+    return dict(sorted(by.items(), key=lambda kv: (kv[0] == REFUSED, kv[0])))
+
+
+def caption(f: Figure, results: Path) -> str:
+    """The caption written beside a figure: what it is, and the commit of every record it was drawn from. The
+    figure's own titles name no commit (save refuses them): a reader of a paper needs what, not where."""
+    lines = [f"**{f.name}**: {f.what}.", "", "Drawn by `python -m plots.all` from these records:"]
+    for folder in f.folders:
+        readme = " (its README.md says how they were made)" if (results / folder / "README.md").exists() else ""
+        lines += ["", f"`{results.name}/{folder}/`{readme}:"]
+        for commit, files in files_by_commit(results / folder).items():
+            head = commit if commit == REFUSED else f"commit {commit}"
+            lines.append(f"- {head}, {len(files)} file(s): " + ", ".join(f"`{x}`" for x in files))
+    return "\n".join(lines) + "\n"
 
 
 def build(results: Path, out: Path, figures=FIGURES, log=print) -> dict[str, str]:
@@ -171,7 +213,8 @@ def build(results: Path, out: Path, figures=FIGURES, log=print) -> dict[str, str
             log(f"failed: {f.name} ({folder}): {why}")
         else:
             status[f.name] = "ok"
-            mixed = ", each named in the figure" if f.options.get("allow_mixed") else ""
+            (out / f"{f.name}.caption.md").write_text(caption(f, results))
+            mixed = ", each file's in its caption" if f.options.get("allow_mixed") else ""
             log(f"ok: {f.name} <- {folder} (commit {commits_of(folder)}{mixed}) -> {out / f.name}.png, .pdf")
     return status
 

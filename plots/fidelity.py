@@ -119,7 +119,7 @@ def plot(root: Path, out: Path) -> Records:
         ax.set_title(f"{tokens(length)} documents, 95 % intervals over documents", fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(
-        f"Fidelity against exact attention, SmolLM2-135M, {recs.commits_label} (FullAttn: KL 0, top-1 100 %)",
+        "Fidelity against exact attention, SmolLM2-135M (FullAttn: KL 0, top-1 100 %)",
         fontsize=9,
     )
     save(fig, out)

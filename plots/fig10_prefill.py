@@ -25,7 +25,7 @@ def plot(root, out, allow_mixed: bool = False) -> dict:
     for i, s in enumerate(shown):
         xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(points))]
         ys = [(pts.get((s, n, b)) or {}).get("prefill_tokens_per_s") or 0 for n, b in points]
-        colour = f"C{list(SYSTEMS).index(s)}"  # as in plots.fig10_throughput
+        colour = fig10_throughput.colour(s)
         ax.bar(xs, ys, width, color=colour, label=SYSTEMS[s])
         for x, (n, b) in zip(xs, points):
             if (s, n, b) in refused:
@@ -39,7 +39,7 @@ def plot(root, out, allow_mixed: bool = False) -> dict:
     ax.set_ylabel("prefill tokens/s")
     ax.legend(fontsize=7)
     budget = fig10_throughput.budget_text(d["budget_gb"])
-    ax.set_title(f"Fig. 10 prefill: {d['model']}, {budget}, {d['records'].commits_label}", fontsize=9)
+    ax.set_title(f"Prefill throughput: {d['model']}, {budget}", fontsize=9)
     save(fig, out)
     return d
 

@@ -1,9 +1,10 @@
 """Paper Figure 10: decode throughput against batch size, one panel per sequence length, one line per system; below,
 CLO's throughput over the best offloading baseline at each point, against the paper's range for that model.
 Reads run records (experiments.run over system x batch x seqlen); where one point has several records (decode
-modes), the fastest; a point the preflight refused is drawn as a cross: "OOM" where the device budget does not hold
-it (the paper's missing bars), "RAM" where the host's memory does not hold its KV. Records of several commits are
-refused unless --allow-mixed-commits (the title then lists them); records of several device budgets
+modes), the fastest; a point the preflight refused is drawn below zero in the refused system's colour: a cross
+where the device budget does not hold it (the paper's missing bars), a plus where the host's memory does not hold
+its KV. Each panel ticks the batches of its length only. Records of several commits are refused unless
+--allow-mixed-commits (plots.all's caption names them); records of several device budgets
 (hardware.gpu_mem_gb: the paper's 48 GB grid and the same without a budget) are refused: one figure, one budget.
 
     python -m plots.fig10_throughput results/fig10_throughput --out fig10 --allow-mixed-commits
@@ -30,6 +31,7 @@ from plots.records import (  # noqa: E402
     load_records,
     one_value,
     override_values,
+    paper_style,
     plot_arguments,
     read_json,
     save,
@@ -38,7 +40,8 @@ from plots.records import (  # noqa: E402
 
 BASELINES = ("retroinfer", "infinigen")  # the offloading baselines CLO is compared with
 REFUSED_MARKERS = {"OOM": "x", "RAM": "+"}
-REFUSED_LABELS = {"OOM": "refused: device budget (OOM)", "RAM": "refused: host RAM"}
+REFUSED_LABELS = {"OOM": "refused (device budget)", "RAM": "refused (host RAM)"}
+REFUSED_NOTE = "× and + below zero: a run the preflight refused, in that system's colour"
 
 
 def data(root: Path, allow_mixed: bool = False) -> dict:
@@ -141,47 +144,137 @@ def refusals(root: Path) -> list[tuple[tuple[str, int, int, str], float | None]]
     return out
 
 
+RATIO_LABEL = "CLO / best baseline (×)"
+PANEL_WIDTH_IN = 1.7  # a length's panel: four of them span a two-column paper's width at PAPER_STYLE's sizes
+PAD_OCTAVES = 0.5  # room either side of a panel's first and last batch
+SPREAD_OCTAVES = 0.09  # how far apart the systems' refusal markers at one batch sit
+NOTE_BOX = {"facecolor": "white", "edgecolor": "none"}  # a note in a panel, over the hatched range
+
+
+def colour(system: str) -> str:
+    """A system's colour in every figure of Figure 10's records (plots.fig10_prefill's bars too)."""
+    return f"C{list(SYSTEMS).index(system)}"
+
+
+def batch_axis(ax, batches: list[int]) -> None:
+    """A log2 batch axis ticked at the grid's batches only, in plain numbers, padded half an octave either side:
+    a panel of one batch shows that batch, not a 2^-1..2^1 span of batches nobody ran."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.minorticks_off()
+    ax.set_xlim(min(batches) * 2**-PAD_OCTAVES, max(batches) * 2**PAD_OCTAVES)
+
+
+def throughput_panel(ax, d: dict, n: int) -> None:
+    """Each system's decode tokens/s against batch at length n; below the zero line, a marker where the
+    preflight refused a point, in the refused system's colour and a little apart from the other systems'."""
+    pts = d["points"]
+    for s in SYSTEMS:
+        xs = sorted(b for x, m, b in pts if x == s and m == n)
+        if xs:
+            ax.plot(xs, [pts[(s, n, b)]["decode_tokens_per_s"] for b in xs], "o-", ms=3, color=colour(s))
+    refused = [(s, b, why) for s, m, b, why in d["refused"] if m == n]
+    if not any(m == n for _, m, _ in pts):  # every run at this length refused: no throughput axis to read
+        ax.set_yticks([])
+        ax.text(0.5, 0.5, "every run refused", transform=ax.transAxes, ha="center", va="center", bbox=NOTE_BOX)
+    top = ax.get_ylim()[1] if any(m == n for _, m, _ in pts) else 1.0
+    ax.set_ylim(-0.12 * top, top)  # a strip under zero for the refusals: no line runs through them
+    for s, b, why in refused:
+        shift = 2 ** (SPREAD_OCTAVES * (list(SYSTEMS).index(s) - (len(SYSTEMS) - 1) / 2))
+        ax.plot([b * shift], [-0.06 * top], REFUSED_MARKERS[why], color=colour(s), ms=5, mew=1.2)
+    ax.set_title(tokens(n))
+
+
+def ratio_panel(ax, d: dict, n: int) -> None:
+    """CLO's decode throughput over the best offloading baseline's at each batch of length n, against the
+    paper's range for the model (hatched)."""
+    xs = sorted(b for m, b in d["speedup"] if m == n)
+    ax.plot(xs, [d["speedup"][(n, b)] for b in xs], "o-", ms=3, color="black")
+    if d["model"] in paper.FIG10_SPEEDUP:
+        ax.axhspan(*paper.FIG10_SPEEDUP[d["model"]], facecolor="none", hatch="//", edgecolor="gray", lw=0)
+    ax.axhline(1, color="black", lw=0.5)
+    if not xs:  # a length where no baseline ran (refused, or not yet run) has no ratio to draw
+        ax.text(
+            0.5,
+            0.5,
+            "no batch with\nCLO and a baseline",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            bbox=NOTE_BOX,
+        )
+    ax.set_xlabel("batch")
+
+
+def legend_handles(d: dict) -> tuple[list, list[str], dict]:
+    """The figure's one legend: the systems drawn, each kind of refusal as a marker in each refused system's
+    colour (which system a marker is: its colour), CLO's ratio and the paper's range; and the handler map that
+    draws a tuple of markers side by side."""
+    from matplotlib.legend_handler import HandlerTuple
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    shown = [s for s in SYSTEMS if any(k[0] == s for k in d["points"])]
+    handles = [Line2D([], [], marker="o", ms=3, color=colour(s)) for s in shown]
+    labels = [SYSTEMS[s] for s in shown]
+    for why, marker in REFUSED_MARKERS.items():
+        who = [s for s in SYSTEMS if any(x == s and w == why for x, _, _, w in d["refused"])]
+        if who:
+            handles.append(tuple(Line2D([], [], ls="", marker=marker, mew=1.2, color=colour(s)) for s in who))
+            labels.append(REFUSED_LABELS[why])
+    handles.append(Line2D([], [], marker="o", ms=3, color="black"))
+    labels.append("ours: " + RATIO_LABEL.removesuffix(" (×)"))
+    if d["model"] in paper.FIG10_SPEEDUP:
+        handles.append(Patch(facecolor="none", hatch="//", edgecolor="gray"))
+        labels.append(f"paper Fig. 10's range ({d['model']})")
+    return handles, labels, {tuple: HandlerTuple(ndivide=None, pad=0)}
+
+
 def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
     d = data(root, allow_mixed)
     pts = d["points"]
     seqlens = sorted({n for _, n, _ in pts} | {n for _, n, _, _ in d["refused"]})  # a length may have only refusals
-    fig, axes = plt.subplots(2, len(seqlens), figsize=(4 * len(seqlens) + 1, 6.5), squeeze=False)
-    for j, n in enumerate(seqlens):
-        ax = axes[0][j]
-        for i, s in enumerate(SYSTEMS):
-            xs = sorted(b for x, m, b in pts if x == s and m == n)
-            if xs:
-                ax.plot(xs, [pts[(s, n, b)]["decode_tokens_per_s"] for b in xs], "o-", color=f"C{i}", label=SYSTEMS[s])
-        floor = ax.get_ylim()[0]
-        for why, marker in REFUSED_MARKERS.items():  # the point does not fit the budget (OOM) or the host (RAM)
-            for i, s in enumerate(SYSTEMS):  # in the system's colour; the legend names the kind once, in grey
-                xs = [b for x, m, b, w in d["refused"] if x == s and m == n and w == why]
-                if xs:  # each system's cross a little apart: several systems refused at one batch all show
-                    shift = 2 ** (0.06 * (i - (len(SYSTEMS) - 1) / 2))
-                    ax.plot([b * shift for b in xs], [floor] * len(xs), marker, color=f"C{i}", ms=9)
-            if any(m == n and w == why for _, m, _, w in d["refused"]):
-                ax.plot([], [], marker, color="gray", ms=9, label=REFUSED_LABELS[why])
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{tokens(n)}", fontsize=9)
-        ax.set_xlabel("batch")
-        ax.set_ylabel("decode tokens/s")
-        ax.legend(fontsize=7)
-        ax2 = axes[1][j]
-        xs = sorted(b for m, b in d["speedup"] if m == n)
-        ax2.plot(xs, [d["speedup"][(n, b)] for b in xs], "o-", label="ours: CLO / best baseline")
-        if d["model"] in paper.FIG10_SPEEDUP:
-            lo, hi = paper.FIG10_SPEEDUP[d["model"]]
-            ax2.axhspan(lo, hi, facecolor="none", hatch="//", edgecolor="gray", label=f"{paper.FIG10} ({d['model']})")
-        ax2.axhline(1, color="black", lw=0.5)
-        if xs:  # a length where no baseline ran (refused, or not yet run) has no ratio to draw
-            ax2.set_xscale("log", base=2)
-        else:
-            ax2.text(0.5, 0.15, "CLO and a baseline ran at no batch", transform=ax2.transAxes, ha="center", fontsize=8)
-        ax2.set_xlabel("batch")
-        ax2.legend(fontsize=7)
-    fig.suptitle(f"Fig. 10: {d['model']}, {budget_text(d['budget_gb'])}, {d['records'].commits_label}", fontsize=9)
-    save(fig, out)
+    with paper_style():
+        fig, axes = plt.subplots(
+            2,
+            len(seqlens),
+            figsize=(PANEL_WIDTH_IN * len(seqlens) + 0.6, 4.6),
+            squeeze=False,
+            sharex="col",
+            height_ratios=[3, 2],
+            layout="constrained",
+        )
+        for j, n in enumerate(seqlens):
+            throughput_panel(axes[0][j], d, n)
+            ratio_panel(axes[1][j], d, n)
+            axes[1][j].sharey(axes[1][0])  # one ratio scale across lengths, read on the first panel's axis
+            batch_axis(axes[0][j], sorted(batches_at(d, n)))  # the column's: the ratio below shares it
+        axes[0][0].set_ylabel("decode tokens/s")
+        axes[1][0].set_ylabel(RATIO_LABEL)
+        handles, labels, handler_map = legend_handles(d)
+        fig.legend(
+            handles,
+            labels,
+            handler_map=handler_map,
+            loc="outside lower center",
+            ncol=4,
+            frameon=False,
+            title=REFUSED_NOTE if d["refused"] else None,
+            title_fontsize=7,
+        )
+        fig.suptitle(f"Decode throughput against batch: {d['model']}, {budget_text(d['budget_gb'])}" + link_text(d))
+        save(fig, out)
     return d | {"panels": seqlens}
+
+
+def batches_at(d: dict, n: int) -> set[int]:
+    """The batches run or refused at length n: a panel's ticks."""
+    return {b for _, m, b in d["points"] if m == n} | {b for _, m, b, _ in d["refused"] if m == n}
+
+
+def link_text(d: dict) -> str:
+    """', link capped at 21.21 GB/s' where the records ran on a capped link; else nothing."""
+    return f", link capped at {d['link_cap_gb_s']:g} GB/s" if d.get("link_cap_gb_s") else ""
 
 
 def main() -> None:

@@ -74,8 +74,7 @@ def plot(root: Path, out: Path) -> dict:
         ax.legend(fontsize=6)
     fig.suptitle(
         f"Fig. 3/13: link bandwidth on {d['device']}"
-        + (" (no link: a host copy, checks only)" if d["device"] != "cuda" else "")
-        + f", commit {d['records'].commit}",
+        + (" (no link: a host copy, checks only)" if d["device"] != "cuda" else ""),
         fontsize=9,
     )
     save(fig, out)

@@ -75,7 +75,7 @@ def plot(root: Path, out: Path) -> dict:
     c.set_xlabel("|S_t & S_t-1| / k (exact top-k, per KV head)")
     c.set_title(f"top-k overlap, adjacent steps: mean {d['overlap'].mean():.2f}", fontsize=8)
     fig.suptitle(
-        f"Fig. 4-6: {d['model']}, real weights, {d['steps']} adjacent-step pairs, commit {d['records'].commit}",
+        f"Query similarity of adjacent steps: {d['model']}, real weights, {d['steps']} step pairs",
         fontsize=9,
     )
     save(fig, out)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,27 @@ SYSTEMS = {
     "shadowkv": "ShadowKV-style",
 }
 MAX_NAMED = 4  # files named in one message before "and N more"
+# The timer's phase keys (kvoffload.kv.timer.PHASES) as a figure's legend says them: a reader has not seen the code.
+PHASE_LABELS = {
+    "retrieval": "retrieval (top-k search)",
+    "cache_mgmt": "cache management",
+    "transfer_exposed": "exposed transfer",
+    "attention": "attention",
+    "launch_sync": "launch + sync",
+    "other": "other",
+}
+# A commit id as test_docs finds one: 7-40 hex characters standing alone, digits and letters mixed.
+COMMIT_ID = re.compile(r"(?<![0-9A-Za-z])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![0-9A-Za-z])")
+# Font sizes for a figure printed at a paper's width (about 7 in across two columns): none under 7 pt there.
+PAPER_STYLE = {
+    "font.size": 8,
+    "axes.titlesize": 8,
+    "axes.labelsize": 8,
+    "xtick.labelsize": 7,
+    "ytick.labelsize": 7,
+    "legend.fontsize": 7,
+    "figure.titlesize": 9,
+}
 
 
 class RecordError(Exception):
@@ -204,12 +227,39 @@ def phases_of(recs: Records) -> list[str]:
 
 
 def stacked_phases(ax, x: list, values: dict[str, list[float]], **bar) -> list[float]:
-    """One stacked bar per x, one segment per phase (in the timer's order); returns the bar totals."""
+    """One stacked bar per x, one segment per phase (in the timer's order), each labelled in words and coloured
+    by its place in that order (the same colours on every axis of a broken one); returns the bar totals."""
     bottom = [0.0] * len(x)
-    for phase, vals in values.items():
-        ax.bar(x, vals, bottom=bottom, label=phase, **bar)
+    for i, (phase, vals) in enumerate(values.items()):
+        ax.bar(x, vals, bottom=bottom, label=PHASE_LABELS.get(phase, phase), color=f"C{i}", **bar)
         bottom = [b + v for b, v in zip(bottom, vals)]
     return bottom
+
+
+@contextmanager
+def paper_style():
+    """PAPER_STYLE's font sizes for the figures drawn inside it."""
+    import matplotlib
+
+    with matplotlib.rc_context(PAPER_STYLE):
+        yield
+
+
+def titles(fig) -> list[str]:
+    """The figure's title and its axes' titles and tick labels: the text a reader takes for what the figure is."""
+    texts = [fig.get_suptitle()]
+    for ax in fig.axes:
+        texts += [ax.get_title(loc) for loc in ("left", "center", "right")]
+        texts += [t.get_text() for t in (*ax.get_xticklabels(), *ax.get_yticklabels())]
+    return [t for t in texts if t]
+
+
+def check_no_commit(fig) -> None:
+    """Refuses a figure whose titles or tick labels carry a commit id: the caption beside it names the commits
+    (plots.all), where a reader of a paper does not have to read past them."""
+    found = [t for t in titles(fig) if COMMIT_ID.search(t)]
+    if found:
+        raise ValueError(f"a figure's titles name commits {found}: put them in its caption (plots.all writes it)")
 
 
 def save(fig, out: Path) -> list[Path]:
@@ -218,7 +268,9 @@ def save(fig, out: Path) -> list[Path]:
 
     out = Path(out)
     paths = [out.with_suffix(".png"), out.with_suffix(".pdf")] if not out.suffix else [out]
-    fig.tight_layout()
+    check_no_commit(fig)
+    if fig.get_layout_engine() is None:  # a constrained figure lays itself out (legends outside its axes)
+        fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     for p in paths:  # no dates in the files: the same records give the same bytes
         fig.savefig(p, dpi=120, metadata={"CreationDate": None} if p.suffix == ".pdf" else None)

@@ -76,7 +76,7 @@ def plot(root: Path, out: Path) -> list[dict]:
     ax.set_xticks(x, labels, fontsize=7)
     ax.set_ylim(0, 100)
     ax.set_ylabel("cache hit rate, %")
-    ax.set_title(f"Tab. 4: {d['model']} {tokens(d['seqlen'])}, commit {d['records'].commit}", fontsize=9)
+    ax.set_title(f"Cache hit rate: {d['model']} {tokens(d['seqlen'])}", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     save(fig, out)
     return rows

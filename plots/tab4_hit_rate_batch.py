@@ -92,7 +92,7 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
         ax.set_ylabel("cache hit rate, %")
         ax.legend(fontsize=6, loc="lower left")
     budget = fig10_throughput.budget_text(d["budget_gb"])
-    fig.suptitle(f"Tab. 4 by batch: {d['model']}, Figure 10's runs, {budget}, {d['records'].commits_label}", fontsize=9)
+    fig.suptitle(f"Cache hit rate by batch: {d['model']}, Figure 10's runs, {budget}", fontsize=9)
     save(fig, out)
     return d
 

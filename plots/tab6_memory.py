@@ -94,7 +94,7 @@ def plot(root: Path, out: Path) -> dict:
     ax2.set_ylim(0, max(100, *ratio.values(), *cache.values()) * 1.1)
     ax2.set_ylabel("CLO / RetroInfer-style, %")
     ax2.legend(fontsize=7)
-    fig.suptitle(f"Tab. 6: {d['model']}, B=1, commit {d['records'].commit}", fontsize=9)
+    fig.suptitle(f"Device memory of the KV state: {d['model']}, BSZ 1", fontsize=9)
     save(fig, out)
     return d
 

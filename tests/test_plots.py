@@ -6,7 +6,9 @@ import json
 import sys
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pytest
+from matplotlib.figure import Figure
 
 from kvoffload.kv.timer import PHASES
 from plots import (
@@ -14,6 +16,7 @@ from plots import (
     fig2_breakdown,
     fig3_13_link,
     fig10_throughput,
+    paper,
     paper_tables,
     tab4_hit_rate,
     tab4_hit_rate_batch,
@@ -23,7 +26,7 @@ from plots import (
 )
 from plots import all as plots_all
 from plots.phase_breakdown import plot as phase_plot
-from plots.records import SYSTEMS, NoRecords, RecordError, cli, load_records
+from plots.records import SYSTEMS, NoRecords, RecordError, cli, load_records, save, titles
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -118,6 +121,43 @@ def test_fig2_against_committed_records_and_the_paper(tmp_path):
     assert rows["retroinfer"]["file"] == "record_retroinfer_untimed.json"
     assert rows["retroinfer"]["mgmt_percent"] == pytest.approx(17.5, abs=0.05)
     assert rows["pqcache"]["ms_per_step"] == pytest.approx(152.65, abs=0.01)
+
+
+def drawn(module, monkeypatch) -> list:
+    """The figures `module` draws, kept open instead of saved (to read their axes, legends and labels)."""
+    figs = []
+    monkeypatch.setattr(module, "save", lambda fig, out: figs.append(fig))
+    return figs
+
+
+def overlapping(texts) -> list[tuple[str, str]]:
+    """The pairs of drawn texts whose boxes overlap."""
+    boxes = [(t.get_text(), t.get_window_extent()) for t in texts if t.get_text()]
+    return [(a, c) for i, (a, b) in enumerate(boxes) for c, d in boxes[i + 1 :] if b.overlaps(d)]
+
+
+def test_fig2_breaks_its_axis_below_the_tall_bars_and_says_phases_in_words(tmp_path, monkeypatch):
+    """Baselines ten times FullAttn: the axis breaks between the short bars and the tall ones (each panel linear,
+    so the stacks still add up), the legend names phases in words, and no bar's total runs into another's."""
+    figs = drawn(fig2_breakdown, monkeypatch)
+    rows = fig2_breakdown.plot(fig2_folder(tmp_path), tmp_path / "fig2")
+    (fig,) = figs
+    high, low = fig.axes
+    tall = [r["percent_of_fullattn"] for n, r in rows.items() if n in ("retroinfer", "infinigen")]
+    short = [rows[n]["percent_of_fullattn"] for n in ("fullattn", "clo")] + list(paper.FIG2_PERCENT_OF_IDEAL.values())
+    assert max(short) < low.get_ylim()[1] < high.get_ylim()[0] < min(tall) and max(tall) < high.get_ylim()[1]
+    legend = [t.get_text() for t in high.get_legend().get_texts()]
+    assert "exposed transfer" in legend and "cache management" in legend and paper.FIG2 in legend
+    assert not {"transfer_exposed", "cache_mgmt", "launch_sync"} & set(legend)
+    fig.canvas.draw()
+    assert not overlapping([t for ax in fig.axes for t in ax.texts])
+    assert "(paper 27-36%)" in low.get_xticklabels()[2].get_text()  # RetroInfer-style's management beside the paper's
+
+
+def test_fig2_keeps_one_axis_when_no_bar_towers(tmp_path):
+    assert fig2_breakdown.axis_break([100.0, 87.0, 150.0]) is None
+    low_top, high_bottom, high_top = fig2_breakdown.axis_break([100.0, 87.0, 137.0, 900.0, 1700.0])
+    assert 137 < low_top < high_bottom < 900 and high_top > 1700
 
 
 def test_fig2_steps_come_from_the_untimed_runs_split_as_the_timed_ones(tmp_path):
@@ -249,7 +289,9 @@ def test_the_committed_prefill_readme_quotes_its_records(tmp_path):
     assert (tmp_path / "prefill.png").exists() and len(d["points"]) == 17
 
 
-def test_throughput_from_run_records(tmp_path):
+def fig10_folder(folder: Path) -> Path:
+    """Figure 10's runs at 128K, BSZ 1 and 4, of four systems; refusals for the device budget and the host's RAM,
+    and a length (768K) where every run was refused."""
     recs = {}
     for s, tps in (("clo", 120.0), ("retroinfer", 100.0), ("infinigen", 80.0), ("fullattn", 150.0)):
         for b in (1, 4):
@@ -282,8 +324,12 @@ def test_throughput_from_run_records(tmp_path):
         "overrides": ["system=fullattn", "seqlen=768k", "batch=1", "+experiment=fig10_throughput"],
     }
     for name in recs:
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-    d = fig10_throughput.plot(write(tmp_path, recs), tmp_path / "fig10.png")
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    return write(folder, recs)
+
+
+def test_throughput_from_run_records(tmp_path):
+    d = fig10_throughput.plot(fig10_folder(tmp_path), tmp_path / "fig10.png")
     assert d["speedup"] == {(131072, 1): pytest.approx(1.2), (131072, 4): pytest.approx(1.2)}
     assert d["speedup_median"] == {(131072, 1): pytest.approx(1.25)}  # BSZ 4's records have no steps
     assert d["refused"] == [("clo", 131072, 64, "RAM"), ("fullattn", 131072, 16, "OOM"), ("fullattn", 786432, 1, "OOM")]
@@ -311,6 +357,27 @@ def test_throughput_from_run_records(tmp_path):
     write(tmp_path / "clo_8", {"record.json": capped})
     with pytest.raises(RecordError, match=r"several link caps .*\(none, 21.21 GB/s; hardware.link_gb_s\)"):
         fig10_throughput.data(tmp_path)
+
+
+def test_fig10_panels_tick_their_batches_and_say_whose_refusal(tmp_path, monkeypatch):
+    """Each panel ticks the batches run or refused at its length (768K's one batch, not a span around it); the
+    ratio row says what it is; a refusal's marker takes its system's colour, and the legend shows each kind of
+    refusal in the colours of the systems refused so and says the convention."""
+    figs = drawn(fig10_throughput, monkeypatch)
+    fig10_throughput.plot(fig10_folder(tmp_path), tmp_path / "fig10")
+    (fig,) = figs
+    (t128, t768), (r128, r768) = fig.axes[:2], fig.axes[2:4]
+    assert [t.get_text() for t in r128.get_xticklabels()] == ["1", "4", "16", "64"]  # runs at 1, 4; refusals
+    assert list(t768.get_xticks()) == [1] and 0.5 < t768.get_xlim()[0] < 1 < t768.get_xlim()[1] < 2
+    assert r128.get_ylabel() == fig10_throughput.RATIO_LABEL and r128.get_shared_y_axes().joined(r128, r768)
+    marks = {
+        (line.get_marker(), line.get_color()) for ax in (t128, t768) for line in ax.lines if line.get_marker() in "x+"
+    }
+    colour = fig10_throughput.colour
+    assert marks == {("x", colour("fullattn")), ("+", colour("clo"))}
+    (legend,) = fig.legends
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert set(fig10_throughput.REFUSED_LABELS.values()) <= set(texts) and "colour" in legend.get_title().get_text()
 
 
 def test_accuracy_records_against_table_5(tmp_path):
@@ -412,8 +479,52 @@ def test_all_draws_what_it_can_and_says_the_rest(tmp_path, capsys):
     assert f"ok: fig2_breakdown <- {results / 'fig2_breakdown_128k'} (commit abc1234)" in out
     assert f"failed: tab4_hit_rate ({results / 'tab4_hit_rate'}): records of 2 commits" in out
     assert f"no records yet: {results / 'fig10_throughput'}" in out
-    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["fig2_breakdown.pdf", "fig2_breakdown.png"]
+    drawn = sorted(p.name for p in (tmp_path / "figs").iterdir())
+    assert drawn == ["fig2_breakdown.caption.md", "fig2_breakdown.pdf", "fig2_breakdown.png"]
     assert "no results folder" in refused(lambda: plots_all.main(["--results", str(tmp_path / "none")]), capsys)
+
+
+def test_a_title_naming_a_commit_is_refused(tmp_path):
+    """A figure names what it shows; the commits go in its caption. Numbers and hex-like words are not commits."""
+    fig, ax = plt.subplots()
+    ax.set_title("Fig. 2: llama3, 128K, 1048576 tokens, defaced")
+    save(fig, tmp_path / "ok.png")
+    fig, ax = plt.subplots()
+    fig.suptitle("Fig. 2: llama3, 128K, commit 9612c61")
+    with pytest.raises(ValueError, match="9612c61"):
+        save(fig, tmp_path / "bad.png")
+    assert not (tmp_path / "bad.png").exists()
+
+
+def test_all_captions_each_figure_with_its_records_commits_and_titles_none(tmp_path, monkeypatch):
+    """Every figure plots.all draws gets <name>.caption.md naming the commit of each record it drew (and the
+    preflight's refusals apart, which ran at none); none of its titles or tick labels names a commit."""
+    results = tmp_path / "results"
+    fig2_folder(results / "fig2_breakdown_128k")
+    fig10 = fig10_folder(results / "fig10_throughput")
+    later = run_record("clo", "def5678", batch=2, **{"metrics.hit_rate_with_refreshes": 0.5})  # filled in later
+    write(fig10, {"record_clo_later.json": later})
+    texts, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (texts.extend(titles(fig)), savefig(fig, *a, **k)))
+    status = plots_all.build(results, tmp_path / "figs", log=lambda line: None)
+    drawn = {name for name, s in status.items() if s == "ok"}
+    assert drawn == {"fig2_breakdown", "fig10_throughput", "tab4_hit_rate_batch"}
+    assert texts and not [t for t in texts if "abc1234" in t or "def5678" in t]
+    for name in drawn:
+        assert "- commit abc1234, " in (tmp_path / "figs" / f"{name}.caption.md").read_text(), name
+    text = (tmp_path / "figs" / "fig10_throughput.caption.md").read_text()
+    assert "- commit def5678, 1 file(s): `record_clo_later.json`" in text
+    assert f"- {plots_all.REFUSED}, 3 file(s): `clo_64/record.json`," in text
+
+
+def test_committed_figures_have_their_current_captions():
+    """Each committed figure has the caption its committed records give (python -m plots.all writes both)."""
+    figures = RESULTS / "figures"
+    for f in plots_all.FIGURES:
+        png, cap = figures / f"{f.name}.png", figures / f"{f.name}.caption.md"
+        assert png.exists() == cap.exists(), f"{f.name}: a figure without its caption or the other way round"
+        if png.exists():
+            assert cap.read_text() == plots_all.caption(f, RESULTS), f"{cap} is stale: python -m plots.all"
 
 
 def test_a_graph_steps_bar_is_split_as_its_traced_kernels(tmp_path):
