@@ -26,15 +26,17 @@ from kvoffload.offload.transfer import cpu_threads
 
 # rows per gather + copy chunk (16 MiB of 512-byte rows). Every chunk costs the worker a Python iteration, which
 # needs the GIL that the launch thread holds between launches, and an OpenMP fork/join: in a step, smaller chunks
-# gather slower (which of the two costs more is not isolated); results/investigations/infinigen_cpu_fetch/ compares sizes
+# gather slower (which of the two costs more is not isolated); results/investigations/infinigen_cpu_fetch/
+# compares sizes
 CHUNK_ROWS = 32768
 
 
 # a layer's fetch above which the gather uses every core, at BSZ > 1: fitted to the pairs of runs (half the cores
-# against every core, in one device call) of results/investigations/infinigen_threads/. It lies between the largest fetch where
-# half the cores stepped fastest at BSZ > 1 and the smallest where every core did. At BSZ 1 half the cores stepped
-# fastest at every length measured up to 128K (not explained); the one BSZ 1 fetch above ALL_CORES_FETCH_BYTES_BSZ1
-# measured (512K) ran fastest on every core, in a run of its own, not a pair (results/LEDGER.md, fig10_throughput_512k)
+# against every core, in one device call) of results/investigations/infinigen_threads/. It lies between the largest
+# fetch where half the cores stepped fastest at BSZ > 1 and the smallest where every core did. At BSZ 1 half the cores
+# stepped fastest at every length measured up to 128K (not explained); the one BSZ 1 fetch above
+# ALL_CORES_FETCH_BYTES_BSZ1 measured (512K) ran fastest on every core, in a run of its own, not a pair
+# (results/LEDGER.md, fig10_throughput_512k)
 ALL_CORES_FETCH_BYTES = 32 << 20
 ALL_CORES_FETCH_BYTES_BSZ1 = 128 << 20
 

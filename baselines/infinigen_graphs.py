@@ -1,10 +1,10 @@
 """InfiniGen-style's GPU side in per-layer CUDA graphs, around its one host sync a layer (the worker's wait for
-the indices, baselines/cpu_fetch.py). The eager path launches about twenty small kernels a layer for the
-speculation and concatenates the window with the fetched rows before attending; the launch thread that does so is
-the one that must also wake for the fetch, and a trace of the eager step (results/investigations/infinigen_step_8k/) shows the GPU
-idle while it launches. InfiniGen's public code is eager PyTorch; capturing the same kernels, as RetroInfer-style's
-are (baselines/retroinfer_graphs.py), makes it the strongest honest version of its GPU side without changing what
-it computes or moves.
+the indices, baselines/cpu_fetch.py). The eager path launches about twenty small kernels a layer for the speculation and
+concatenates the window with the fetched rows before attending; the launch thread that does so is the one that must also
+wake for the fetch, and a trace of the eager step (results/investigations/infinigen_step_8k/) shows the GPU idle while
+it launches. InfiniGen's public code is eager PyTorch; capturing the same kernels, as RetroInfer-style's are
+(baselines/retroinfer_graphs.py), makes it the strongest honest version of its GPU side without changing what it
+computes or moves.
 
 Per sparse layer l and step:
   speculate (graph)  during layer l-1: the partial scores of the speculative query, the top-k, the flat host-row

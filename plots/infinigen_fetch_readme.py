@@ -1,5 +1,5 @@
-"""results/investigations/infinigen_cpu_fetch/README.md from its records: InfiniGen-style's CPU fetch by thread count and chunk size,
-and its gather alone (experiments.bench.bench_host_gather).
+"""results/investigations/infinigen_cpu_fetch/README.md from its records: InfiniGen-style's CPU fetch by thread count
+and chunk size, and its gather alone (experiments.bench.bench_host_gather).
 
     python -m plots.infinigen_fetch_readme results/investigations/infinigen_cpu_fetch
 """

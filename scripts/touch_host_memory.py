@@ -1,9 +1,9 @@
 """Touches most of this machine's free host memory once, then frees it: a warm-up before a sweep of host-bound runs.
 
-On the lent GPU machine (a virtual machine) the first job of a fresh machine gathered from its host memory at a
-fraction of the rate later jobs reached (results/investigations/infinigen_threads/). If the host backs a guest's pages on their
-first touch, one pass over the memory before the sweep gives every job pages already backed. Prints the rate of
-each chunk's first touch, so the call's log shows whether first touch is slow here at all.
+On the lent GPU machine (a virtual machine) the first job of a fresh machine gathered from its host memory at a fraction
+of the rate later jobs reached (results/investigations/infinigen_threads/). If the host backs a guest's pages on their
+first touch, one pass over the memory before the sweep gives every job pages already backed. Prints the rate of each
+chunk's first touch, so the call's log shows whether first touch is slow here at all.
 
     python3 scripts/touch_host_memory.py [--gb N]   # default: 85 % of MemAvailable
 """

@@ -8,7 +8,8 @@ operators that took the CPU time. Records ms/step, its ratio to FullAttn's, the 
 generated tokens (two commits that compute the same thing generate the same tokens) and the load average before and
 after each system (the machine may be shared).
 
-    python -m experiments.bench.bench_cpu_decode --lengths 2k 8k --out results/investigations/cpu_decode_smollm2/bench.json
+    python -m experiments.bench.bench_cpu_decode --lengths 2k 8k \
+        --out results/investigations/cpu_decode_smollm2/bench.json
 """
 
 from __future__ import annotations

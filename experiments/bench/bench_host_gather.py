@@ -9,7 +9,8 @@ A pool is one layer's host store, [heads, tokens, 512 B rows]; a gather takes `-
 Memory kinds: pinned (torch pin_memory, as the host store is made), pageable (malloc'd, transparent huge pages as
 the system sets them) and hugepage (pageable with madvise(MADV_HUGEPAGE), then cudaHostRegister'd: pinned too).
 
-    python -m experiments.bench.bench_host_gather --out results/investigations/infinigen_cpu_fetch/host_gather.json  # on a GPU
+    python -m experiments.bench.bench_host_gather --out results/investigations/infinigen_cpu_fetch/host_gather.json
+    (on a GPU)
 """
 
 from __future__ import annotations
