@@ -26,8 +26,8 @@ from experiments.runner.job_process import hydra_flags, run_in_forked_child, run
 from experiments.runner.records import (
     SweepSummary,
     config_error,
+    failure_environment,
     finished,
-    git_commit,
     one_line,
     record_path,
     refuse,
@@ -36,7 +36,7 @@ from experiments.runner.records import (
 from experiments.runner.wandb_log import log_wandb
 from kvoffload.errors import ConfigError
 from kvoffload.offload.host import huge_pages_enabled, thp_env
-from kvoffload.paths import ROOT, write_json_atomic
+from kvoffload.paths import write_json_atomic
 
 
 def summary(rec: dict) -> str:
@@ -132,8 +132,9 @@ def run_job(cfg: DictConfig, path: Path, overrides: list[str], identity: list[st
             ("config", one_line(err)) if err is not None else ("crash", one_line(f"{type(e).__name__}: {e}"))
         )
         failed = {"status": "failed", "error_kind": kind, "error": message, "traceback": traceback.format_exc()}
-        # the commit too: a refusal is a result (drawn as the paper draws OOM) and a resumed sweep keeps it
-        write_json_atomic(path, {**failed, "environment": {"git": git_commit(ROOT)}, **base})
+        # the commit and environment too: a refusal is a result (drawn as the paper draws OOM) and a resumed sweep
+        # keeps it
+        write_json_atomic(path, {**failed, "environment": failure_environment(cfg), **base})
         if in_sweep:
             print(f"[run] FAILED ({kind}): {message}\n      recorded in {path}; the sweep continues", file=sys.stderr)
             return {"status": "failed", "error": message, "record": str(path)}

@@ -470,6 +470,30 @@ def test_the_launchers_commit_wins_over_a_stale_git(monkeypatch):
     assert git_commit(ROOT)["commit"] == got["local_git_head"]
 
 
+def test_a_copy_of_the_tree_is_checked_against_its_manifest(tmp_path):
+    """On the GPU machine's copy (CLO_GIT_COMMIT set, a stale .git) the carried manifest of the commit's code files
+    (scripts/tree_manifest.py) tells a record whether the files are that commit's: dirty False, True naming the
+    changed file, or None where there is no manifest or it is of another commit."""
+    import json
+    import subprocess
+
+    from experiments.runner.records import _manifest_check, manifest_check
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    blob = subprocess.run(["git", "hash-object", str(tmp_path / "a.py")], capture_output=True, text=True).stdout
+    manifest = tmp_path / ".tree_manifest.json"
+    assert manifest_check(tmp_path, "abc1234")["dirty"] is None  # no manifest: not checked
+    manifest.write_text(json.dumps({"commit": "abc1234" + "0" * 33, "files": {"a.py": blob.strip()}}))
+    _manifest_check.cache_clear()
+    assert manifest_check(tmp_path, "abc1234")["dirty"] is False
+    assert manifest_check(tmp_path, "def5678")["dirty"] is None  # a manifest of another commit says nothing
+    (tmp_path / "a.py").write_text("x = 2\n")
+    _manifest_check.cache_clear()
+    got = manifest_check(tmp_path, "abc1234")
+    assert got["dirty"] is True and got["changed"] == ["a.py"]
+    _manifest_check.cache_clear()
+
+
 def test_a_refusal_at_this_commit_is_finished_a_crash_is_not(tmp_path, monkeypatch):
     """A sweep skips a point whose record ended ok or is the preflight's fit refusal at this commit (so a resumed
     device call does not check every refusal again); a refusal of another commit or a dirty tree, a crash and a
@@ -507,6 +531,7 @@ def test_a_sweep_run_again_skips_its_fit_refusals(tmp_path, monkeypatch):
     assert p.returncode == 1 and "needs about" in p.stderr and "GB of RAM on this host" in p.stderr, p.stderr[-2000:]
     (rec,) = records(tmp_path).values()
     assert rec["error_kind"] == "config" and rec["environment"]["git"]["commit"] == "abc1234"
+    assert rec["environment"]["torch"] and rec["environment"]["device"] == "cpu"  # the environment, as a run's
     again = run(*args, tmp=tmp_path, check=False)
     assert again.returncode == 0 and "[sweep] 1 job: 0 ok, 1 skipped, 0 failed" in again.stderr, again.stderr[-2000:]
 

@@ -4,6 +4,7 @@ atomically; and the end-of-sweep summary (a Hydra callback)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -136,15 +137,47 @@ def git_commit(repo: Path) -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", None
     # The launcher's word wins: the GPU machine's copy of the tree may carry a stale .git (or none) whose HEAD
-    # is not the commit its files come from.
+    # is not the commit its files come from; the manifest carried with it (scripts/tree_manifest.py) says whether
+    # its files are that commit's
     if os.environ.get("CLO_GIT_COMMIT") or not commit:
+        claimed = os.environ.get("CLO_GIT_COMMIT", "unknown")
         return {
-            "commit": os.environ.get("CLO_GIT_COMMIT", "unknown"),
-            "dirty": None,
+            "commit": claimed,
+            **manifest_check(repo, claimed),
             "from": "CLO_GIT_COMMIT",
             "local_git_head": commit or None,
         }
     return {"commit": commit, "dirty": dirty}
+
+
+@functools.cache
+def _manifest_check(repo: Path, claimed: str) -> tuple[tuple[str, Any], ...]:
+    path = repo / ".tree_manifest.json"
+    if not path.is_file():
+        return (("dirty", None), ("tree", "no .tree_manifest.json: not checked"))
+    manifest = json.loads(path.read_text())
+    if not manifest["commit"].startswith(claimed) or not claimed or claimed == "unknown":
+        return (("dirty", None), ("tree", f"the manifest is of {manifest['commit'][:12]}, not of {claimed}"))
+    changed = sorted(p for p, blob in manifest["files"].items() if _blob_id(repo / p) != blob)
+    return (
+        ("dirty", bool(changed)),
+        ("tree", f"{len(manifest['files'])} code files checked"),
+        ("changed", changed[:20]),
+    )
+
+
+def manifest_check(repo: Path, claimed: str) -> dict[str, Any]:
+    """Whether the code files here are the claimed commit's, by their git blob ids against the manifest (once a
+    process: a sweep's jobs share the tree)."""
+    return dict(_manifest_check(repo, claimed))
+
+
+def _blob_id(path: Path) -> str | None:
+    """git's id of the file's content (sha1 of "blob <size>\\0" + content); None for a missing file."""
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "NUMBA_")
@@ -180,6 +213,19 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["gpu_mem_total_gb"] = round(torch.cuda.get_device_properties(device).total_memory / 1024**3, 1)
     env["flashinfer"] = package_version("flashinfer-python")
     return env
+
+
+def failure_environment(cfg) -> dict[str, Any]:
+    """A failed or refused run's environment: the device it asked for where that resolves, else this machine's
+    default (a refusal may be of the device setting itself)."""
+    name = str(cfg.get("device", "auto"))
+    try:
+        device = torch.device(name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            device = torch.device("cpu")
+    except (RuntimeError, TypeError):
+        device = torch.device("cpu")
+    return environment(device)
 
 
 def refuse(e: ConfigError) -> NoReturn:
