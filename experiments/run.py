@@ -21,7 +21,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.runner import cli_checks, preflight
 from experiments.runner.job_process import hydra_flags, run_in_forked_child, run_in_fresh_process
-from experiments.runner.records import config_error, finished, git_commit, one_line, record_path, refuse, run_identity
+from experiments.runner.records import (
+    config_error,
+    finished,
+    git_commit,
+    one_line,
+    record_path,
+    refuse,
+    run_identity,
+    slurm_timed_out,
+)
 from experiments.runner.wandb_log import log_wandb
 from kvoffload.errors import ConfigError
 from kvoffload.offload.host import huge_pages_enabled, thp_env
@@ -112,12 +121,14 @@ def run_job(cfg: DictConfig, path: Path, overrides: list[str], identity: list[st
         kind, message = (
             ("config", one_line(err)) if err is not None else ("crash", one_line(f"{type(e).__name__}: {e}"))
         )
+        if slurm_timed_out(e):  # hydra/launcher=slurm: the job reached its time limit; a rerun runs it again
+            kind, message = "timeout", f"the Slurm job reached its time limit (hydra.launcher.timeout_min): {message}"
         failed = {"status": "failed", "error_kind": kind, "error": message, "traceback": traceback.format_exc()}
         # the commit too: a refusal is a result (drawn as the paper draws OOM) and a resumed sweep keeps it
         write_json_atomic(path, {**failed, "environment": {"git": git_commit(ROOT)}, **base})
         if in_sweep:
             print(f"[run] FAILED ({kind}): {message}\n      recorded in {path}; the sweep continues", file=sys.stderr)
-            return {"status": "failed", "error": message, "record": str(path)}
+            return {"status": "timeout" if kind == "timeout" else "failed", "error": message, "record": str(path)}
         if err is not None:
             refuse(err)
         raise
