@@ -73,7 +73,7 @@ def launch(
 ) -> Sequence[JobReturn]:
     """Upstream's launch (the executor it builds and the array it submits), then each job's result, or for a
     job without one a row saying how it ended."""
-    assert launcher.config is not None and launcher.hydra_context is not None
+    assert launcher.config is not None
     init = {k: v for k, v in launcher.params.items() if k in ("submitit_folder", "max_num_timeout")}
     executor = submitit.AutoExecutor(
         cluster="slurm", folder=init.pop("submitit_folder"), **{f"slurm_{k}": v for k, v in init.items()}
