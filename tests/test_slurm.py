@@ -216,14 +216,14 @@ def test_a_slurm_sweep_records_every_run_fails_a_row_and_resumes_a_cancelled_job
 @pytest.mark.slow
 @pytest.mark.parametrize("signal_delay_s", [30, 0], ids=["signalled", "killed"])
 def test_a_slurm_job_past_its_time_limit_is_reported_as_timed_out(slurm, tmp_path, signal_delay_s):
-    """A 1-minute limit and a run of 2000 decode steps (minutes on a CPU). signalled: Slurm signals the job
+    """A run of 2000 decode steps (minutes on a CPU) with a limit of minutes. signalled: Slurm signals the job
     signal_delay_s before its limit, submitit stops the run there and the run records the timeout (a rerun runs it
-    again). killed: no signal; Slurm kills the job at its limit, it leaves no record, and its row is Slurm's state."""
-    over = [
-        "workload.gen_tokens=2000",
-        "hydra.launcher.timeout_min=1",
-        f"hydra.launcher.signal_delay_s={signal_delay_s}",
-    ]
+    again). killed: no signal; Slurm kills the job at its limit, it leaves no record, and its row is Slurm's state.
+    Slurm may signal up to 60 s early (sbatch(1), --signal): a 2-minute limit keeps the signal 30 s or more after
+    the start, when the run has begun (a signal before submitit's handler would kill the job: a failed row)."""
+    limit = 2 if signal_delay_s else 1
+    over = ["workload.gen_tokens=2000", f"hydra.launcher.timeout_min={limit}"]
+    over.append(f"hydra.launcher.signal_delay_s={signal_delay_s}")
     t0 = time.monotonic()
     p = subprocess.run(sweep_command(tmp_path, "seqlen=64", *over), cwd=ROOT, env=slurm, capture_output=True, text=True)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
@@ -233,7 +233,7 @@ def test_a_slurm_job_past_its_time_limit_is_reported_as_timed_out(slurm, tmp_pat
     if signal_delay_s:
         rec = records(tmp_path)["seqlen=64"]
         assert rec["status"] == "failed" and rec["error_kind"] == "timeout" and "timeout_min" in rec["error"]
-        assert time.monotonic() - t0 < 180  # stopped near its limit, not after its 2000 steps
+        assert time.monotonic() - t0 < 200  # stopped near its limit, not after its 2000 steps
     else:
         assert records(tmp_path) == {} and "ran past its time limit" in error
         assert time.monotonic() - t0 < 300  # Slurm checks limits every 30 s, submitit its states at 64 s, 128 s
