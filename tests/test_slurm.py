@@ -93,6 +93,17 @@ def test_slurm_commands_that_reach_no_cluster_are_one_error_line_and_exit_2(tmp_
     assert refuse_unknown_keys(["hydra/launcher=slurm", "seqlen=64"]) == []  # no --multirun: no launcher, no check
 
 
+def test_without_the_slurm_extra_the_plugin_module_imports_quietly():
+    """Hydra imports every hydra_plugins module at each start and warns of one that fails to import."""
+    code = (
+        "import sys, warnings; warnings.simplefilter('error');"
+        "sys.modules['hydra_plugins.hydra_submitit_launcher.submitit_launcher'] = None;"
+        "import hydra_plugins.clo_slurm_launcher.slurm as m; print(hasattr(m, 'SlurmLauncher'))"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr
+
+
 # ---- how the launcher reads a job's end ----------------------------------------------------------------------------
 def test_without_accounting_job_states_come_from_squeue(tmp_path, monkeypatch):
     pytest.importorskip("submitit", reason="submitit is not installed (the `slurm` extra)")

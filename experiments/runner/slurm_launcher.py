@@ -48,7 +48,7 @@ class SqueueFallbackWatcher(SlurmInfoWatcher):
         pending = self._registered - self._finished
         try:
             out = subprocess.check_output(
-                ["squeue", "--all", "-h", "-r", "-t", "all", "-o", "%i|%T|%N"], stderr=subprocess.PIPE, text=True
+                ["squeue", "--me", "-h", "-r", "-t", "all", "-o", "%i|%T|%N"], stderr=subprocess.PIPE, text=True
             )
         except (OSError, subprocess.CalledProcessError):
             return {}  # the controller is down too: the states stay as they were
