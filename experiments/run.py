@@ -82,8 +82,8 @@ def cut_off(text: str, expected: str) -> bool:
 
 
 def task(cfg: DictConfig) -> dict:
-    """One run; returns its outcome for the sweep's summary: {"status": "ok" | "skipped" | "failed", "error",
-    "record"}."""
+    """One run; returns its outcome for the sweep's summary: {"status": "ok" | "skipped" | "failed" | "timeout"
+    (a Slurm job stopped at its time limit), "error", "record"}."""
     hc = HydraConfig.get()
     overrides = list(hc.overrides.task)
     choices = dict(hc.runtime.choices)
