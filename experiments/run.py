@@ -32,6 +32,7 @@ from experiments.runner.records import (
     record_path,
     refuse,
     run_identity,
+    slurm_timed_out,
 )
 from experiments.runner.wandb_log import log_wandb
 from kvoffload.errors import ConfigError
@@ -91,8 +92,8 @@ def cut_off(text: str, expected: str) -> bool:
 
 
 def task(cfg: DictConfig) -> dict:
-    """One run; returns its outcome for the sweep's summary: {"status": "ok" | "skipped" | "failed", "error",
-    "record"}."""
+    """One run; returns its outcome for the sweep's summary: {"status": "ok" | "skipped" | "failed" | "timeout"
+    (a Slurm job stopped at its time limit), "error", "record"}."""
     hc = HydraConfig.get()
     overrides = list(hc.overrides.task)
     choices = dict(hc.runtime.choices)
@@ -131,13 +132,15 @@ def run_job(cfg: DictConfig, path: Path, overrides: list[str], identity: list[st
         kind, message = (
             ("config", one_line(err)) if err is not None else ("crash", one_line(f"{type(e).__name__}: {e}"))
         )
+        if slurm_timed_out(e):  # hydra/launcher=slurm: the job reached its time limit; a rerun runs it again
+            kind, message = "timeout", f"the Slurm job reached its time limit (hydra.launcher.timeout_min): {message}"
         failed = {"status": "failed", "error_kind": kind, "error": message, "traceback": traceback.format_exc()}
         # the commit and environment too: a refusal is a result (drawn as the paper draws OOM) and a resumed sweep
         # keeps it
         write_json_atomic(path, {**failed, "environment": failure_environment(cfg), **base})
         if in_sweep:
             print(f"[run] FAILED ({kind}): {message}\n      recorded in {path}; the sweep continues", file=sys.stderr)
-            return {"status": "failed", "error": message, "record": str(path)}
+            return {"status": "timeout" if kind == "timeout" else "failed", "error": message, "record": str(path)}
         if err is not None:
             refuse(err)
         raise

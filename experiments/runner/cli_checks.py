@@ -110,12 +110,48 @@ def refuse_unknown_keys(argv: list[str] | None = None, extra: tuple[str, ...] = 
     ours = not {a.split("=", 1)[0] for a in argv} & _CONFIG_FLAGS
     try:
         check_override_keys(command_line_overrides(argv), extra, choices=ours)
+        check_launcher(argv)
         if jobs and ours and not _PRINT_FLAGS & set(argv):
             return check_jobs(argv)
         return []
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_launcher(argv: list[str]) -> None:
+    """A --multirun with hydra/launcher=slurm on a machine that cannot submit (no sbatch or srun on PATH, no
+    cluster they reach, or no hydra-submitit-launcher): refused before any work, where submitit would end the sweep
+    in a traceback."""
+    import importlib.util
+    import shutil
+    import subprocess
+
+    launchers = [o.split("=", 1)[1] for o in command_line_overrides(argv) if o.split("=", 1)[0] == "hydra/launcher"]
+    if "slurm" not in launchers or not {"-m", "--multirun"} & set(argv):
+        return
+    missing = [b for b in ("sbatch", "srun") if shutil.which(b) is None]
+    if missing:
+        raise ConfigError(
+            f"hydra/launcher=slurm needs Slurm's sbatch and srun on PATH; {' and '.join(missing)} not found: run it "
+            "where jobs can be submitted (a cluster's login node), or start a one-node cluster here with "
+            "scripts/slurm_local.sh (docs/scaleout.md)"
+        )
+    try:  # the commands may be installed with no cluster configured (Debian's packages alone): ask it
+        p = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=30)
+        reason = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1] if p.returncode else None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        reason = str(e)
+    if reason:
+        raise ConfigError(
+            f"hydra/launcher=slurm: sbatch and srun are here but reach no Slurm cluster ({reason}); set "
+            "SLURM_CONF to your cluster's slurm.conf, or start a one-node cluster with scripts/slurm_local.sh "
+            "(docs/scaleout.md)"
+        )
+    if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+        raise ConfigError(
+            "hydra/launcher=slurm needs hydra-submitit-launcher: pip install -e '.[slurm]' (docs/scaleout.md)"
+        )
 
 
 def group_options(group: str) -> list[str]:

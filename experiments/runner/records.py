@@ -40,6 +40,12 @@ def config_error(e: BaseException | None) -> ConfigError | None:
     return None
 
 
+def slurm_timed_out(e: object) -> bool:
+    """Whether an exception is submitit's word, in a Slurm job's process, that the job reached its time limit (Slurm
+    signals it hydra.launcher.signal_delay_s before the limit; submitit raises this wherever the job then is)."""
+    return type(e).__name__ == "UncompletedJobError" and "not requeued because: timed-out" in str(e)
+
+
 def one_line(message: object) -> str:
     return "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
 
@@ -257,14 +263,17 @@ def _select(config, key: str):
 
 class SweepSummary(Callback):
     """A --multirun's end: one table on stderr, a line per job (the overrides that tell it from the others; ok,
-    skipped or failed with its error), and exit status 1 when any job failed. A job's task returns
-    {"status": "ok" | "skipped" | "failed", "error": ...}; any other return counts as ok, an exception as failed.
+    skipped, or failed, cancelled or timeout with its error), and exit status 1 when any job did not end ok or
+    skipped. A job's task returns {"status": <one of STATUSES>, "error": ...}; any other return counts as ok, an
+    exception as failed.
     A launcher may run the jobs in other processes (joblib's workers, Slurm's nodes), where this callback's
     on_job_end runs too: each job's row goes to <its output dir>/job_outcome.json, and the sweep's end reads the
     rows of this sweep (its id travels to the workers with the pickled callback) from hydra.sweep.dir."""
 
     OUTCOME = "job_outcome.json"
-    STATUSES = ("ok", "skipped", "failed", "interrupted")
+    # interrupted: the job a Ctrl-C stopped; cancelled and timeout: a Slurm job that scancel or its time limit ended
+    # (experiments.runner.slurm_launcher)
+    STATUSES = ("ok", "skipped", "failed", "interrupted", "cancelled", "timeout")
     # The sweep under way in this process: a Ctrl-C ends Hydra's launcher before on_multirun_end, and the run
     # command's handler prints this sweep's table instead (interrupted_table).
     running: SweepSummary | None = None
@@ -301,8 +310,9 @@ class SweepSummary(Callback):
         num = int(config.hydra.job.get("num", len(self.jobs)) or 0)
         outcome = job_return._return_value  # .return_value re-raises a failed job's exception
         if job_return.status != JobStatus.COMPLETED:
-            status, error = "failed", f"{type(outcome).__name__}: {one_line(outcome)}"
-        elif isinstance(outcome, dict) and outcome.get("status") in ("ok", "skipped", "failed"):
+            status = "timeout" if slurm_timed_out(outcome) else "failed"
+            error = f"{type(outcome).__name__}: {one_line(outcome)}"
+        elif isinstance(outcome, dict) and outcome.get("status") in self.STATUSES:
             status, error = outcome["status"], outcome.get("error") or ""
         else:
             status, error = "ok", ""
@@ -328,7 +338,7 @@ class SweepSummary(Callback):
         self.jobs = [rows[n] for n in sorted(rows)]
         if not self.jobs:
             return
-        failed = any(status == "failed" for _, _, status, _ in self.jobs)
+        failed = any(status not in ("ok", "skipped") for _, _, status, _ in self.jobs)
         print(self.table(), file=sys.stderr, flush=True)
         self.jobs = []
         if failed:
@@ -347,13 +357,12 @@ class SweepSummary(Callback):
         counts = {s: sum(r[1] == s for r in rows) for s in self.STATUSES}
         jobs = f"{len(rows)} job" + ("s" if len(rows) != 1 else "")
         shared = [o for o in overrides[0] if o in common and not hidden(o)]
-        stopped = f", {counts['interrupted']} interrupted" if counts["interrupted"] else ""
-        head = f"[sweep] {jobs}: {counts['ok']} ok, {counts['skipped']} skipped, {counts['failed']} failed{stopped}" + (
-            f" (all with {' '.join(shared)})" if shared else ""
-        )
+        # ok, skipped and failed always; interrupted, cancelled and timed-out jobs where there are any
+        said = [f"{counts[s]} {s}" for s in self.STATUSES if s in ("ok", "skipped", "failed") or counts[s]]
+        head = f"[sweep] {jobs}: {', '.join(said)}" + (f" (all with {' '.join(shared)})" if shared else "")
         w0 = max(len(r[0]) for r in rows)
-        w2 = max(len(r[2]) for r in rows)
         w1 = max(7, *(len(r[1]) for r in rows))
+        w2 = max(len(r[2]) for r in rows)
         lines = [head] + [
             f"  #{n:<{w0}}  {s:<{w1}}  {ov:<{w2}}" + (f"  error: {e}" if e else "") for n, s, ov, e in rows
         ]
