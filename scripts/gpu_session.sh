@@ -13,6 +13,8 @@ commit=${1:?usage: gpu_session.sh <git commit of this working tree> [stage ...]}
 shift
 only=" $* "
 export CLO_GIT_COMMIT=$commit PYTHONUNBUFFERED=1
+# the records' dirty flag reads the carried manifest of the commit's code files (scripts/tree_manifest.py)
+[[ -f .tree_manifest.json ]] || echo "no .tree_manifest.json carried: the records will not know if the tree is $commit's"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD
 mkdir -p "${OUT:-/tmp}"  # OUT=$OUT/b: a second sweep's packed output beside the first's
