@@ -113,16 +113,20 @@ class WaveRetriever:
         heads: torch.Tensor,
         miss: torch.Tensor | None = None,
         hist: torch.Tensor | None = None,
+        pool: int = 1,
     ) -> torch.Tensor:
         """q [B, H, D], heads [h] -> [B, h, N] float32: each position scored by its cluster's centroid. miss, hist:
-        as kvoffload.offload.retrieval's (every row is scored; the radix select's first pass is counted in torch)."""
+        as kvoffload.offload.retrieval's (every row is scored; the radix select's first pass is counted in torch).
+        pool: the max over each block of `pool` positions, as the other retrievers' (block-granular selection)."""
+        from kvoffload.kernels.hash_score import block_max
         from kvoffload.kernels.radix_keys import count_first_pass_ref
 
         cent = self.centroids[layer][:, heads]
         b, hkv, _, d = self.centroids[layer].shape
         per_cluster = torch.einsum("bkgd,bkcd->bkc", q.view(b, hkv, -1, d)[:, heads].float(), cent)
         self.cluster_scores = per_cluster
-        return count_first_pass_ref(per_cluster.gather(2, self.pos_cluster[layer][:, heads]), hist)
+        by_position = per_cluster.gather(2, self.pos_cluster[layer][:, heads])
+        return count_first_pass_ref(block_max(by_position, pool), hist)
 
     def estimation_clusters(self, clusters: int) -> int:
         """Clusters per head in a step's estimation zone (RetroInfer: round(estimation_budget x clusters))."""

@@ -10,6 +10,7 @@ Each returns absolute token indices [B, Hkv, k] of the candidates [lo, hi)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -21,6 +22,35 @@ from kvoffload.paths import repo_path
 
 RETRIEVERS = ("hash", "exact", "pq")
 TOPK_METHODS = ("radix", "torch")  # select_topk's: the radix select on CUDA | torch.topk everywhere
+
+
+@runtime_checkable
+class Retriever(Protocol):
+    """What a system asks of its retriever (ExactRetriever, HashRetriever, pq_index.PQRetriever and RetroInfer-style's
+    baselines.wave_index.WaveRetriever): build an index of a layer's candidate keys at prefill, then score them
+    against each step's query. The system selects the top-k of the scores (select_topk) and moves those rows."""
+
+    name: str  # the record's `retriever`
+
+    def index(self, layer: int, keys: torch.Tensor) -> None:
+        """keys [B, Hkv, T, D] (a strided view will do): the layer's candidates, indexed on the device."""
+
+    def scores(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        heads: torch.Tensor,
+        miss: torch.Tensor | None = None,
+        hist: torch.Tensor | None = None,
+        pool: int = 1,
+    ) -> torch.Tensor:
+        """q [B, H, D], heads [h] (the KV heads to score) -> [B, h, T / pool] float32, higher is better. miss [B, h]:
+        the heads that need retrieval this step (a retriever may skip the others' rows); hist: the radix select's
+        scratch (topk_work), whose first pass a retriever counts while it writes the scores; pool: the max over
+        each block of `pool` positions (block-granular selection)."""
+
+    def metadata_bytes(self) -> int:
+        """Device bytes of the index (the systems' memory accounting)."""
 
 
 def simhash_weights(num_layers: int, num_kv_heads: int, head_dim: int, rbit: int, seed: int) -> torch.Tensor:
@@ -223,7 +253,7 @@ def make_retriever(
     rbit: int,
     seed: int,
     hash_weights: str | None = None,
-):
+) -> Retriever:
     """hash_weights: a learned W's file (load_hash_weights) for the hash retriever; None: SimHash with `seed`."""
     if kind == "hash":
         if hash_weights is None:
