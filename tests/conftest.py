@@ -24,3 +24,11 @@ def smollm2_folder():
     from kvoffload.model.weights import smollm2_folder
 
     return smollm2_folder()
+
+
+@pytest.fixture(name="tiny_config")
+def tiny_config_fixture():
+    """tests.tiny_models.tiny_config: the small hand-built model shapes (`tiny_config(num_layers=4)`)."""
+    from tests.tiny_models import tiny_config
+
+    return tiny_config

@@ -13,21 +13,15 @@ from kvoffload.model import chunk_attention
 from kvoffload.model.chunk_attention import causal_attention, split_causal_attention
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import synthetic_decoder
+from tests.tiny_models import tiny_config
 
 CPU = torch.device("cpu")
 
 
 def tiny(family: str = "llama", **kw) -> ModelConfig:
     shapes = dict(hidden_size=64, intermediate_size=160, num_layers=3, num_heads=8, num_kv_heads=2, head_dim=8)
-    return ModelConfig(
-        name=f"tiny-{family}",
-        family=family,
-        vocab_size=97,
-        rope_theta=1e4,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=1024,
-        attention_bias=family == "qwen2",
-        **{**shapes, **kw},
+    return tiny_config(
+        name=f"tiny-{family}", family=family, vocab_size=97, max_position_embeddings=1024, **{**shapes, **kw}
     )
 
 

@@ -14,6 +14,7 @@ from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import hf_decoder, synthetic_decoder
 from tests.reference import write_profile
 from tests.test_config import CONF
+from tests.tiny_models import tiny_config
 
 CPU = torch.device("cpu")
 
@@ -37,19 +38,8 @@ def run(model, system, prompt, n, stop=frozenset()):
 
 @pytest.mark.slow
 def test_full_budget_clo_generates_fullattn_tokens_with_every_part_on(tmp_path):
-    cfg = ModelConfig(
-        name="t",
-        family="llama",
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=5,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=16,
-        vocab_size=500,
-        rope_theta=1e4,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=2048,
+    cfg = tiny_config(
+        hidden_size=128, intermediate_size=256, num_layers=5, num_heads=8, vocab_size=500, max_position_embeddings=2048
     )
     model = synthetic_decoder(cfg, 0, CPU, torch.float32)
     prompt = torch.randint(0, 500, (2, 300), generator=torch.Generator().manual_seed(0))

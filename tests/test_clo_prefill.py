@@ -8,10 +8,10 @@ import torch
 
 from clo.system import CLO
 from kvoffload.kv.interface import KVSpec
-from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import synthetic_decoder
 from tests.offload_double import DeferredOffload
 from tests.reference import first_head_hard, write_profile
+from tests.tiny_models import tiny_config
 
 B, H, HKV, D, L, T0 = 2, 8, 4, 16, 3, 150
 CPU = torch.device("cpu")
@@ -76,20 +76,7 @@ def test_hash_index_in_chunks_equals_one_encoding():
 
 
 def tiny_model():
-    cfg = ModelConfig(
-        name="t",
-        family="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=L,
-        num_heads=H,
-        num_kv_heads=HKV,
-        head_dim=D,
-        vocab_size=100,
-        rope_theta=1e4,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=512,
-    )
+    cfg = tiny_config(num_layers=L, num_heads=H, num_kv_heads=HKV, head_dim=D)
     model = synthetic_decoder(cfg, 0, CPU, torch.float32)
     model.prefill_chunk = 64  # the decoder's chunks reuse memory while the offload is deferred
     return model

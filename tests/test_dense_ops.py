@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kvoffload.kernels.dense_ops import apply_rotary, cos_sin, rms_norm_ref, rope_ref, silu_mul_ref
 from tests.reference import randn
+from tests.tiny_models import tiny_config
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernels on the CPU")
@@ -177,25 +178,10 @@ def separate_inputs(layer, nxt, x, add, position, inv_freq):
 def test_decode_inputs_pairs_the_speculative_query_exactly(device, family):
     """Both norms in one kernel, both projections in one GEMV, one RoPE: the same values as made apart (bit for
     bit: every element is computed by the same arithmetic), with and without the previous MLP's output to add."""
-    from kvoffload.model.config import ModelConfig
     from kvoffload.model.rope import inverse_frequencies
     from kvoffload.model.weights import synthetic_decoder
 
-    cfg = ModelConfig(
-        name="t",
-        family=family,
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        vocab_size=100,
-        rope_theta=1e4,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=4096,
-        attention_bias=family == "qwen2",
-    )
+    cfg = tiny_config(family=family, hidden_size=256, intermediate_size=512, head_dim=64, max_position_embeddings=4096)
     model = synthetic_decoder(cfg, 0, torch.device(device), torch.bfloat16)
     layer, nxt = model.model.layers
     position, inv = torch.tensor([1234], device=device), inverse_frequencies(cfg).to(device)

@@ -10,21 +10,18 @@ from kvoffload.kv.interface import KVSpec
 from kvoffload.kv.timer import PhaseTimer
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.decoder import Decoder
+from tests.tiny_models import tiny_config
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
-TINY = ModelConfig(
+TINY = tiny_config(
     name="tiny",
-    family="llama",
     hidden_size=512,
     intermediate_size=1024,
     num_layers=4,
     num_heads=8,
-    num_kv_heads=2,
     head_dim=64,
     vocab_size=2000,
-    rope_theta=1e4,
-    rms_norm_eps=1e-5,
     max_position_embeddings=4096,
 )
 

@@ -25,6 +25,7 @@ from kvoffload.model.chunk_attention import (
 )
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import synthetic_decoder
+from tests.tiny_models import tiny_config
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -32,9 +33,8 @@ CUDA = torch.device("cuda")
 
 def shapes(layers: int, hidden: int = 4096, inter: int = 14336, heads: int = 32, kv_heads: int = 8) -> ModelConfig:
     """Llama-3-8B's layer shapes by default, with fewer layers."""
-    return ModelConfig(
+    return tiny_config(
         name="llama3-shapes",
-        family="llama",
         hidden_size=hidden,
         intermediate_size=inter,
         num_layers=layers,
@@ -43,7 +43,6 @@ def shapes(layers: int, hidden: int = 4096, inter: int = 14336, heads: int = 32,
         head_dim=128,
         vocab_size=2000,
         rope_theta=5e5,
-        rms_norm_eps=1e-5,
         max_position_embeddings=1 << 20,
     )
 

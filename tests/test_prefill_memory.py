@@ -10,23 +10,12 @@ from baselines.fullattn import FullAttn
 from clo.system import CLO
 from experiments.runner import preflight
 from kvoffload.kv.interface import KVSpec
-from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import synthetic_decoder
+from tests.tiny_models import tiny_config
 
 CPU = torch.device("cpu")
-CFG = ModelConfig(
-    name="t",
-    family="llama",
-    hidden_size=256,
-    intermediate_size=768,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    vocab_size=97,
-    rope_theta=1e4,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=8192,
+CFG = tiny_config(
+    hidden_size=256, intermediate_size=768, num_layers=3, head_dim=64, vocab_size=97, max_position_embeddings=8192
 )
 
 

@@ -5,8 +5,8 @@ import torch
 
 from baselines.fullattn import FullAttn
 from kvoffload.kv.interface import KVSpec
-from kvoffload.model.config import ModelConfig
 from kvoffload.model.weights import synthetic_decoder
+from tests.tiny_models import tiny_config
 
 
 class Recorder(FullAttn):
@@ -27,20 +27,7 @@ class Recorder(FullAttn):
 
 
 def test_prepare_gets_next_layers_query_one_layer_ahead():
-    cfg = ModelConfig(
-        name="t",
-        family="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        vocab_size=100,
-        rope_theta=1e4,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=512,
-    )
+    cfg = tiny_config(num_layers=4)
     model = synthetic_decoder(cfg, 0, torch.device("cpu"), torch.float32)
     with torch.no_grad():  # layer 0 adds nothing to the residual: layer 1's input equals layer 0's input
         model.model.layers[0].self_attn.o_proj.weight.zero_()
