@@ -312,8 +312,6 @@ class SplitAttention:
     def split(self, h0: int, h1: int, indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         q, k, v, lengths = self.first
         k2, v2, lengths2 = self.second
-        if self.scales is not None:  # the FP8 heads' second buffer is read by launch_fp8_split, not here
-            k2, v2 = k, v
         b, _, d = q.shape
         assert 0 <= h0 < h1 <= self.hkv, (h0, h1)
         assert (indexed is not None) == (h1 > self.nc), "indices exactly when the range holds indexed heads"
@@ -325,6 +323,8 @@ class SplitAttention:
             assert pk.shape[0] == b and pk.shape[2:] == pv.shape[2:] == (self.hkv - self.nc, d)
             assert pk.stride(3) == pv.stride(3) == 1 and pk.dtype == pv.dtype == k.dtype
             check_offsets(pk, pv)
+        if self.scales is not None:  # the FP8 heads' second buffer is read by launch_fp8_split, not here
+            k2, v2 = k, v
         _split_kernel[(b * (h1 - h0), self.splits)](
             q,
             self._heads(),

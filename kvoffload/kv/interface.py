@@ -115,18 +115,19 @@ class KVSpec:
         return 2 * self.batch * self.num_kv_heads * self.max_len * self.head_dim * self.dtype_bytes
 
 
-def check_kv_dtype(kv_dtype: str, system: str, supported: tuple[str, ...]) -> None:
+def check_kv_dtype(kv_dtype: str, system: str, supported: tuple[str, ...], offering: list[str] | None = None) -> None:
     """Refuses, before anything is allocated, a kv_dtype that is not one of KV_DTYPES, one the system does not offer
-    (`supported`: its kv_dtypes), or fp8 where torch has no float8 dtype. Any CUDA device will do: below compute
+    (`supported`: its kv_dtypes; `offering`: the systems that offer fp8, for the message), or fp8 where torch has no
+    float8 dtype. Any CUDA device will do: below compute
     capability 8.9 (FP8_NATIVE_CAPABILITY) the attention kernel decodes e4m3 bits with integer ops, and torch's
     quantising casts are elementwise kernels on every device."""
+    fp8 = f"fp8 (system={', '.join(offering)})" if offering else "fp8 (an offloading system)"
     if kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"kv_dtype={kv_dtype!r}; valid: {', '.join(KV_DTYPES)}")
+        raise ConfigError(f"kv_dtype={kv_dtype!r}; valid: model (every system), {fp8}")
     if kv_dtype not in supported:
         raise ConfigError(
-            f"kv_dtype={kv_dtype} with system={system}, which offloads nothing: its KV stays in the model's dtype on "
-            "the device. kv_dtype=fp8 quantises the host stores of system=clo, retroinfer, infinigen, pqcache and "
-            "shadowkv; every system takes kv_dtype=model"
+            f"kv_dtype={kv_dtype} with system={system}, which keeps no KV in host memory: fp8 quantises host stores "
+            f"only. Valid: kv_dtype=model (every system), kv_dtype={fp8}"
         )
     if kv_dtype == "fp8" and fp8_dtype() is None:
         raise ConfigError(f"kv_dtype=fp8 needs torch.float8_e4m3fn, which torch {torch.__version__} lacks")
