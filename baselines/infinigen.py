@@ -91,7 +91,7 @@ class InfiniGen(OffloadedBaseline):
             partial = sparse * heads * n_mid * d * spec.dtype_bytes
         else:  # partial keys + the skew basis
             partial = sparse * heads * (n_mid * r * spec.dtype_bytes + d * r * 4) if n_mid else 0
-        buffers = 2 * heads * self.k_select(t0) * spec.row_bytes if sparse else 0
+        buffers = 2 * heads * self.k_select(t0) * spec.host_row_bytes if sparse else 0
         staging = 0
         if self.pipelined(spec) and buffers:  # pinned: two parities of staged rows + their indices
             staging = buffers + 2 * heads * self.k_select(t0) * 8
@@ -154,18 +154,16 @@ class InfiniGen(OffloadedBaseline):
         spec = self.spec
         k_sel = self.k_select(self.t0)
         if k_sel and not self.buffers:
-            shape = (spec.batch, spec.num_kv_heads, k_sel, 2, spec.head_dim)
-            self.buffers = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(2)]
+            shape = (spec.batch, spec.num_kv_heads, k_sel, 2, spec.host_width)  # host rows, as the store holds them
+            self.buffers = [torch.zeros(shape, dtype=spec.host_dtype, device=spec.device) for _ in range(2)]
             if self.pipelined(spec):
                 rows = spec.batch * spec.num_kv_heads * k_sel
                 if self.auto_threads:
-                    self.cpu_threads = gather_threads(
-                        self.cpu_threads, rows * 2 * spec.head_dim * spec.dtype_bytes, spec.batch
-                    )
+                    self.cpu_threads = gather_threads(self.cpu_threads, rows * spec.host_row_bytes, spec.batch)
                 self.fetcher = PipelinedFetcher(
                     rows,
-                    2 * spec.head_dim,
-                    spec.dtype,
+                    2 * spec.host_width,
+                    spec.host_dtype,
                     spec.device,
                     self.cpu_threads,
                     self.fetch_chunk_rows,
@@ -231,13 +229,13 @@ class InfiniGen(OffloadedBaseline):
     def start_fetch(self, layer: int) -> None:
         """The worker's fetch of layer `layer`'s rows, whose flat indices the current stream is copying into the
         fetcher's index buffer of the layer's parity."""
-        spec, buf, d = self.spec, self.buffers[layer % 2], self.spec.head_dim
+        spec, buf, d = self.spec, self.buffers[layer % 2], self.spec.host_width
         host = self.host[layer].view(-1, 2 * d)
         self.pending[layer] = (buf, self.fetcher.submit(layer % 2, host, buf.view(-1, 2 * d)), None)
         rows = spec.batch * spec.num_kv_heads * self.k_select(self.t0)
         self.step.host_syncs += 1  # the worker waits for the indices
         self.step.bytes_d2h += rows * 8
-        self.step.bytes_h2d += rows * spec.row_bytes
+        self.step.bytes_h2d += rows * spec.host_row_bytes
 
     def wait_fetch(self, layer: int) -> torch.Tensor:
         """The compute stream waits for the layer's fetch (the host waits for the worker to have issued it)."""
@@ -280,7 +278,7 @@ class InfiniGen(OffloadedBaseline):
             else:
                 self.transfer.fill(self.host[layer], self.fill_heads, idx_fill, self.fill_miss, buf)
             self.transfer.host_syncs = 0  # counted above, where the indices came to the host
-        self.step.bytes_h2d += b * hkv * k_sel * spec.row_bytes
+        self.step.bytes_h2d += b * hkv * k_sel * spec.host_row_bytes
         self.pending[layer] = (buf, event, idx_fill)
 
     def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, None]:

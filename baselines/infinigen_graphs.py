@@ -56,11 +56,16 @@ class InfiniGenLayerGraphs:
         s = self.system
         self.win_len.copy_(self.win_len_host, non_blocking=True)
         win = s.window[self.layer]  # [B, Hkv, W, 2, D]
-        rows = s.buffers[self.parity]  # [B, Hkv, k, 2, D]
+        rows = s.buffers[self.parity]  # [B, Hkv, k, 2, D] (packed FP8 under kv_dtype=fp8: D + 2 bytes)
+        d = self.q.shape[-1]
+        scales = None
+        if s.spec.fp8:  # the rows' e4m3 bits and scales, read in place and dequantised in the kernel
+            scales = tuple(rows[:, :, :, j, d:].view(torch.float16)[..., 0].transpose(1, 2) for j in (0, 1))
         self.out = hybrid_attention(
             self.q,
             (win[:, :, :, 0].transpose(1, 2), win[:, :, :, 1].transpose(1, 2), self.win_len),
-            (rows[:, :, :, 0].transpose(1, 2), rows[:, :, :, 1].transpose(1, 2), self.n_fetched),
+            (rows[:, :, :, 0, :d].transpose(1, 2), rows[:, :, :, 1, :d].transpose(1, 2), self.n_fetched),
+            second_scales=scales,
         )
 
     def _replay(self, name: str, fn) -> None:

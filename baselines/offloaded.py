@@ -8,6 +8,8 @@ from collections.abc import Callable
 import torch
 
 from kvoffload.errors import ConfigError
+from kvoffload.kernels.decode_attention import attend_packed
+from kvoffload.kernels.fp8_rows import dequantize_rows
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload.budget import check_budget, select_budget, split_prompt
 from kvoffload.offload.host import Offload, host_stores, host_stores_pinned, layer_store
@@ -43,7 +45,12 @@ class OffloadedBaseline(KVOffloadSystem):
     and attend densely; in the others, sink + recent prompt tokens and every generated token stay in a device
     window, the middle of the prompt lives in host memory (pinned on CUDA), and each step attends the window plus
     k_select(prompt) middle rows per KV head, CLO's budget rule. A subclass supplies selected_rows() and
-    memory_parts() / estimate_parts(spec): the same named parts from its buffers and from shapes."""
+    memory_parts() / estimate_parts(spec): the same named parts from its buffers and from shapes. Under
+    kv_dtype=fp8 the host stores and every device buffer their rows land in hold packed FP8 rows (spec.host_width
+    wide, spec.host_dtype), quantised by the prefill's host copy; attention dequantises the selected rows
+    (attend_packed)."""
+
+    kv_dtypes = ("model", "fp8")
 
     def __init__(
         self,
@@ -146,8 +153,20 @@ class OffloadedBaseline(KVOffloadSystem):
             win = self.window[layer][:, :, :n_win]
             if sel is None:
                 return attend(q, win)
+            if self.spec.fp8:
+                window = (win[:, :, :, 0].transpose(1, 2), win[:, :, :, 1].transpose(1, 2), self.n_win_of(n_win))
+                return attend_packed(q, window, sel, real)
             keep = None if real is None else torch.cat([real.new_ones(real.shape[:2] + (n_win,)), real], dim=2)
             return attend(q, torch.cat([win, sel], dim=2), keep)
+
+    def n_win_of(self, n_win: int) -> torch.Tensor:
+        """The window's length for every sequence, as decode attention reads it."""
+        return torch.full((self.spec.batch,), n_win, dtype=torch.long, device=self.spec.device)
+
+    def model_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Selected host rows [..., 2, host_width] in the model's dtype (dequantised under kv_dtype=fp8): for the
+        paths that attend them beside the window in one buffer (RetroInfer-style's estimation zone)."""
+        return dequantize_rows(rows, self.spec.dtype) if self.spec.fp8 else rows
 
     def note_middle(self, layer: int, idx: torch.Tensor, real: torch.Tensor | None = None) -> None:
         """note_selection of the middle positions idx [B, Hkv, k] a subclass selected (real: which are tokens),
@@ -186,16 +205,17 @@ class OffloadedBaseline(KVOffloadSystem):
         sink, recent, n_mid = split_prompt(t0, self.sink, self.recent)
         per_head = spec.batch * spec.num_kv_heads * spec.row_bytes
         sparse = spec.num_layers - min(self.dense_layers, spec.num_layers)
+        host_per_head = spec.batch * spec.num_kv_heads * spec.host_row_bytes  # packed FP8 under kv_dtype=fp8
         return {
             "window": sparse * per_head * (sink + recent + spec.max_len - t0),
             "dense_layers": (spec.num_layers - sparse) * per_head * spec.max_len,
-            "host": sparse * per_head * self.host_rows(t0),
+            "host": sparse * host_per_head * self.host_rows(t0),
         }
 
     def host_store_rows(self) -> list[torch.Tensor]:
         """Every sparse layer's host store as rows [N, 2 * D] (K and V of a token of a head), in layer order: what a
         CPU gather reads."""
-        return [h.view(-1, 2 * self.spec.head_dim) for h in self.host if h is not None]
+        return [h.view(-1, 2 * self.spec.host_width) for h in self.host if h is not None]
 
     def pinned_host_bytes(self, spec: KVSpec) -> int:
         logical, pinned = host_stores_pinned(spec, self.dense_layers, self.host_rows(spec.prompt_tokens))
@@ -206,10 +226,10 @@ class OffloadedBaseline(KVOffloadSystem):
         (every candidate is scored)."""
         spec = self.spec
         sink, recent, _ = split_prompt(self.t0, self.sink, self.recent)
-        per_token = spec.row_bytes * spec.batch * spec.num_kv_heads
-        sparse = sum(1 for w in self.window if w is not None)
-        attended = sink + recent + self.length - self.t0 + 1 + self.k_select(self.t0)
-        return per_token * sparse * attended + self.dense.step_bytes(self.length) + self.memory_parts()["metadata"]
+        heads = spec.batch * spec.num_kv_heads * sum(1 for w in self.window if w is not None)
+        window = spec.row_bytes * (sink + recent + self.length - self.t0 + 1)
+        selected = spec.host_row_bytes * self.k_select(self.t0)  # host rows: packed FP8 under kv_dtype=fp8
+        return heads * (window + selected) + self.dense.step_bytes(self.length) + self.memory_parts()["metadata"]
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:

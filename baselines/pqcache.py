@@ -91,7 +91,7 @@ class PQCache(OffloadedBaseline):
         meta = metadata_bytes_per_head(self.retriever_kind, 0, spec.head_dim, spec.dtype_bytes, n_mid) if n_mid else 0
         return {
             **self.common_estimate(spec),
-            "cache": sparse * b * cap * hkv * self.block_size * spec.row_bytes,
+            "cache": sparse * b * cap * hkv * self.block_size * spec.host_row_bytes,
             "metadata": sparse * b * hkv * meta,
             "slot_map": sparse * b * n_blocks * 8,
             "host_metadata": sparse * 8 * (b * n_blocks + 3 * b * cap + 2 * b) if n_mid else 0,
@@ -123,13 +123,14 @@ class PQCache(OffloadedBaseline):
         self.retriever.index(layer, keys_mid)
         n_blocks, cap = self.geometry(self.t0)
         b, hkv, bs = spec.batch, spec.num_kv_heads, self.block_size
-        self.cache[layer] = torch.zeros(b, cap, hkv, bs, 2, spec.head_dim, dtype=spec.dtype, device=spec.device)
+        # host rows as the store holds them (packed FP8 under kv_dtype=fp8)
+        self.cache[layer] = torch.zeros(b, cap, hkv, bs, 2, spec.host_width, dtype=spec.host_dtype, device=spec.device)
         self.slot_map[layer] = torch.full((b, n_blocks), -1, dtype=torch.long, device=spec.device)
         self.lfu[layer] = BlockLFU(b, n_blocks, cap)
 
     def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, None]:
         spec, bs = self.spec, self.block_size
-        b, hkv, d = spec.batch, spec.num_kv_heads, spec.head_dim
+        b, hkv, d = spec.batch, spec.num_kv_heads, spec.host_width
         cache, dev = self.cache[layer], spec.device
         cap = cache.shape[1]
         if self.admitted[layer] is not None:  # the last step's blocks and slot map in place before they are read
@@ -145,7 +146,7 @@ class PQCache(OffloadedBaseline):
             seq = torch.arange(b, device=dev)[:, None, None]
             head = torch.arange(hkv, device=dev)[None, :, None]
             at = ((seq * cap + slot.clamp(min=0)) * hkv + head) * bs + idx % bs
-            sel = cache.view(-1, 2, d)[at] if cap else torch.empty(b, hkv, k_sel, 2, d, dtype=spec.dtype, device=dev)
+            sel = cache.view(-1, 2, d)[at] if cap else torch.empty(b, hkv, k_sel, 2, d, dtype=cache.dtype, device=dev)
         with self.phase("launch_sync"):  # the step's sync: the missed tokens and the ranked blocks, on the host
             miss_host, idx_host = miss.cpu(), idx.cpu()
             ranked = None if ranked is None else (ranked.values.cpu(), ranked.indices.cpu())  # the GPU idle by now
@@ -157,13 +158,13 @@ class PQCache(OffloadedBaseline):
                 at = to_device((mb * hkv + mh) * idx.shape[2] + mj, dev)  # where each missed row goes in sel
                 sel.view(-1, 2, d)[at] = self.fetch_rows(layer, rows)
                 if self.transfer_kind == "cpu_gather":
-                    self.gathered_bytes += rows.numel() * spec.row_bytes
+                    self.gathered_bytes += rows.numel() * spec.host_row_bytes
                     self.last_gather = rows
         self.step.lookups += idx.numel()
         self.step.hits += idx.numel() - mb.numel()
         self.step.bytes_d2h += miss.numel() * (1 + idx.element_size())  # the miss mask and the selected tokens
         self.step.bytes_d2h += 0 if ranked is None else ranked[0].nbytes + ranked[1].nbytes
-        self.step.bytes_h2d += mb.numel() * (spec.row_bytes + 3 * 8)  # the rows and where they go
+        self.step.bytes_h2d += mb.numel() * (spec.host_row_bytes + 3 * 8)  # the rows and where they go
         self.ranked = ranked  # the cache step waits until this layer's attention is launched (decode)
         return sel, None
 
@@ -183,7 +184,7 @@ class PQCache(OffloadedBaseline):
         if self.gathered_bytes:
             if not self.gather_alone:
                 rows = self.last_gather
-                staging = torch.empty(rows.numel(), 2 * self.spec.head_dim, dtype=self.spec.dtype)
+                staging = torch.empty(rows.numel(), 2 * self.spec.host_width, dtype=self.spec.host_dtype)
                 self.gather_alone = gather_gb_by_threads(
                     self.host_store_rows(), staging, self.cpu_threads, rows, len(rows)
                 )
@@ -197,8 +198,8 @@ class PQCache(OffloadedBaseline):
         spec, engine = self.spec, engine or self.transfer
         if engine.kind == "cpu_gather" or spec.device.type != "cuda":
             return gather_to_device(self.host[layer], rows, engine.threads, spec.device, engine.pacer)
-        out = torch.empty(1, 1, rows.numel(), 2, spec.head_dim, dtype=spec.dtype, device=spec.device)
-        host = self.host[layer].view(1, 1, -1, 2, spec.head_dim)
+        out = torch.empty(1, 1, rows.numel(), 2, spec.host_width, dtype=spec.host_dtype, device=spec.device)
+        host = self.host[layer].view(1, 1, -1, 2, spec.host_width)
         engine.fill(host, self.fill_heads, to_device(rows, spec.device).view(1, 1, -1), self.fill_miss, out)
         return out[0, 0]
 
@@ -215,7 +216,7 @@ class PQCache(OffloadedBaseline):
         with any selected token into the LFU, and the blocks it newly places copied in whole from the host store, for
         the steps after."""
         spec, bs = self.spec, self.block_size
-        hkv, d = spec.num_kv_heads, spec.head_dim
+        hkv, d = spec.num_kv_heads, spec.host_width
         n_blocks = self.slot_map[layer].shape[1]
         with self.phase("cache_mgmt"):
             with host_work(self.step):
@@ -233,7 +234,7 @@ class PQCache(OffloadedBaseline):
                     first = ((seq[:, None, None] * hkv + head) * n_blocks + ids[seq, col][:, None, None]) * bs
                     rows = self.fetch_rows(layer, (first + off).flatten(), self.block_copy).view(-1, hkv, bs, 2, d)
                     self.cache[layer][to_device(seq, spec.device), to_device(slots[seq, col], spec.device)] = rows
-                    self.step.bytes_h2d += rows.shape[0] * hkv * bs * spec.row_bytes
+                    self.step.bytes_h2d += rows.shape[0] * hkv * bs * spec.host_row_bytes
                 # as PQCache's block_pos_record: the whole map, each step
                 paced_copy(self.pacer, self.slot_map[layer], block_slot)  # bytes_h2d counts it: paced too
                 self.step.bytes_h2d += self.slot_map[layer].nbytes

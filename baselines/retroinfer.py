@@ -180,7 +180,7 @@ class RetroInfer(OffloadedBaseline):
             )
         return {
             **self.common_estimate(spec),
-            "cache": sparse * heads * cap * self.block_size * spec.row_bytes,
+            "cache": sparse * heads * cap * self.block_size * spec.host_row_bytes,
             "metadata": sparse * meta,
             "host_metadata": sparse * heads * 8 * (n_blocks + 1 + 2 * (cap + 1)) if n_mid else 0,  # no middle: no LRU
         }
@@ -211,6 +211,8 @@ class RetroInfer(OffloadedBaseline):
                 ("selection=block", self.selection != "block"),
                 ("retriever=hash or exact", self.retriever_kind not in ("hash", "exact")),  # pq: not yet run in a graph
                 ("transfer=uva", self.transfer_kind != "uva"),
+                # the graphs attend the cache through hybrid_attention's indexed rows, model dtype only
+                ("kv_dtype=model", spec.fp8),
             )
             if bad
         ]
@@ -250,7 +252,7 @@ class RetroInfer(OffloadedBaseline):
         n_blocks, _, cap = self.geometry(self.t0)
         heads = spec.batch * spec.num_kv_heads  # (sequence, KV head) pairs: one cache and LRU row each
         self.cache[layer] = torch.zeros(
-            heads, cap, self.block_size, 2, spec.head_dim, dtype=spec.dtype, device=spec.device
+            heads, cap, self.block_size, 2, spec.host_width, dtype=spec.host_dtype, device=spec.device
         )
         self.lru[layer] = BlockLRU(heads, n_blocks, cap, self.cpu_threads, deferred=self.lru_worker is not None)
         return encode
@@ -280,13 +282,13 @@ class RetroInfer(OffloadedBaseline):
             if sel is None:
                 return attend_with_estimate(q, win, None, zone)
             keep = None if real is None else torch.cat([real.new_ones(real.shape[:2] + (n_win,)), real], dim=2)
-            return attend_with_estimate(q, torch.cat([win, sel], dim=2), keep, zone)
+            return attend_with_estimate(q, torch.cat([win, self.model_rows(sel)], dim=2), keep, zone)
 
     def selected_rows(self, layer: int, q: torch.Tensor, k_sel: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         spec, bs = self.spec, self.block_size
         cache, lru, host = self.cache[layer], self.lru[layer], self.host[layer]
         rows, cap = cache.shape[:2]
-        d, dev = spec.head_dim, spec.device
+        d, dev = spec.host_width, spec.device  # host rows: packed FP8 under kv_dtype=fp8
         with self.phase("retrieval"):
             # as CLO's: the hash scores' kernel counts the token select's first pass while it writes the scores
             # (other retrievers would count it in torch, slower than the pass itself)
@@ -314,7 +316,7 @@ class RetroInfer(OffloadedBaseline):
             res = lru.access(ublock_host)
         with self.phase("transfer_exposed"):
             n_miss = res.miss_row.numel()
-            temp = torch.empty(n_miss * bs, 2, d, dtype=spec.dtype, device=dev)  # the temporary buffer
+            temp = torch.empty(n_miss * bs, 2, d, dtype=spec.host_dtype, device=dev)  # the temporary buffer
             if n_miss:
                 first = (res.miss_row * lru.n_blocks + res.miss_block) * bs  # row of the block in the flat host store
                 tokens = (first[:, None] + torch.arange(bs)).view(1, 1, -1).to(self.fill_heads.device)
@@ -328,7 +330,7 @@ class RetroInfer(OffloadedBaseline):
             slot, miss = res.slot.to(dev), res.miss.to(dev)
         self.step.lookups += res.lookups
         self.step.hits += res.hits
-        self.step.bytes_h2d += n_miss * bs * spec.row_bytes
+        self.step.bytes_h2d += n_miss * bs * spec.host_row_bytes
         self.evictions += res.evictions
         with self.phase("attention"):  # gather the selected rows: hits from the cache, misses from the buffer
             off = idx % bs

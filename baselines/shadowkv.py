@@ -32,6 +32,7 @@ from baselines.shadowkv_parts import (
     unrotate,
 )
 from kvoffload.errors import ConfigError
+from kvoffload.kernels.fp8_rows import dequantize_rows, quantize_rows
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload import host as host_memory
 from kvoffload.offload.budget import check_budget
@@ -44,6 +45,7 @@ PATHS = ("auto", "reference", "static")
 
 class ShadowKV(KVOffloadSystem):
     name = "shadowkv"
+    kv_dtypes = ("model", "fp8")  # fp8: its host store of values
     hit_unit = "chunk"  # a selected chunk of one KV head: a hit if the layer's last step selected it too
 
     def __init__(
@@ -106,7 +108,7 @@ class ShadowKV(KVOffloadSystem):
             "landmarks": heads * (g.landmarks * (d * e + 8) + g.outliers * 8),  # landmarks, their chunks, outliers'
             "low_rank": sparse * b * (t0 * self.rank + h * self.rank * d) * e,
             "selected": heads * g.select * (g.chunk * spec.row_bytes + 8),  # rows and the chunks they hold
-            "host": heads * g.context_tokens * d * e,  # the context's values
+            "host": heads * g.context_tokens * spec.host_row_bytes // 2,  # the context's values (packed FP8: fp8)
         }
 
     def pinned_host_bytes(self, spec: KVSpec) -> int:
@@ -168,7 +170,9 @@ class ShadowKV(KVOffloadSystem):
         self.sel_k[layer] = torch.zeros(b, h, g.select * g.chunk, d, dtype=dt, device=dev)
         self.sel_v[layer] = torch.zeros(b, h, g.select * g.chunk, d, dtype=dt, device=dev)  # a chunk's values in a row
         self.selected_chunks[layer] = torch.full((b, h, g.select), -1, dtype=torch.long, device=dev)
-        self.host_v[layer] = host_memory.host_buffer((b, h, g.context_tokens, d), dt, dev.type == "cuda", "a layer's")
+        # kv_dtype=fp8: each value packed with its scale (fp8_rows.py, one half of a row), dequantised on arrival
+        shape, pin = (b, h, g.context_tokens, spec.host_width), dev.type == "cuda"
+        self.host_v[layer] = host_memory.host_buffer(shape, spec.host_dtype, pin, "a layer's")
         return g
 
     def prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -196,10 +200,11 @@ class ShadowKV(KVOffloadSystem):
         for j, x in enumerate((k, v)):
             rows = x[:, :, :n].reshape(b, h, g.context, c, d).gather(2, at)
             self.outlier_kv[layer][:, :, :, j] = rows.reshape(b, h, g.outliers * c, d)
+        values = quantize_rows(v[:, :, :n, None])[:, :, :, 0] if self.spec.fp8 else v[:, :, :n]
         if self.pacer is None:
-            self.host_v[layer].copy_(v[:, :, :n])
+            self.host_v[layer].copy_(values)
         else:  # the device -> host clock; the static path's gathers read the store on the same stream, after it
-            self.pacer.copy_(self.host_v[layer], v[:, :, :n])
+            self.pacer.copy_(self.host_v[layer], values)
 
     # ---- decode ---------------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -247,14 +252,15 @@ class ShadowKV(KVOffloadSystem):
         with self.phase("transfer_exposed"):  # plain indexing of the host store (a CPU gather and a copy on CUDA)
             host = self.host_v[layer]
             hs, hh, hp = (x.to(host.device) for x in (seq, head, pos))
-            new[seq, head, slot, :, 1] = to_device(host[hs[:, None], hh[:, None], hp], spec.device)
+            fetched = to_device(host[hs[:, None], hh[:, None], hp], spec.device)
+            new[seq, head, slot, :, 1] = self.values_of(fetched)
         self.sel_k[layer].copy_(new[..., 0, :].view(b, h, s * c, d))
         self.sel_v[layer].copy_(new[..., 1, :].view(b, h, s * c, d))
         self.selected_chunks[layer].copy_(chunks)
         m = seq.numel()
         self.step.lookups += chunks.numel()
         self.step.hits += chunks.numel() - m
-        self.step.bytes_h2d += m * c * d * spec.dtype_bytes
+        self.step.bytes_h2d += m * c * spec.host_row_bytes // 2
         self.missed += m
         self.stepped += 1
 
@@ -275,14 +281,25 @@ class ShadowKV(KVOffloadSystem):
             fresh = miss[..., None, None].expand(b, h, s, c, 1).reshape(b, h, s * c, 1)  # no sync (repeat_interleave)
             self.sel_k[layer].copy_(torch.where(fresh, k.view(b, h, s * c, d).to(spec.dtype), self.sel_k[layer]))
         with self.phase("transfer_exposed"):
-            host = self.host_v[layer].view(b, h, g.context, 2, c * d // 2)
-            slots = self.sel_v[layer].view(b, h * s, 1, 2, c * d // 2)
+            w = spec.host_width  # a value's elements (bytes under kv_dtype=fp8)
+            host = self.host_v[layer].view(b, h, g.context, 2, c * w // 2)
             heads = torch.arange(h * s, device=dev) // s  # each (head, slot) a "head" of the gather, with its miss
-            self.transfer.fill(host, heads, held.view(b, h * s, 1), miss.view(b, h * s), slots)
+            if not spec.fp8:
+                slots = self.sel_v[layer].view(b, h * s, 1, 2, c * w // 2)
+                self.transfer.fill(host, heads, held.view(b, h * s, 1), miss.view(b, h * s), slots)
+            else:  # the packed values gathered, then dequantised into the freed slots (docs/fp8.md: not in registers)
+                packed = torch.zeros(b, h * s, 1, 2, c * w // 2, dtype=torch.uint8, device=dev)
+                self.transfer.fill(host, heads, held.view(b, h * s, 1), miss.view(b, h * s), packed)
+                values = self.values_of(packed.view(b, h, s * c, w))
+                self.sel_v[layer].copy_(torch.where(fresh, values, self.sel_v[layer]))
         self.selected_chunks[layer].copy_(held)
         self.counts[0] += chunks.numel()
         self.counts[1] += miss.sum()
         self.stepped += 1
+
+    def values_of(self, fetched: torch.Tensor) -> torch.Tensor:
+        """Values as the host store holds them [..., host_width] -> in the model's dtype [..., D]."""
+        return dequantize_rows(fetched[..., None, :], self.spec.dtype)[..., 0, :] if self.spec.fp8 else fetched
 
     def end_step(self):
         if self.static:  # the static path's counts, read once a step
@@ -290,7 +307,7 @@ class ShadowKV(KVOffloadSystem):
             self.counts.zero_()
             self.step.lookups += lookups
             self.step.hits += lookups - misses
-            self.step.bytes_h2d += misses * self.g.chunk * self.spec.head_dim * self.spec.dtype_bytes
+            self.step.bytes_h2d += misses * self.g.chunk * self.spec.host_row_bytes // 2
             self.missed += misses
         return super().end_step()
 

@@ -33,18 +33,26 @@ def count_step(stores: list[LayerStore | None], row: int) -> tuple[int, int, int
 
 
 def step_device_bytes(
-    stores: list[LayerStore | None], metadata_bytes: int, scored_rows: int | None, length: int, row: int
+    stores: list[LayerStore | None],
+    metadata_bytes: int,
+    scored_rows: int | None,
+    length: int,
+    row: int,
+    slot_row: int | None = None,
 ) -> int:
     """Device bytes of the sparse layers one step reads: the attended rows (window, selected rows), the labels,
     and the retrieval metadata of the rows the last step needed scored (count_step's; every row before a step
-    has run). On CUDA exactly those are read; the CPU reference scores every row."""
+    has run). On CUDA exactly those are read; the CPU reference scores every row. row: a window row's bytes;
+    slot_row: a slot's (a host row: packed FP8 under kv_dtype=fp8), row by default."""
+    slot_row = row if slot_row is None else slot_row
     stores = [st for st in stores if st is not None]
     rows = sum(st.window.shape[0] * st.window.shape[1] for st in stores)
     scored = rows if scored_rows is None else scored_rows
     total = metadata_bytes * scored // max(rows, 1)
     for st in stores:
         gen = length - st.t0 + 1
-        total += row * st.window.shape[0] * st.window.shape[1] * (st.sink + st.recent + gen + st.k)
+        heads = st.window.shape[0] * st.window.shape[1]
+        total += heads * (row * (st.sink + st.recent + gen) + slot_row * st.k)
         total += st.labels.nbytes
     return total
 

@@ -74,7 +74,8 @@ def make_plan(cfg: CLOConfig, spec: KVSpec) -> CLOPlan:
         )
     link = cfg.link_gb_s * 1e9 if cfg.link_gb_s is not None else spec.link_bytes_per_s
     layer_s = cfg.layer_time_ms / 1e3 if cfg.layer_time_ms is not None else spec.layer_time_s or UNMEASURED_LAYER_S
-    n_p = heads_per_layer_time(layer_s, link, spec.batch * k_select(cfg, spec.max_len) * spec.row_bytes)
+    # mem_head: one head's top-k as the link moves it (host rows: packed FP8 with their scales under kv_dtype=fp8)
+    n_p = heads_per_layer_time(layer_s, link, spec.batch * k_select(cfg, spec.max_len) * spec.host_row_bytes)
     if cfg.persistent:
         heads = plan_persistent_heads(tau, s_hat, cfg.epsilon, n_p, skip_layers=cfg.dense_layers)
     else:
@@ -104,6 +105,7 @@ def estimate_parts(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> dict[str, int
     """The bytes of CLO.memory_parts() from the shapes alone, for the spec's prompt length: what allocation and
     prefill will hold (a test checks the two agree)."""
     row, t0, b, hkv = spec.row_bytes, spec.prompt_tokens, spec.batch, spec.num_kv_heads
+    host_row = spec.host_row_bytes  # the host store's and the slots' rows (packed FP8 under kv_dtype=fp8)
     sink, recent, n_mid = split_prompt(t0, cfg.sink, cfg.recent)
     k, g = k_select(cfg, t0), spec.group_size
     dense = min(cfg.dense_layers, spec.num_layers)
@@ -118,12 +120,12 @@ def estimate_parts(cfg: CLOConfig, plan: CLOPlan, spec: KVSpec) -> dict[str, int
     }
     for layer in range(dense, spec.num_layers):
         nc = hkv - len(plan.heads.persistent[layer])
-        parts["slots"] += b * nc * k * (row + 8)  # rows + their token indices
+        parts["slots"] += b * nc * k * (host_row + 8)  # rows + their token indices
         parts["labels"] += b * nc * (g * spec.head_dim * 4 + 1)  # fp32 labels + valid flag
         parts["persistent"] += b * (hkv - nc) * t0 * row
         parts["window"] += b * hkv * (sink + recent + spec.max_len - t0) * row
         parts["metadata"] += (
             b * hkv * metadata_bytes_per_head(cfg.retriever, cfg.rbit, spec.head_dim, spec.dtype_bytes, n_mid)
         )
-        parts["host"] += b * hkv * t0 * row
+        parts["host"] += b * hkv * t0 * host_row
     return parts

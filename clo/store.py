@@ -55,7 +55,7 @@ class LayerStore:
         the buffer of kv's shape its host copy goes to (kvoffload.offload.host.layer_store); making that copy is the
         caller's (kvoffload.offload.host.Offload), so is setting tau and weights. Nothing here waits for the device."""
         b, hkv, t0, _, d = kv.shape
-        dev, dtype = spec.device, spec.dtype
+        dev = spec.device
         self.t0, self.k, self.group = t0, k, group
         self.topk = topk  # select_topk's method
         self.sink, self.recent, self.n_mid = split_prompt(t0, sink, recent)
@@ -70,7 +70,10 @@ class LayerStore:
         self.window = prompt_window(kv[..., 0, :], kv[..., 1, :], self.sink, self.recent, spec.max_len)
         self.prefetch_mask = to_device([h in prefetch for h in cached], dev, torch.bool)
         self.n_managed = sum(h not in prefetch for h in cached)  # cached heads the lookups decide (not prefetch)
-        self.slots = torch.zeros(b, self.nc, k, 2, d, dtype=dtype, device=dev)  # the transfer engine writes here
+        # the transfer engine writes here: host rows as the host store holds them (packed FP8 under kv_dtype=fp8,
+        # dequantised only inside attention)
+        self.fp8 = spec.fp8
+        self.slots = torch.zeros(b, self.nc, k, 2, spec.host_width, dtype=spec.host_dtype, device=dev)
         self.slots_len = torch.full((b,), k, device=dev)
         self.slot_idx = torch.zeros(b, self.nc, k, dtype=torch.long, device=dev)
         self.labels = torch.zeros(b, self.nc, group, d, dtype=torch.float32, device=dev)
@@ -115,13 +118,21 @@ class LayerStore:
         rows, on the device), the slots and the persistent heads' KV at persist_idx (select_persistent's), each where it
         lies. q and the result are in the model's head order (the kernel maps the store's heads to it: no permuted
         copies)."""
-        return hybrid_attention(q, *self.buffers(win_len), self.persist_rows(persist_idx), q_heads=self.order)
+        window, slots, scales = self.buffers(win_len)
+        persist = self.persist_rows(persist_idx)
+        return hybrid_attention(q, window, slots, persist, q_heads=self.order, second_scales=scales)
 
     def buffers(self, win_len: torch.Tensor):
-        """(window, slots) as decode attention reads them: (k, v, lengths), k and v [B, T, heads, D] views."""
+        """(window, slots, scales) as decode attention reads them: (k, v, lengths), k and v [B, T, heads, D] views;
+        scales None, or under kv_dtype=fp8 (ks, vs) [B, k, nc] views of the slots' scales, the slots' k and v then
+        their e4m3 bits (hybrid_attention's second_scales)."""
         window = (self.window[:, :, :, 0].transpose(1, 2), self.window[:, :, :, 1].transpose(1, 2), win_len)
-        slots = (self.slots[:, :, :, 0].transpose(1, 2), self.slots[:, :, :, 1].transpose(1, 2), self.slots_len)
-        return window, slots
+        d = self.window.shape[-1]
+        k2, v2 = (self.slots[:, :, :, j, :d].transpose(1, 2) for j in (0, 1))
+        scales = None
+        if self.fp8:
+            scales = tuple(self.slots[:, :, :, j, d:].view(torch.float16)[..., 0].transpose(1, 2) for j in (0, 1))
+        return window, (k2, v2, self.slots_len), scales
 
     def persist_rows(self, persist_idx: torch.Tensor | None):
         """The persistent heads' rows at persist_idx, as hybrid attention's `indexed` (None without them)."""

@@ -37,6 +37,7 @@ from kvoffload.offload.transfer import TransferEngine, to_device
 
 class CLO(KVOffloadSystem):
     name = "clo"
+    kv_dtypes = ("model", "fp8")
     hit_unit = "one (sequence, layer, KV head) of the reuse heads: its whole top-k; prefetch heads are refreshes"
     settings_class = CLOConfig  # what __init__'s settings are (the runner checks their types against it)
 
@@ -237,8 +238,11 @@ class CLO(KVOffloadSystem):
                 return st.attend(q, self.win_len, persist_idx)
         compute = torch.cuda.current_stream()
         with self.phase("attention"):
-            window, slots = st.buffers(self.win_len)
-            parts = SplitAttention(q, *window, slots, indexed_heads=st.persist.shape[1], q_heads=st.order)
+            window, slots, scales = st.buffers(self.win_len)
+            scales = None if scales is None else (*scales, None)
+            parts = SplitAttention(
+                q, *window, slots, indexed_heads=st.persist.shape[1], q_heads=st.order, second_scales=scales
+            )
             self.attn_stream.wait_stream(compute)
             with torch.cuda.stream(self.attn_stream):
                 parts.split(0, st.nc)
@@ -253,7 +257,7 @@ class CLO(KVOffloadSystem):
 
     def end_step(self):
         stats = super().end_step()
-        counts = count_step(self.stores, self.spec.row_bytes)
+        counts = count_step(self.stores, self.spec.host_row_bytes)  # the link moves host rows
         stats.lookups, stats.hits, stats.bytes_h2d, self.scored_rows, stats.refreshes = counts
         stats.host_syncs, self.transfer.host_syncs = self.transfer.host_syncs, 0
         return stats
@@ -262,7 +266,7 @@ class CLO(KVOffloadSystem):
         """CLO's own floor on the device side (clo/accounting.py)."""
         meta = self.retriever.metadata_bytes()
         return step_device_bytes(
-            self.stores, meta, self.scored_rows, self.length, self.spec.row_bytes
+            self.stores, meta, self.scored_rows, self.length, self.spec.row_bytes, self.spec.host_row_bytes
         ) + self.dense.step_bytes(self.length)
 
     def describe(self) -> dict:

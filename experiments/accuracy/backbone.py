@@ -226,6 +226,7 @@ class Backbone:
         m, numbers = self.model_cfg, self.cfg.get("hardware") or {}
         gpu_mem_gb = preflight.number(numbers.get("gpu_mem_gb"), "hardware.gpu_mem_gb", 0.0, above=True, null=True)
         system = build_system(system_cfg, name)
+        kv_dtype = preflight.kv_dtype(self.cfg, system, name)  # the host stores' format (docs/fp8.md)
         spec = KVSpec(
             m.num_layers,
             batch,
@@ -239,6 +240,7 @@ class Backbone:
             rope_inv_freq=rope_frequencies(m),
             link_gb_s=self.link_gb_s,
             layer_time_s=layer_time_s or self.layer_time_s,
+            kv_dtype=kv_dtype,
         )
         spec = replace(spec, gpu_budget_bytes=preflight.kv_budget(m, spec, gpu_mem_gb))
         plan = preflight.plan_memory(m, system, spec, prompt_len)

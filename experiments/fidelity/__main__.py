@@ -80,7 +80,8 @@ def references(gb: float) -> PrefillCache:
 
 def run(cfg: DictConfig, system_name: str, identity: list[str]) -> dict:
     s = settings(cfg)
-    build_system(cfg.system, system_name)  # the system's own settings refused now, before the weights load
+    # the system's own settings and kv_dtype refused now, before the weights load
+    preflight.kv_dtype(cfg, build_system(cfg.system, system_name), system_name)
     source = preflight.weights_source(cfg.model)
     if source == "synthetic":
         raise ConfigError(f"model={cfg.model.name} has synthetic weights: fidelity needs real ones")

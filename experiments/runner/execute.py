@@ -85,6 +85,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     cap = numbers.link_cap_gb_s  # hardware.link_gb_s: refused on a CPU run before anything is built
     preflight.check_link_cap(cap, device)
     system = build_system(cfg.system, system_name)
+    kv_dtype = preflight.kv_dtype(cfg, system, system_name)  # the host stores' format (docs/fp8.md)
     chunk, fill = numbers.prefill_chunk, numbers.kv_fill
     what = f"system={system_name} model={model_cfg.name} seqlen={preflight.tokens_text(seqlen)} batch={batch}"
 
@@ -105,6 +106,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         device,
         prompt_len=seqlen,
         rope_inv_freq=rope_frequencies(model_cfg),
+        kv_dtype=kv_dtype,
         **preflight.UNMEASURED,
     )
     # a point beyond the host's RAM or the budget is refused before the device's context starts and anything is

@@ -17,7 +17,7 @@ import torch
 
 from kvoffload.errors import ConfigError
 from kvoffload.generate import DECODE_MODES, KV_FILLS
-from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
+from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec, check_kv_dtype
 from kvoffload.model.config import ModelConfig
 from kvoffload.units import parse_tokens, tokens_text
 
@@ -239,6 +239,29 @@ def _select(cfg, key: str):
     from omegaconf import OmegaConf
 
     return OmegaConf.select(cfg, key, default=_MISSING)
+
+
+def fp8_systems() -> list[str]:
+    """The systems of conf/system/ whose class offers kv_dtype=fp8 (KVOffloadSystem.kv_dtypes), for messages."""
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    from kvoffload.paths import ROOT
+
+    names = []
+    for path in sorted((ROOT / "conf" / "system").glob("*.yaml")):
+        target = OmegaConf.load(path).get("_target_")
+        if target and "fp8" in get_class(target).kv_dtypes:
+            names.append(path.stem)
+    return names
+
+
+def kv_dtype(cfg, system: KVOffloadSystem, name: str) -> str:
+    """cfg.kv_dtype, refused (before any allocation) where it is no KV_DTYPES value, the system does not offer it, or
+    torch has no float8 (docs/fp8.md)."""
+    value = cfg.get("kv_dtype", "model")
+    check_kv_dtype(str(value), name, system.kv_dtypes, fp8_systems())
+    return str(value)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from kvoffload.kernels.decode_attention_fp8 import dequantize_second, launch_fp8_split
+
 try:
     import triton
     import triton.language as tl
@@ -125,12 +127,15 @@ if triton is not None:
         INDIRECT: tl.constexpr,
         MAPPED: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        SKIP2: tl.constexpr = False,
     ):
         """Splits 0..SPLITS1-1 cover the first buffer, the rest (TWO) the second: one launch for both. With
         INDIRECT, KV heads NC.. take the second buffer's rows from PK/PV (their head kvh - NC) at the token indices
         Idx: a persistent head's selected rows are read where they lie, not gathered first. A launch covers KV
         heads H0..H0+NH-1 (SplitAttention.split). With MAPPED, KV head kvh of the buffers reads the queries of
-        head QHeads[kvh] of Q (the merge writes its output there): no permuted copy of the queries."""
+        head QHeads[kvh] of Q (the merge writes its output there): no permuted copy of the queries. With SKIP2 the
+        second buffer's heads below NC are FP8 (decode_attention_fp8.py's kernel runs their splits after this one):
+        their splits here attend nothing."""
         split = tl.program_id(1)
         # int64: a batch of long sequences spans more than 2^31 elements (check_offsets bounds the rest)
         b = (tl.program_id(0) // NH).to(tl.int64)
@@ -170,6 +175,8 @@ if triton is not None:
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
         end = tl.minimum(start + span, length)
+        if SKIP2:
+            end = tl.where((split >= SPLITS1) & (kvh < NC), start, end)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
@@ -257,7 +264,9 @@ class SplitAttention:
     indexed_heads KV heads take their second-buffer rows from pk/pv at idx (split's `indexed`, hybrid_attention's
     form); k2/v2 then hold only the heads before them. q_heads [Hkv] long: KV head j of the buffers serves the
     query heads of KV head q_heads[j] of q, and the output is in q's order (CLO's stores keep their heads
-    permuted)."""
+    permuted). second_scales = (ks2, vs2, keep2): the second buffer's heads before the indexed ones are FP8, k2/v2
+    their e4m3 bits (uint8) and ks2/vs2 [B, T2, nc] their scales (decode_attention_fp8.py), keep2 [B, T2, nc] bool
+    or None the rows attended."""
 
     def __init__(
         self,
@@ -271,6 +280,7 @@ class SplitAttention:
         num_warps: int = 4,
         q_heads: torch.Tensor | None = None,
         programs: int = 512,
+        second_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     ):
         b, h, d = q.shape
         self.hkv = hkv = k.shape[2]
@@ -280,7 +290,9 @@ class SplitAttention:
         assert q.stride(2) == k.stride(3) == v.stride(3) == k2.stride(3) == v2.stride(3) == 1, (
             "head_dim must be the contiguous dimension"
         )
-        assert k2.shape[0] == b and k2.shape[2] == self.nc and k2.dtype == k.dtype
+        self.scales = second_scales
+        assert k2.shape[0] == b and k2.shape[2] == self.nc
+        assert k2.dtype == (torch.uint8 if second_scales is not None else k.dtype)
         assert b and k.shape[1] and k2.shape[1], "no sequence, or a buffer with no rows (hybrid_attention skips it)"
         check_offsets(k, v, k2, v2)
         # the kernel reads lengths[b] at offset b: no broadcast (stride 0) views
@@ -311,6 +323,8 @@ class SplitAttention:
             assert pk.shape[0] == b and pk.shape[2:] == pv.shape[2:] == (self.hkv - self.nc, d)
             assert pk.stride(3) == pv.stride(3) == 1 and pk.dtype == pv.dtype == k.dtype
             check_offsets(pk, pv)
+        if self.scales is not None:  # the FP8 heads' second buffer is read by launch_fp8_split, not here
+            k2, v2 = k, v
         _split_kernel[(b * (h1 - h0), self.splits)](
             q,
             self._heads(),
@@ -365,7 +379,10 @@ class SplitAttention:
             MAPPED=self.q_heads is not None,
             BLOCK_N=self.block_n,
             num_warps=self.num_warps,
+            SKIP2=self.scales is not None,
         )
+        if self.scales is not None and h0 < self.nc:
+            launch_fp8_split(self, h0, min(h1, self.nc))
 
     def _heads(self) -> torch.Tensor:
         return self.q_heads if self.q_heads is not None else self.lse  # unread without MAPPED
@@ -413,6 +430,7 @@ def decode_attention_triton(
     indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     q_heads: torch.Tensor | None = None,
     programs: int = 512,
+    second_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ):
     """Every head in one split launch and one merge (SplitAttention's arguments)."""
     parts = SplitAttention(
@@ -426,6 +444,7 @@ def decode_attention_triton(
         num_warps,
         q_heads,
         programs,
+        second_scales,
     )
     parts.split(0, parts.hkv, indexed)
     out, lse = parts.merge()
@@ -483,6 +502,7 @@ def hybrid_attention(
     second: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     indexed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     q_heads: torch.Tensor | None = None,
+    second_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Exact attention over the union of two KV buffers, each (k, v, lengths) as decode_attention takes them, read where
     they lie (docs/systems.md, "Hybrid attention"). `indexed` = (pk, pv, idx): the last Hp KV heads' second-buffer rows
@@ -490,10 +510,15 @@ def hybrid_attention(
     persistent heads: their full KV on the device, read at their top-k); `second` then holds the other heads. On CUDA
     one split kernel covers both and one merge combines them; the specification is the indexed rows gathered
     (`gather_indexed`), then per-buffer attention merged by log-sum-exp (`merge_attention`). q_heads: as
-    SplitAttention's (the specification permutes q's head groups, attends, and puts the output back in q's order)."""
+    SplitAttention's (the specification permutes q's head groups, attends, and puts the output back in q's order).
+    second_scales = (ks, vs): `second` is FP8 (kv_dtype=fp8: e4m3 bits and their scales, decode_attention_fp8.py),
+    dequantised in the kernel's registers on CUDA, by `dequantize_second` (the specification) elsewhere."""
     empty = first[0].shape[1] == 0 or second[0].shape[1] == 0  # no rows at all: the kernel needs both buffers
     if q.is_cuda and triton is not None and not empty:
-        return decode_attention_triton(q, *first, second=second, indexed=indexed, q_heads=q_heads)
+        scales = None if second_scales is None else (*second_scales, None)
+        return decode_attention_triton(q, *first, second=second, indexed=indexed, q_heads=q_heads, second_scales=scales)
+    if second_scales is not None:
+        second = dequantize_second(second, second_scales, q.dtype)
     if not q.is_cuda and uniform_length(first[2]) and uniform_length(second[2]):
         return hybrid_attention_cpu(q, first, second, indexed, q_heads)
     return hybrid_attention_ref(q, first, second, indexed, q_heads)
@@ -553,4 +578,29 @@ def hybrid_attention_ref(
         return decode_attention(q, *first)
     return merge_attention(
         [decode_attention_ref(q, *first, return_lse=True), decode_attention_ref(q, *second, True, rows)]
+    )
+
+
+def attend_packed(
+    q: torch.Tensor,
+    first: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: torch.Tensor,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A baseline's attention under kv_dtype=fp8: q [B, H, D] over the model-dtype `first` (its window, as
+    decode_attention takes it) and the FP8 rows it selected, rows [B, Hkv, k, 2, D + 2] packed (fp8_rows.py), keep
+    [B, Hkv, k] bool or None the rows that are tokens. On CUDA one split launch reads the rows' bytes and dequantises
+    them in registers; elsewhere the reference: the rows dequantised, then attended with the window."""
+    d = q.shape[-1]
+    lengths2 = torch.full((rows.shape[0],), rows.shape[2], dtype=torch.long, device=rows.device)
+    k8, v8 = rows[:, :, :, 0, :d].transpose(1, 2), rows[:, :, :, 1, :d].transpose(1, 2)
+    ks, vs = (rows[:, :, :, j, d:].view(torch.float16)[..., 0].transpose(1, 2) for j in (0, 1))
+    keep2 = None if keep is None else keep.transpose(1, 2)
+    if q.is_cuda and triton is not None and first[0].shape[1] and rows.shape[2]:
+        return decode_attention_triton(q, *first, second=(k8, v8, lengths2), second_scales=(ks, vs, keep2))
+    k2, v2, _ = dequantize_second((k8, v8, lengths2), (ks, vs), q.dtype)
+    if first[0].shape[1] == 0:
+        return decode_attention_ref(q, k2, v2, lengths2, rows=keep2)
+    return merge_attention(
+        [decode_attention_ref(q, *first, return_lse=True), decode_attention_ref(q, k2, v2, lengths2, True, keep2)]
     )

@@ -19,9 +19,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvoffload.errors import ConfigError
+from kvoffload.kernels.fp8_rows import SCALE_BYTES, fp8_dtype, packed_width
 from kvoffload.kv.timer import PhaseTimer
 
 GB = 1024**3
+# kv_dtype: how an offloading system's host store holds its rows (docs/fp8.md). model: the model's dtype, as the
+# device does; fp8: FP8 e4m3 with an fp16 scale per token, KV head and half (kvoffload/kernels/fp8_rows.py)
+KV_DTYPES = ("model", "fp8")
+# CUDA's native e4m3 conversions (Ada, Hopper); below it the fp8 attention kernel decodes the bits with integer ops
+FP8_NATIVE_CAPABILITY = (8, 9)
 # the link a CPU run plans and reports with: hardware.md's UVA gather of scattered rows on the H200 machine
 CPU_LINK_GB_S = 49.6
 
@@ -51,6 +57,9 @@ class KVSpec:
     # without their rotation and rotates them again at their positions (ShadowKV-style's low-rank pre-RoPE keys):
     # prefill hands over post-RoPE keys only. None: not handed over (a system that needs them refuses the run)
     rope_inv_freq: tuple[float, ...] | None = None
+    # the host store's format (KV_DTYPES): what every offloaded row moved and attended is; the window, dense layers
+    # and persistent heads stay in `dtype`
+    kv_dtype: str = "model"
 
     @property
     def prompt_tokens(self) -> int:
@@ -73,6 +82,26 @@ class KVSpec:
         return 2 * self.head_dim * self.dtype_bytes
 
     @property
+    def fp8(self) -> bool:
+        return self.kv_dtype == "fp8"
+
+    @property
+    def host_dtype(self) -> torch.dtype:
+        """The element type of a host store and of the device buffers its rows land in (packed bytes under fp8)."""
+        return torch.uint8 if self.fp8 else self.dtype
+
+    @property
+    def host_width(self) -> int:
+        """The last dimension of a host row's half (K or V): head_dim, or its packed bytes under fp8."""
+        return packed_width(self.head_dim) if self.fp8 else self.head_dim
+
+    @property
+    def host_row_bytes(self) -> int:
+        """An offloaded row (K and V of one token of one KV head, with its scales under fp8): the unit the host stores
+        hold and the link moves, that plans (CLO's Eq. 12), floors and the host-memory checks count."""
+        return 2 * (self.head_dim + SCALE_BYTES) if self.fp8 else self.row_bytes
+
+    @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
@@ -84,6 +113,24 @@ class KVSpec:
     def layer_kv_bytes(self) -> int:
         """Full-length K+V bytes of one layer."""
         return 2 * self.batch * self.num_kv_heads * self.max_len * self.head_dim * self.dtype_bytes
+
+
+def check_kv_dtype(kv_dtype: str, system: str, supported: tuple[str, ...], offering: list[str] | None = None) -> None:
+    """Refuses, before anything is allocated, a kv_dtype that is not one of KV_DTYPES, one the system does not offer
+    (`supported`: its kv_dtypes; `offering`: the systems that offer fp8, for the message), or fp8 where torch has no
+    float8 dtype. Any CUDA device will do: below compute
+    capability 8.9 (FP8_NATIVE_CAPABILITY) the attention kernel decodes e4m3 bits with integer ops, and torch's
+    quantising casts are elementwise kernels on every device."""
+    fp8 = f"fp8 (system={', '.join(offering)})" if offering else "fp8 (an offloading system)"
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype={kv_dtype!r}; valid: model (every system), {fp8}")
+    if kv_dtype not in supported:
+        raise ConfigError(
+            f"kv_dtype={kv_dtype} with system={system}, which keeps no KV in host memory: fp8 quantises host stores "
+            f"only. Valid: kv_dtype=model (every system), kv_dtype={fp8}"
+        )
+    if kv_dtype == "fp8" and fp8_dtype() is None:
+        raise ConfigError(f"kv_dtype=fp8 needs torch.float8_e4m3fn, which torch {torch.__version__} lacks")
 
 
 @dataclass
@@ -135,6 +182,8 @@ class KVOffloadSystem(ABC):
     # True when decode() can be captured in a CUDA graph once static_shapes is set: it then takes the
     # token position from `self.position` (a device tensor, updated before each replay) instead of `self.length`.
     supports_cuda_graph: bool = False
+    # the host-store formats it offers (KVSpec.kv_dtype): fp8 for a system that keeps rows in host memory
+    kv_dtypes: tuple[str, ...] = ("model",)
 
     def __init__(self) -> None:
         self.spec: KVSpec | None = None
@@ -173,6 +222,7 @@ class KVOffloadSystem(ABC):
                 f"{self.name} needs {est.device_bytes / GB:.2f} GB of device memory for its KV state but the "
                 f"budget is {spec.gpu_budget_bytes / GB:.2f} GB; lower seqlen/batch or raise hardware.gpu_mem_gb"
             )
+        check_kv_dtype(spec.kv_dtype, self.name, self.kv_dtypes)
         self.spec = spec
         self.timer = timer or PhaseTimer(spec.device)
         self.length = 0

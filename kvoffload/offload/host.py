@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from kvoffload.errors import ConfigError
+from kvoffload.kernels.fp8_rows import quantize_rows
 from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.link import LinkPacer, paced_copy
 
@@ -104,15 +105,15 @@ def store_packs(store: int, n: int) -> list[int]:
 
 
 def store_shape(spec: KVSpec, rows: int) -> tuple[int, ...]:
-    """A sparse layer's host store: [B, Hkv, rows, 2, D]."""
-    return (spec.batch, spec.num_kv_heads, rows, 2, spec.head_dim)
+    """A sparse layer's host store: [B, Hkv, rows, 2, D] (D: spec.host_width, packed bytes under kv_dtype=fp8)."""
+    return (spec.batch, spec.num_kv_heads, rows, 2, spec.host_width)
 
 
 def store_layout(spec: KVSpec, dense_layers: int, rows: int) -> tuple[tuple[int, ...], int, list[int]]:
     """(a store's shape, its bytes, store_packs of the sparse layers' stores): what host_stores allocates and
     host_stores_pinned counts, from one place."""
     shape = store_shape(spec, rows)
-    store = math.prod(shape) * spec.dtype_bytes
+    store = math.prod(shape) * spec.host_dtype.itemsize
     return shape, store, store_packs(store, spec.num_layers - min(dense_layers, spec.num_layers))
 
 
@@ -144,7 +145,7 @@ def host_stores(spec: KVSpec, dense_layers: int, rows: int | None) -> list[torch
     stores: list[torch.Tensor | None] = [None] * (spec.num_layers - sum(packs))  # the dense layers'
     for m in packs:
         block = host_buffer(
-            (m, *shape), spec.dtype, spec.device.type == "cuda", f"{m} layers'" if m > 1 else "a layer's"
+            (m, *shape), spec.host_dtype, spec.device.type == "cuda", f"{m} layers'" if m > 1 else "a layer's"
         )
         stores += list(block.unbind(0))  # each layer's store a contiguous view of the block
     return stores
@@ -180,16 +181,19 @@ class Offload:
         self.pending: tuple[torch.cuda.Event, torch.Tensor] | None = None  # (done, the staged K/V)
 
     def start(self, kv: torch.Tensor, host: torch.Tensor, encode: Callable[[], None] | None = None) -> None:
-        """host <- kv, and encode() if given, after the work queued so far on the current stream."""
+        """host <- kv, and encode() if given, after the work queued so far on the current stream. A packed FP8 host
+        store (kv_dtype=fp8) takes kv quantised here, on the device and on this stream: the rows are quantised where
+        they leave the device, once, and the link carries the packed bytes."""
         encode = encode or (lambda: None)
+        packed = host.dtype == torch.uint8 and kv.dtype != torch.uint8
         if self.stream is None:
-            host.copy_(kv)
+            host.copy_(quantize_rows(kv) if packed else kv)
             encode()
             return
         self.finish()
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            paced_copy(self.pacer, host, kv)
+            paced_copy(self.pacer, host, quantize_rows(kv) if packed else kv)
             encode()
             done = torch.cuda.Event()
             done.record()
