@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.runner import cli_checks, preflight
+from experiments.runner import cli_checks, run_settings
 from experiments.runner.job_process import hydra_flags, run_in_forked_child, run_in_fresh_process
 from experiments.runner.records import (
     SweepSummary,
@@ -98,16 +98,17 @@ def task(cfg: DictConfig) -> dict:
     overrides = list(hc.overrides.task)
     choices = dict(hc.runtime.choices)
     identity = run_identity(cfg, overrides, choices)
-    preflight.check_output_paths(cfg)  # the record is written after the long work: where it goes, checked first
+    run_settings.check_output_paths(cfg)  # the record is written after the long work: where it goes, checked first
     path = record_path(Path(cfg.results_dir), identity)
-    if finished(path) and not preflight.switch(cfg.force, "force"):
+    if finished(path) and not run_settings.switch(cfg.force, "force"):
         print(f"[run] skip: {path} exists (force=true repeats it)", file=sys.stderr)
         return {"status": "skipped", "error": None, "record": str(path)}
     in_sweep = hc.mode == RunMode.MULTIRUN
-    mode = preflight.choice(cfg.job_process, "job_process", preflight.JOB_PROCESSES) if in_sweep else "inline"
+    mode = run_settings.choice(cfg.job_process, "job_process", run_settings.JOB_PROCESSES) if in_sweep else "inline"
     if mode == "fresh":  # with glibc's huge-page tunable as the job's settings ask (the sweep may mix them)
         env = thp_env(
-            dict(os.environ), on=preflight.switch(cfg.hardware.get("pin_huge_pages", False), "hardware.pin_huge_pages")
+            dict(os.environ),
+            on=run_settings.switch(cfg.hardware.get("pin_huge_pages", False), "hardware.pin_huge_pages"),
         )
         return run_in_fresh_process(hydra_flags(hc), overrides, path, hc.runtime.output_dir, env)
     job = lambda: run_job(cfg, path, overrides, identity, choices, in_sweep)  # noqa: E731

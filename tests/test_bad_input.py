@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.runner.preflight import check_writable
+from experiments.runner.run_settings import check_writable
 from kvoffload.errors import ConfigError
 from tests.test_run_command import FAST, run, single_error
 

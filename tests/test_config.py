@@ -172,7 +172,7 @@ def composed(*overrides: str):
     ],
 )
 def test_bad_numbers_are_config_errors(override, message):
-    from experiments.runner.preflight import check_numbers
+    from experiments.runner.run_settings import check_numbers
 
     with pytest.raises(ConfigError) as e:
         check_numbers(composed(override))
@@ -180,7 +180,7 @@ def test_bad_numbers_are_config_errors(override, message):
 
 
 def test_good_numbers_pass():
-    from experiments.runner.preflight import check_numbers
+    from experiments.runner.run_settings import check_numbers
 
     n = check_numbers(composed("seqlen=4k", "batch=2", "seed=3", "hardware.gpu_mem_gb=48", "batch=2.0"))
     assert (n.seqlen, n.batch, n.seed, n.gpu_mem_gb, n.hbm_gb_s) == (4096, 2, 3, 48.0, None)

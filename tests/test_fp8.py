@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from experiments.runner import preflight
+from experiments.runner import preflight, run_settings
 from kvoffload.errors import ConfigError
 from kvoffload.kernels import fp8_rows
 from kvoffload.kv.interface import GB, KVSpec, check_kv_dtype
@@ -153,7 +153,7 @@ def test_fp8_without_torch_float8_is_refused(monkeypatch):
 
 
 def test_the_systems_offering_fp8_are_the_offloading_ones():
-    assert preflight.fp8_systems() == sorted(OFFLOADING)
+    assert run_settings.fp8_systems() == sorted(OFFLOADING)
 
 
 @pytest.mark.parametrize(

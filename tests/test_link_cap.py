@@ -97,7 +97,7 @@ def test_clo_refuses_a_pinned_link_above_the_cap():
 
 
 def test_the_link_cap_reaches_the_check_of_numbers():
-    from experiments.runner.preflight import check_link_cap, check_numbers
+    from experiments.runner.run_settings import check_link_cap, check_numbers
     from tests.test_config import composed
 
     assert check_numbers(composed("hardware.link_gb_s=21.21")).link_cap_gb_s == 21.21

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments.producers.reuse_profile import METRICS, group_cosine, measure, run, topk_overlap
-from experiments.runner import preflight
+from experiments.runner import run_settings
 from kvoffload.errors import ConfigError
 from kvoffload.generate import generate
 from kvoffload.kv.interface import KVSpec
@@ -56,7 +56,7 @@ def config(tmp_path, *overrides, out="reuse.json"):
 def tiny_decode(cfg, make_kv, min_steps=3, keep=None):
     """experiments.producers.profile.decode_real with synthetic weights and a random prompt (what it refuses)."""
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
-    seqlen, gen = preflight.parse_tokens(cfg.seqlen), int(cfg.workload.gen_tokens)
+    seqlen, gen = run_settings.parse_tokens(cfg.seqlen), int(cfg.workload.gen_tokens)
     model = synthetic_decoder(model_cfg, int(cfg.seed), torch.device("cpu"), torch.float32)
     gen_ids = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model_cfg.vocab_size, (int(cfg.batch), seqlen), generator=gen_ids)

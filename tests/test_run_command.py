@@ -340,10 +340,10 @@ def test_a_fresh_sweep_gives_each_job_the_huge_pages_it_asks(tmp_path):
 
 @pytest.mark.parametrize("asks,has", [(True, False), (False, True)])
 def test_a_run_whose_process_has_other_huge_pages_than_it_asks_is_refused(monkeypatch, asks, has):
-    from experiments.runner import execute, preflight
+    from experiments.runner import execute, run_settings
 
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1" if has else "glibc.malloc.arena_max=2")
-    numbers = preflight.RunNumbers(64, 1, 0, 4, 0, 0.5, None, None, pin_threads=4, pin_huge_pages=asks)
+    numbers = run_settings.RunNumbers(64, 1, 0, 4, 0, 0.5, None, None, pin_threads=4, pin_huge_pages=asks)
     with pytest.raises(ConfigError, match="mixing true and false needs job_process=fresh"):
         execute.check_huge_pages(numbers)
     execute.check_huge_pages(replace(numbers, pin_threads=0, pin_huge_pages=False))  # cudaHostAlloc: no matter

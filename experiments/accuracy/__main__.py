@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.accuracy.job import default_workload, run_job
 from experiments.accuracy.report import cost_summary, summary_lines
-from experiments.runner import cli_checks, preflight
+from experiments.runner import cli_checks, run_settings
 from experiments.runner.records import environment
 from kvoffload.errors import ConfigError
 
@@ -30,10 +30,10 @@ def settings(cfg: DictConfig) -> tuple[list[str], list[int], int | None]:
         raise ConfigError(f"workload={w.get('name')}: experiments.accuracy runs workload=accuracy")
     tasks = list(w.tasks) if OmegaConf.is_list(w.tasks) else [w.tasks]
     lengths = [
-        preflight.parse_tokens(x, "workload.lengths")
+        run_settings.parse_tokens(x, "workload.lengths")
         for x in (w.lengths if OmegaConf.is_list(w.lengths) else [w.lengths])
     ]
-    limit = None if w.limit is None else preflight.integer(w.limit, "workload.limit", 1)
+    limit = None if w.limit is None else run_settings.integer(w.limit, "workload.limit", 1)
     if not tasks or not lengths:
         raise ConfigError("workload.tasks and workload.lengths must not be empty")
     return tasks, lengths, limit
@@ -44,7 +44,7 @@ def run(cfg: DictConfig, system_name: str) -> dict:
     from experiments.accuracy.tasks import check_tasks, evaluate, index_for, is_ruler, task_folder
 
     tasks, lengths, limit = settings(cfg)
-    chat = preflight.switch(cfg.workload.get("apply_chat_template", False), "workload.apply_chat_template")
+    chat = run_settings.switch(cfg.workload.get("apply_chat_template", False), "workload.apply_chat_template")
     tm = index_for(tasks)
     runnable, skipped = check_tasks(tm, tasks)
     for line in skipped:

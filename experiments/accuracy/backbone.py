@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.runner import preflight
+from experiments.runner import preflight, run_settings
 from experiments.runner.execute import build_system, load_tokenizer
-from experiments.runner.preflight import weights_source
+from experiments.runner.run_settings import weights_source
 from experiments.runner.timing import link_gb_s, model_layer_time_s
 from kvoffload.errors import ConfigError
 from kvoffload.generate import sync_device
@@ -144,8 +144,8 @@ class Backbone:
         """real_weights=False admits synthetic weights and no tokenizer (a test of a path's numerics on token ids)."""
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
-        self.device = preflight.resolve_device(cfg.device)
-        self.dtype = preflight.resolve_dtype(cfg.dtype, self.device)
+        self.device = run_settings.resolve_device(cfg.device)
+        self.dtype = run_settings.resolve_dtype(cfg.dtype, self.device)
         self.source = weights_source(cfg.model)
         if self.source == "synthetic" and real_weights:
             raise ConfigError(f"model={self.model_cfg.name} has synthetic weights: accuracy needs real ones")
@@ -153,13 +153,15 @@ class Backbone:
         if self.tokenizer is None and real_weights:
             raise ConfigError(f"model={self.model_cfg.name}: no tokenizer files next to its weights")
         gb = cfg.workload.get("prefill_cache_gb", 0) or 0
-        self.cache = PrefillCache(int(preflight.number(gb, "workload.prefill_cache_gb", 0.0) * GB))
+        self.cache = PrefillCache(int(run_settings.number(gb, "workload.prefill_cache_gb", 0.0) * GB))
         if self.cache.max_bytes and self.device.type == "cpu":
             fix_mmap_threshold()
         # Eq. 12's inputs: measured here unless the workload pins them (a loaded machine's layer time would change
         # CLO's plan, and with it what the fidelity of one setting means)
-        pinned_link = preflight.number(cfg.workload.get("link_gb_s"), "workload.link_gb_s", 0.0, above=True, null=True)
-        pinned_ms = preflight.number(
+        pinned_link = run_settings.number(
+            cfg.workload.get("link_gb_s"), "workload.link_gb_s", 0.0, above=True, null=True
+        )
+        pinned_ms = run_settings.number(
             cfg.workload.get("layer_time_ms"), "workload.layer_time_ms", 0.0, above=True, null=True
         )
         self.link_gb_s = pinned_link or link_gb_s(self.device)
@@ -171,7 +173,7 @@ class Backbone:
             "layer_time_ms": round(self.layer_time_s * 1e3, 6),
             "pinned": {"link_gb_s": pinned_link is not None, "layer_time_ms": pinned_ms is not None},
         }
-        seed = preflight.integer(cfg.seed, "seed", 0)
+        seed = run_settings.integer(cfg.seed, "seed", 0)
         self.model, self.weights = build_decoder(
             self.model_cfg, self.source, cfg.model.get("path"), seed, self.device, self.dtype
         )
@@ -224,9 +226,9 @@ class Backbone:
         """A fresh system planned and allocated for one request, or `batch` of one length (its plan depends on the
         prompt's length); layer_time_s: the layer time it plans with, when not the backbone's."""
         m, numbers = self.model_cfg, self.cfg.get("hardware") or {}
-        gpu_mem_gb = preflight.number(numbers.get("gpu_mem_gb"), "hardware.gpu_mem_gb", 0.0, above=True, null=True)
+        gpu_mem_gb = run_settings.number(numbers.get("gpu_mem_gb"), "hardware.gpu_mem_gb", 0.0, above=True, null=True)
         system = build_system(system_cfg, name)
-        kv_dtype = preflight.kv_dtype(self.cfg, system, name)  # the host stores' format (docs/fp8.md)
+        kv_dtype = run_settings.kv_dtype(self.cfg, system, name)  # the host stores' format (docs/fp8.md)
         spec = KVSpec(
             m.num_layers,
             batch,

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.runner import cli_checks, preflight
+from experiments.runner import cli_checks, run_settings
 from kvoffload.errors import ConfigError
 
 LOGLIKELIHOOD_MODES = ("decode", "prefill")
@@ -52,4 +52,4 @@ def check_workload(cfg: DictConfig) -> None:
     mode = cfg.workload.get("loglikelihood", "decode")
     if mode not in LOGLIKELIHOOD_MODES:
         raise ConfigError(f"workload.loglikelihood={mode!r}; valid: {', '.join(LOGLIKELIHOOD_MODES)}")
-    preflight.number(cfg.workload.get("prefill_cache_gb", 0), "workload.prefill_cache_gb", 0.0)
+    run_settings.number(cfg.workload.get("prefill_cache_gb", 0), "workload.prefill_cache_gb", 0.0)

@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.runner import preflight
+from experiments.runner import run_settings
 from experiments.runner.records import config_error, finished, one_line, record_path, refuse, run_identity
 from kvoffload.paths import write_json_atomic
 
@@ -28,7 +28,7 @@ def run_job(
     path = record_path(Path(cfg.results_dir), identity)
     base = {"run": path.parent.name, "overrides": overrides, "config": OmegaConf.to_container(cfg, resolve=True)}
     try:
-        if finished(path) and not preflight.switch(cfg.force, "force"):
+        if finished(path) and not run_settings.switch(cfg.force, "force"):
             print(f"[{tag}] skip: {path} exists (force=true repeats it)", file=sys.stderr)
             return {"status": "skipped", "error": None, "record": str(path)}
         rec = {"status": "ok", **base, **body(cfg, choices.get("system", "?"), identity)}

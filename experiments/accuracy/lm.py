@@ -24,7 +24,7 @@ from tqdm import tqdm
 from experiments.accuracy.backbone import Backbone, backbone_for
 from experiments.accuracy.config import check_workload, compose_config, override_text
 from experiments.accuracy.decoding import greedy_until, teacher_forced
-from experiments.runner import preflight
+from experiments.runner import run_settings
 from kvoffload.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class CLOLM(TemplateLM):
         self.backbone = backbone or backbone_for(config)
         self.tokenizer = self.backbone.tokenizer
         cap = self.backbone.model_cfg.max_position_embeddings
-        self._max_length = preflight.integer(max_length, "max_length", 2) if max_length is not None else cap
+        self._max_length = run_settings.integer(max_length, "max_length", 2) if max_length is not None else cap
         if self._max_length > cap:
             raise ConfigError(f"max_length={self._max_length} exceeds the model's max_position_embeddings={cap}")
         self.decode_mode: str | None = None
@@ -128,7 +128,7 @@ class CLOLM(TemplateLM):
         pre, shared = self.backbone.prefill(ids)
         system = self.backbone.system(self.cfg.system, self.system_name, len(ids), max_new)
         if self.decode_mode is None:
-            self.decode_mode = preflight.resolve_decode_mode(self.cfg.decode_mode, self.device, system)
+            self.decode_mode = run_settings.resolve_decode_mode(self.cfg.decode_mode, self.device, system)
         # events cannot time phases inside a replayed graph
         system.timer.enabled = bool(self.cfg.get("profile_phases", True)) and self.decode_mode != "graph"
         self.system_state = system.describe()

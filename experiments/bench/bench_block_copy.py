@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from experiments.bench.common import LLAMA3, bench_record, counts, rate
-from experiments.runner.preflight import parse_tokens, resolve_device
+from experiments.runner.run_settings import parse_tokens, resolve_device
 from experiments.runner.timing import median_ms
 from kvoffload.errors import ConfigError
 from kvoffload.kernels.uva_gather import copy_blocks_ref, uva_copy_blocks

@@ -25,8 +25,8 @@ import torch
 
 from experiments.accuracy.backbone import Backbone
 from experiments.accuracy.config import compose_config
-from experiments.runner.preflight import parse_tokens
 from experiments.runner.records import environment
+from experiments.runner.run_settings import parse_tokens
 from experiments.workloads.prompts import needle_prompt
 from kvoffload.generate import DecodeStep
 from kvoffload.kv.timer import PHASES

@@ -19,8 +19,8 @@ import torch
 from baselines.fullattn import dense_decode_attention
 from baselines.paged_decode import PagedDecode, flashinfer_module
 from experiments.bench.common import time_ms
-from experiments.runner.preflight import parse_tokens
 from experiments.runner.records import environment
+from experiments.runner.run_settings import parse_tokens
 from experiments.runner.timing import copy_bandwidth_gb_s, replay_ms
 from kvoffload.kernels.decode_attention import decode_attention_triton
 from kvoffload.paths import write_json_atomic

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from experiments.bench.common import LLAMA3, bench_record, counts, sweep
-from experiments.runner.preflight import check_link_cap, number, parse_tokens, resolve_device
+from experiments.runner.run_settings import check_link_cap, number, parse_tokens, resolve_device
 from experiments.runner.timing import pinned_h2d_gb_s
 from kvoffload.errors import ConfigError
 from kvoffload.offload.link import MECHANISM, shared_pacer

@@ -28,8 +28,8 @@ import torch
 from baselines.lru import BlockLRU
 from baselines.retroinfer import RetroInfer
 from experiments.bench.common import counts
-from experiments.runner.preflight import parse_tokens
 from experiments.runner.records import environment, refuse
+from experiments.runner.run_settings import parse_tokens
 from kvoffload.errors import ConfigError
 from kvoffload.paths import write_json_atomic
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from experiments.bench.common import LLAMA3, bench_record, counts, sweep
-from experiments.runner.preflight import pin_threads, resolve_device
+from experiments.runner.run_settings import pin_threads, resolve_device
 from kvoffload.errors import ConfigError
 from kvoffload.offload.host import (
     anon_huge_gib,

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from experiments.bench.common import bench_record
-from experiments.runner.preflight import resolve_device
+from experiments.runner.run_settings import resolve_device
 from experiments.runner.timing import median_ms
 from kvoffload.paths import write_json_atomic
 

@@ -2,7 +2,7 @@
 GPU-only benches' device, their command-line parsing of counts, a timed copy's rate and a bench record, and the
 link sweep (host -> device transfer paths against a bulk copy) that bench_link and bench_pin_alloc both run. A bench
 script imports from here, never from another bench script; `--device` goes through the runner's
-experiments.runner.preflight.resolve_device."""
+experiments.runner.run_settings.resolve_device."""
 
 from __future__ import annotations
 
@@ -45,7 +45,12 @@ def counts(text: str, what: str, parse=int) -> list[int]:
 
 def rate(nbytes: int, ms: float, bulk_ms: float) -> dict:
     """A timed copy's row fields: its bytes and time, GB/s and its share of the bulk copy's rate."""
-    return {"bytes": nbytes, "ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 3), "of_bulk": round(bulk_ms / ms, 3)}
+    return {
+        "bytes": nbytes,
+        "ms": round(ms, 4),
+        "gb_s": float(f"{nbytes / ms / 1e6:.4g}"),
+        "of_bulk": round(bulk_ms / ms, 3),
+    }
 
 
 def bench_record(bench: str, module: str, argv: list[str] | None, device: torch.device, rows: list, **fields) -> dict:

@@ -20,7 +20,7 @@ from experiments.accuracy.backbone import PrefillCache, backbone_for
 from experiments.accuracy.job import default_workload, run_job
 from experiments.fidelity import documents as docs
 from experiments.fidelity.measure import METRICS, prefix_tokens, reference, teacher_forced
-from experiments.runner import cli_checks, preflight
+from experiments.runner import cli_checks, run_settings
 from experiments.runner.execute import build_system, load_tokenizer
 from experiments.runner.records import environment
 from kvoffload.errors import ConfigError
@@ -39,10 +39,10 @@ def settings(cfg: DictConfig) -> dict:
         raise ConfigError(f"workload={w.get('name')}: experiments.fidelity runs workload=fidelity")
     model = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
     cap = model.max_position_embeddings
-    length = preflight.parse_tokens(w.length, "workload.length")
+    length = run_settings.parse_tokens(w.length, "workload.length")
     if length > cap:
         raise ConfigError(f"workload.length={w.length}: {length} tokens exceed model={model.name}'s context of {cap}")
-    steps = preflight.integer(w.steps, "workload.steps", 1)
+    steps = run_settings.integer(w.steps, "workload.steps", 1)
     if steps >= length - 1:
         raise ConfigError(
             f"workload.steps={steps} must be below workload.length - 1 = {length - 1} (a prefix is needed)"
@@ -53,12 +53,12 @@ def settings(cfg: DictConfig) -> dict:
         "length": length,
         "steps": steps,
         "prefix": prefix_tokens(length, steps),
-        "documents": preflight.integer(w.documents, "workload.documents", 2),
-        "batch": preflight.integer(w.get("batch", 1), "workload.batch", 1),
-        "seed": preflight.integer(w.seed, "workload.seed", 0),
+        "documents": run_settings.integer(w.documents, "workload.documents", 2),
+        "batch": run_settings.integer(w.get("batch", 1), "workload.batch", 1),
+        "seed": run_settings.integer(w.seed, "workload.seed", 0),
         "min_tokens": cap,  # every length reads the first tokens of the same files
-        "resamples": preflight.integer(w.get("resamples", 2000), "workload.resamples", 100),
-        "cache_gb": preflight.number(w.get("cache_gb", 0), "workload.cache_gb", 0.0),
+        "resamples": run_settings.integer(w.get("resamples", 2000), "workload.resamples", 100),
+        "cache_gb": run_settings.number(w.get("cache_gb", 0), "workload.cache_gb", 0.0),
     }
 
 
@@ -81,8 +81,8 @@ def references(gb: float) -> PrefillCache:
 def run(cfg: DictConfig, system_name: str, identity: list[str]) -> dict:
     s = settings(cfg)
     # the system's own settings and kv_dtype refused now, before the weights load
-    preflight.kv_dtype(cfg, build_system(cfg.system, system_name), system_name)
-    source = preflight.weights_source(cfg.model)
+    run_settings.kv_dtype(cfg, build_system(cfg.system, system_name), system_name)
+    source = run_settings.weights_source(cfg.model)
     if source == "synthetic":
         raise ConfigError(f"model={cfg.model.name} has synthetic weights: fidelity needs real ones")
     tokenizer = load_tokenizer(source, cfg.model)

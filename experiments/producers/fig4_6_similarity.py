@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.producers.profile import decode_real
 from experiments.producers.reuse_profile import ReuseProbe, budget_of
-from experiments.runner import preflight
+from experiments.runner import run_settings
 from experiments.runner.records import environment, git_commit, refuse, write_measurement
 from kvoffload.errors import ConfigError
 from kvoffload.paths import ROOT, repo_path
@@ -53,7 +53,7 @@ def command_line(cfg: DictConfig) -> str:
 
 def measure(cfg: DictConfig, decode=decode_real) -> dict:
     """decode: experiments.producers.profile.decode_real (real weights only); tests hand in a tiny random model's."""
-    if preflight.integer(cfg.batch, "batch", 1) != 1:
+    if run_settings.integer(cfg.batch, "batch", 1) != 1:
         raise ConfigError("batch must be 1: the record keeps one sequence's steps")
     budget = budget_of(cfg)
     git = git_commit(ROOT)
@@ -72,7 +72,7 @@ def measure(cfg: DictConfig, decode=decode_real) -> dict:
         "query_cos": cos,
         "topk_overlap": overlap,
         "provenance": {"command": command_line(cfg), "git": git, "wall_s": round(time.perf_counter() - t0, 1)},
-        "environment": environment(preflight.resolve_device(cfg.device)),
+        "environment": environment(run_settings.resolve_device(cfg.device)),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
 

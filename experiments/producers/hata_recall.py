@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.producers.profile import decode_real
 from experiments.producers.train_hata import capture, command_line, layer_data, settings
-from experiments.runner import cli_checks, preflight
+from experiments.runner import cli_checks, run_settings
 from experiments.runner.records import environment, git_commit, refuse
 from kvoffload.errors import ConfigError
 from kvoffload.offload.budget import select_budget
@@ -202,7 +202,7 @@ def out_path(cfg: DictConfig) -> Path:
 def main(cfg: DictConfig) -> None:
     try:
         path = out_path(cfg)
-        if path.exists() and preflight.switch(cfg.force, "force") is not True:
+        if path.exists() and run_settings.switch(cfg.force, "force") is not True:
             raise ConfigError(f"{path} exists: force=true overwrites it (or +recall_out=another path)")
         data = measure(cfg)
     except ConfigError as e:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.producers.profile import decode_real
 from experiments.producers.train_hata import capture, command_line, settings
-from experiments.runner import cli_checks, preflight
+from experiments.runner import cli_checks, run_settings
 from experiments.runner.records import environment, git_commit, refuse
 from kvoffload.errors import ConfigError
 from kvoffload.paths import ROOT, repo_path, write_json_atomic
@@ -68,7 +68,7 @@ def out_path(cfg: DictConfig) -> Path:
 def run(cfg: DictConfig, decode=decode_real) -> tuple[dict, Path]:
     s = settings(cfg, DEFAULTS, "importance")
     path = out_path(cfg)
-    if path.exists() and preflight.switch(cfg.force, "force") is not True:
+    if path.exists() and run_settings.switch(cfg.force, "force") is not True:
         raise ConfigError(f"{path} exists: force=true overwrites it (or +importance_out=another path)")
     git = git_commit(ROOT)
     t0 = time.perf_counter()

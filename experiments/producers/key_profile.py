@@ -45,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from baselines.fullattn import FullAttn
 from experiments.producers.profile import decode_real
 from experiments.producers.reuse_profile import command_line, topk_overlap
-from experiments.runner import preflight
+from experiments.runner import run_settings
 from experiments.runner.records import environment, git_commit, refuse
 from experiments.workloads.key_process import KeyProcess, fit_fields
 from experiments.workloads.query_process import ProfileQueryProcess
@@ -179,7 +179,7 @@ def measure(cfg: DictConfig) -> tuple[dict, dict]:
         },
         "provenance": {"command": command_line(cfg).replace("reuse_profile", "key_profile"), "git": git},
         "wall_s": round(wall, 1),
-        "environment": environment(preflight.resolve_device(cfg.device)),
+        "environment": environment(run_settings.resolve_device(cfg.device)),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     return profile, record

@@ -19,8 +19,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from experiments.runner.preflight import parse_tokens
 from experiments.runner.records import environment
+from experiments.runner.run_settings import parse_tokens
 from kvoffload.kv.interface import GB, KVSpec, split_host
 from kvoffload.model.config import ModelConfig
 from kvoffload.paths import ROOT, write_json_atomic

@@ -16,10 +16,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.fullattn import FullAttn
-from experiments.runner import cli_checks, preflight
+from experiments.runner import cli_checks, run_settings
 from experiments.runner.execute import load_tokenizer
-from experiments.runner.preflight import weights_source
 from experiments.runner.records import environment, refuse, write_measurement
+from experiments.runner.run_settings import weights_source
 from experiments.runner.timing import link_gb_s
 from experiments.workloads.prompts import build_prompt
 from kvoffload.errors import ConfigError
@@ -62,13 +62,13 @@ def decode_real(cfg: DictConfig, make_kv, min_steps: int = 3) -> tuple[ModelConf
     source = weights_source(cfg.model)
     if source == "synthetic":
         raise ConfigError("profiling needs real weights (model.path=... or smollm2): synthetic queries mean nothing")
-    numbers = preflight.check_numbers(cfg)
+    numbers = run_settings.check_numbers(cfg)
     seqlen, gen, batch, seed = numbers.seqlen, numbers.gen_tokens, numbers.batch, numbers.seed
     if gen < min_steps:
         raise ConfigError(f"workload.gen_tokens must be at least {min_steps}")
-    preflight.check_length(model_cfg, seqlen, gen)
-    device = preflight.resolve_device(cfg.device)
-    dtype = preflight.resolve_dtype(cfg.dtype, device)
+    run_settings.check_length(model_cfg, seqlen, gen)
+    device = run_settings.resolve_device(cfg.device)
+    dtype = run_settings.resolve_dtype(cfg.dtype, device)
     tokenizer = load_tokenizer(source, cfg.model)
     prompt = build_prompt(
         cfg.workload.prompt, seqlen, batch, seed, tokenizer, model_cfg.vocab_size, numbers.needle_depth
@@ -106,7 +106,7 @@ def profile(cfg: DictConfig) -> dict:
         "std": per_head.std(1).tolist(),
         "fraction_above_0.8": (per_head > 0.8).float().mean(1).tolist(),
         "quantiles": {str(p): per_head.quantile(p, dim=1).tolist() for p in (0.1, 0.5, 0.9)},
-        "environment": environment(preflight.resolve_device(cfg.device)),
+        "environment": environment(run_settings.resolve_device(cfg.device)),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
 
@@ -115,7 +115,7 @@ def output_path(cfg: DictConfig) -> Path:
     """Where the profile goes: +profile_out, else data/profiles/<model>.json. An existing file is refused (a
     ConfigError, before any work) unless force=true: the committed profiles are inputs of CLO's runs."""
     out = Path(cfg.get("profile_out") or ROOT / "data" / "profiles" / f"{cfg.model.name}.json")
-    if out.exists() and preflight.switch(cfg.force, "force") is not True:
+    if out.exists() and run_settings.switch(cfg.force, "force") is not True:
         raise ConfigError(f"{out} exists; force=true overwrites it, or +profile_out=<another path> writes elsewhere")
     return out
 

@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from baselines.fullattn import FullAttn
 from experiments.producers.profile import decode_real
-from experiments.runner import preflight
+from experiments.runner import run_settings
 from experiments.runner.records import environment, git_commit
 from kvoffload.errors import ConfigError
 from kvoffload.model.config import ModelConfig
@@ -219,7 +219,7 @@ def measure(cfg: DictConfig, decode=decode_real) -> dict:
         }
         for m in METRICS[:2]
     }
-    prompt_len = preflight.parse_tokens(cfg.seqlen)
+    prompt_len = run_settings.parse_tokens(cfg.seqlen)
     return {
         "experiment": "reuse_profile",
         "model": model_cfg.name,
@@ -249,7 +249,7 @@ def measure(cfg: DictConfig, decode=decode_real) -> dict:
             "git": git,
             "wall_s": round(wall, 1),
         },
-        "environment": environment(preflight.resolve_device(cfg.device)),
+        "environment": environment(run_settings.resolve_device(cfg.device)),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
 

@@ -30,7 +30,7 @@ from baselines.fullattn import FullAttn
 from clo.policy.persistent import load_profile
 from clo.policy.thresholds import load_importance, thresholds
 from experiments.producers.profile import decode_real
-from experiments.runner import preflight
+from experiments.runner import run_settings
 from experiments.runner.records import environment, write_measurement
 from kvoffload.errors import ConfigError
 from kvoffload.model.config import ModelConfig
@@ -156,7 +156,7 @@ def measure(cfg: DictConfig) -> dict:
         "summary": summary,
         "per_head": {key: val.tolist() for key, val in per_head.items()},
         "hard": hard.tolist(),
-        "environment": environment(preflight.resolve_device(cfg.device)),
+        "environment": environment(run_settings.resolve_device(cfg.device)),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
 

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from baselines.fullattn import FullAttn
 from experiments.producers.profile import decode_real
-from experiments.runner import cli_checks, preflight
+from experiments.runner import cli_checks, run_settings
 from experiments.runner.records import environment, git_commit, refuse
 from kvoffload.errors import ConfigError
 from kvoffload.offload.budget import split_prompt
@@ -179,7 +179,7 @@ def run(cfg: DictConfig, decode=decode_real) -> tuple[dict, Path]:
     if s["rbit"] <= 0 or s["rbit"] % 8:
         raise ConfigError(f"hata.rbit={s['rbit']} must be a positive multiple of 8")
     path = out_path(cfg, s["rbit"])
-    if path.exists() and preflight.switch(cfg.force, "force") is not True:
+    if path.exists() and run_settings.switch(cfg.force, "force") is not True:
         raise ConfigError(f"{path} exists: force=true overwrites it (or +hata_out=another path)")
     git = git_commit(ROOT)  # the tree the training starts from
     t0 = time.perf_counter()

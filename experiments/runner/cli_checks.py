@@ -317,11 +317,11 @@ def check_jobs(argv: list) -> list:
     """Every job of an experiments.run command line composed and its numbers checked, before the first starts: a
     ConfigError naming the first bad job. What depends on the model or the machine (a length beyond the model's
     context, a batch beyond the memory) is left to the job, which records the refusal and lets the sweep go on, as
-    Figure 10's grid wants. Returns each job's preflight.RunNumbers (None for a job this check cannot read)."""
+    Figure 10's grid wants. Returns each job's run_settings.RunNumbers (None for a job this check cannot read)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from experiments.runner import preflight
+    from experiments.runner import run_settings
     from experiments.runner.setting_types import check_system_settings
 
     jobs = job_overrides(argv)
@@ -331,11 +331,11 @@ def check_jobs(argv: list) -> list:
     for i, job in enumerate(jobs):
         numbers.append(None)
         try:
-            preflight.check_decode_workload(cfg := job_config(job, composed))
-            numbers[-1] = preflight.check_numbers(cfg)
-            preflight.check_kv_fill(cfg, numbers[-1].kv_fill)
-            preflight.check_model_path(cfg)
-            preflight.check_output_paths(cfg)  # last: a trace_dir naming ${hydra:...} does not resolve here
+            run_settings.check_decode_workload(cfg := job_config(job, composed))
+            numbers[-1] = run_settings.check_numbers(cfg)
+            run_settings.check_kv_fill(cfg, numbers[-1].kv_fill)
+            run_settings.check_model_path(cfg)
+            run_settings.check_output_paths(cfg)  # last: a trace_dir naming ${hydra:...} does not resolve here
             if any(o.lstrip("+~").startswith("system.") for o in job):  # the defaults are tested: imports spared
                 check_system_settings(OmegaConf.to_container(cfg.system, resolve=True))
         except ConfigError as e:

@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments.runner import preflight
+from experiments.runner import preflight, run_settings
 from experiments.runner.records import config_error, environment
 from experiments.runner.setting_types import check_system_settings
 from experiments.runner.timing import copy_bandwidth_gb_s, link_gb_s, model_layer_time_s, paced_link
@@ -71,21 +71,21 @@ def build_system(system_cfg: DictConfig, system_name: str) -> KVOffloadSystem:
 
 def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     # ---- everything that can be refused is checked before any weight is loaded --------------------------
-    preflight.check_decode_workload(cfg)
-    numbers = preflight.check_numbers(cfg)
-    preflight.check_kv_fill(cfg, numbers.kv_fill)
+    run_settings.check_decode_workload(cfg)
+    numbers = run_settings.check_numbers(cfg)
+    run_settings.check_kv_fill(cfg, numbers.kv_fill)
     check_system_settings(OmegaConf.to_container(cfg.system, resolve=True))
     model_cfg = ModelConfig.from_mapping(OmegaConf.to_container(cfg.model, resolve=True))
     seqlen, batch, gen_tokens = numbers.seqlen, numbers.batch, numbers.gen_tokens
-    preflight.check_length(model_cfg, seqlen, gen_tokens)
-    preflight.check_model_path(cfg)
+    run_settings.check_length(model_cfg, seqlen, gen_tokens)
+    run_settings.check_model_path(cfg)
     stages = StageMarks()
-    device = preflight.resolve_device(cfg.device)
-    dtype = preflight.resolve_dtype(cfg.dtype, device)
+    device = run_settings.resolve_device(cfg.device)
+    dtype = run_settings.resolve_dtype(cfg.dtype, device)
     cap = numbers.link_cap_gb_s  # hardware.link_gb_s: refused on a CPU run before anything is built
-    preflight.check_link_cap(cap, device)
+    run_settings.check_link_cap(cap, device)
     system = build_system(cfg.system, system_name)
-    kv_dtype = preflight.kv_dtype(cfg, system, system_name)  # the host stores' format (docs/fp8.md)
+    kv_dtype = run_settings.kv_dtype(cfg, system, system_name)  # the host stores' format (docs/fp8.md)
     chunk, fill = numbers.prefill_chunk, numbers.kv_fill
     what = f"system={system_name} model={model_cfg.name} seqlen={preflight.tokens_text(seqlen)} batch={batch}"
 
@@ -119,7 +119,7 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         free_at_start = round(torch.cuda.mem_get_info(device)[0] / GB, 3)  # the first call makes the context
     stages.device = device
     stages.mark("device")  # the system's build, the host's check, the driver's start and a context's
-    source = preflight.weights_source(cfg.model)
+    source = run_settings.weights_source(cfg.model)
     key_process = None
     if numbers.kv_fill == "key_process":  # loads and checks its profile now
         from experiments.workloads.key_process import KeyProcess
@@ -131,13 +131,13 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     # allocation all read them. A link cap above the measured link is refused before anything else is allocated; under
     # a cap, plans and floors read the cap as the link
     link = link_gb_s(device)
-    preflight.check_link_cap(cap, device, link)
+    run_settings.check_link_cap(cap, device, link)
     layer_s = model_layer_time_s(model_cfg, batch, device, dtype)
     budget = preflight.kv_budget(model_cfg, shapes, numbers.gpu_mem_gb, chunk, fill)  # reads neither placeholder
     spec = replace(shapes, link_gb_s=cap or link, link_cap_gb_s=cap, layer_time_s=layer_s, gpu_budget_bytes=budget)
     plan = preflight.plan_memory(model_cfg, system, spec, seqlen, chunk, fill)
     preflight.check_memory(plan, device, numbers.gpu_mem_gb, what, estimate, spec, model_cfg.name)
-    decode_mode = preflight.resolve_decode_mode(cfg.decode_mode, device, system)
+    decode_mode = run_settings.resolve_decode_mode(cfg.decode_mode, device, system)
     if cfg.workload.prompt not in PROMPTS:
         raise ConfigError(f"workload.prompt={cfg.workload.prompt!r}; valid: {', '.join(PROMPTS)}")
     query_process, queries = None, resolve_queries(cfg.workload.query_process, source, cfg.model)
@@ -258,7 +258,7 @@ KV_FILL_TEXT = {
 }
 
 
-def check_huge_pages(numbers: preflight.RunNumbers) -> None:
+def check_huge_pages(numbers: run_settings.RunNumbers) -> None:
     """A run that pins by threads must have glibc's huge-page tunable exactly when it asks for huge pages: glibc
     reads its tunables when a process starts, so a job cannot change them (python -m experiments.run restarts
     itself with it; a fresh job gets it as its settings ask)."""

@@ -54,7 +54,8 @@ def _value_text(key: str, value: Any) -> str:
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
     if key == "seqlen":
-        from experiments.runner.preflight import parse_tokens, tokens_text
+        from experiments.runner.preflight import tokens_text
+        from experiments.runner.run_settings import parse_tokens
 
         try:
             return tokens_text(parse_tokens(value))
