@@ -53,8 +53,12 @@ def second_of(rows, d):
     return (k8, v8, lengths), scales
 
 
-def reference(q, first, rows, keep=None):
-    """The specification: the rows dequantised into q's dtype, attention over both buffers merged by log-sum-exp."""
+def reference(q, first, rows, keep=None, dtype=None):
+    """The specification: the rows dequantised into q's dtype, attention over both buffers merged by log-sum-exp.
+    dtype: compute in it instead (fp32 for a bf16 kernel, which accumulates in fp32: a bf16 reference rounds its
+    probabilities and would differ from the kernel by its own rounding, not the kernel's)."""
+    if dtype is not None:
+        return reference(q.to(dtype), tuple(t.to(dtype) if t.is_floating_point() else t for t in first), rows, keep)
     deq = dequantize_rows(rows, q.dtype)
     k2, v2 = deq[:, :, :, 0].transpose(1, 2), deq[:, :, :, 1].transpose(1, 2)
     lengths = torch.full((rows.shape[0],), rows.shape[2], device=rows.device)
@@ -88,10 +92,10 @@ def kernel_cases(device, dtype, tol):
     q, first, rows = parts(2, 4, 4, 64, 70, 150, dtype, device)
     second, scales = second_of(rows, 64)
     out = decode_attention_triton(q, *first, second=second, second_scales=(*scales, None))
-    torch.testing.assert_close(out, reference(q, first, rows), **tol)
+    torch.testing.assert_close(out, reference(q, first, rows, dtype=torch.float32).to(dtype), **tol)
     keep = torch.rand(2, 4, 150, device=device) > 0.3
     out = decode_attention_triton(q, *first, second=second, second_scales=(*scales, keep.transpose(1, 2)))
-    torch.testing.assert_close(out, reference(q, first, rows, keep), **tol)
+    torch.testing.assert_close(out, reference(q, first, rows, keep, dtype=torch.float32).to(dtype), **tol)
     # two FP8 heads, two indexed (persistent) heads in model dtype, a permuted head order, in two launches
     nc = 2
     sub = rows[:, :nc]

@@ -18,14 +18,14 @@ import contextlib
 import torch
 
 from kvoffload.errors import ConfigError
-from kvoffload.kernels import link_pacer
+from kvoffload.kernels import link_pacer as pacing  # not `link_pacer`: the factory below has that name
 from kvoffload.kv.interface import KVSpec
 
 H2D, D2H = 0, 1
 MECHANISM = (
     "link clock on the GPU timeline (%globaltimer): each transfer claims a slot of bytes / cap on a device-side "
     "clock per direction, waits for its start and holds its stream until its end; copies are split into chunks of "
-    f"{link_pacer.PACE_QUANTUM_S * 1e6:g} us at the cap"
+    f"{pacing.PACE_QUANTUM_S * 1e6:g} us at the cap"
 )
 
 
@@ -36,13 +36,13 @@ class LinkPacer:
     def __init__(self, device: torch.device, gb_s: float) -> None:
         if device.type != "cuda":
             raise ConfigError(f"hardware.link_gb_s={gb_s:g} caps a GPU's host link: a {device.type} run has none")
-        if link_pacer.triton is None:
+        if pacing.triton is None:
             raise ConfigError("hardware.link_gb_s needs Triton on CUDA (the pacing kernels)")
         if not gb_s > 0:
             raise ConfigError(f"hardware.link_gb_s={gb_s!r} must be above 0")
         self.device, self.gb_s = device, gb_s
         self.ns_per_byte = 1.0 / gb_s  # 1e9 B/s: one byte takes 1 / gb_s ns
-        self.chunk_bytes = link_pacer.quantum_bytes(gb_s * 1e9)
+        self.chunk_bytes = pacing.quantum_bytes(gb_s * 1e9)
         self.clock = torch.zeros(2, dtype=torch.int64, device=device)  # [H2D, D2H], ns of %globaltimer
 
     def _end(self) -> torch.Tensor:
@@ -57,14 +57,14 @@ class LinkPacer:
         clock, end = self.clock[direction : direction + 1], self._end()
         d, s = (dst.view(-1), src.view(-1)) if dst.is_contiguous() and src.is_contiguous() else (dst, src)
         if d.dim() == 0 or not d.numel():
-            link_pacer.claim(clock, end, self.ns_per_byte, d.numel() * d.element_size())
+            pacing.claim(clock, end, self.ns_per_byte, d.numel() * d.element_size())
             d.copy_(s, non_blocking=True)
         else:
             row_bytes = d[0].numel() * d.element_size()
-            for a, b in link_pacer.chunk_rows(d.shape[0], row_bytes, self.chunk_bytes):
-                link_pacer.claim(clock, end, self.ns_per_byte, (b - a) * row_bytes)
+            for a, b in pacing.chunk_rows(d.shape[0], row_bytes, self.chunk_bytes):
+                pacing.claim(clock, end, self.ns_per_byte, (b - a) * row_bytes)
                 d[a:b].copy_(s[a:b], non_blocking=True)
-        link_pacer.wait(end)
+        pacing.wait(end)
         return dst
 
     @contextlib.contextmanager
@@ -74,9 +74,9 @@ class LinkPacer:
         after it. The count is read on the GPU (no host sync; capturable in a CUDA graph)."""
         direction = H2D if to_device else D2H
         clock, end = self.clock[direction : direction + 1], self._end()
-        link_pacer.claim(clock, end, self.ns_per_byte, nbytes, count, unit_bytes)
+        pacing.claim(clock, end, self.ns_per_byte, nbytes, count, unit_bytes)
         yield
-        link_pacer.wait(end)
+        pacing.wait(end)
 
 
 _PACERS: dict[tuple[torch.device, float], LinkPacer] = {}
