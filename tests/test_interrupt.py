@@ -24,7 +24,12 @@ def interrupt(tmp, *args: str, at_start: int = 1, group: bool = False) -> subpro
     where = [f"results_dir={tmp / 'results'}", f"hydra.run.dir={tmp / 'out'}", f"hydra.sweep.dir={tmp / 'multi'}"]
     argv = [sys.executable, "-m", "experiments.run", *flags, *where, *overrides]
     env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
-    p = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True, start_new_session=group)
+    # SIGINT as a terminal leaves it: a command started in the background of a non-interactive shell (CI under
+    # nohup ... &) inherits it ignored, and Python then installs no KeyboardInterrupt handler at all
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    p = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True, start_new_session=group, preexec_fn=default_sigint
+    )
     seen = ""
     for line in p.stderr:
         seen += line
