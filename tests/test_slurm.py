@@ -188,9 +188,10 @@ def wait_for(what, timeout_s: float, poll_s: float = 0.5):
 
 @pytest.mark.slow
 def test_a_slurm_sweep_records_every_run_fails_a_row_and_resumes_a_cancelled_job(slurm, tmp_path):
-    """seqlen=9000 does not fit SmolLM2 (a failed row); the seqlen=96 job is cancelled with scancel once it runs;
-    the same command again skips the finished run and runs the cancelled one."""
-    cmd = sweep_command(tmp_path, "seqlen=64,96,9000")
+    """seqlen=9000 does not fit SmolLM2 (a failed row); the seqlen=3000 job is cancelled with scancel once it runs
+    (its prefill takes seconds on a CPU: a short job could end before scancel lands); the same command again skips
+    the finished run and runs the cancelled one."""
+    cmd = sweep_command(tmp_path, "seqlen=64,3000,9000")
     sweep = subprocess.Popen(cmd, cwd=ROOT, env=slurm, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def job_1_running():
@@ -204,7 +205,7 @@ def test_a_slurm_sweep_records_every_run_fails_a_row_and_resumes_a_cancelled_job
     assert sweep.returncode == 1 and "Traceback" not in err, err[-3000:]
     assert "[sweep] 3 jobs: 1 ok, 0 skipped, 1 failed, 1 cancelled" in err, err[-3000:]
     rows = table(err)
-    assert rows["seqlen=64"] == ("ok", "") and rows["seqlen=96"][0] == "cancelled" and job in rows["seqlen=96"][1]
+    assert rows["seqlen=64"] == ("ok", "") and rows["seqlen=3000"][0] == "cancelled" and job in rows["seqlen=3000"][1]
     assert rows["seqlen=9000"][0] == "failed" and "max_position_embeddings" in rows["seqlen=9000"][1]
     recs = records(tmp_path)
     assert sorted(recs) == ["seqlen=64", "seqlen=9000"]  # the cancelled run wrote none
@@ -216,12 +217,12 @@ def test_a_slurm_sweep_records_every_run_fails_a_row_and_resumes_a_cancelled_job
     assert again.returncode == 1 and "[sweep] 3 jobs: 1 ok, 1 skipped, 1 failed" in again.stderr, again.stderr[-3000:]
     assert {k: v[0] for k, v in table(again.stderr).items()} == {
         "seqlen=64": "skipped",
-        "seqlen=96": "ok",
+        "seqlen=3000": "ok",
         "seqlen=9000": "failed",
     }
     recs = records(tmp_path)
-    assert recs["seqlen=96"]["status"] == "ok" and recs["seqlen=64"]["environment"]["pid"] == first  # not rerun
-    assert recs["seqlen=96"]["environment"]["device"] == "cpu"
+    assert recs["seqlen=3000"]["status"] == "ok" and recs["seqlen=64"]["environment"]["pid"] == first  # not rerun
+    assert recs["seqlen=3000"]["environment"]["device"] == "cpu"
 
 
 @pytest.mark.slow
