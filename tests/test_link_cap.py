@@ -1,9 +1,6 @@
 """hardware.link_gb_s on a CPU: the pacing schedule and the link clock's model (kvoffload/kernels/link_pacer.py),
 and the cap's bad input refused as one `error:` line (the GPU's achieved rates: tests/test_link_cap_gpu.py)."""
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +11,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.kernels.link_pacer import chunk_rows, claim_ref, quantum_bytes, simulate_ref, slot_ns
 from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.link import LinkPacer, link_pacer
+from tests.test_run_command import run, single_error
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
@@ -109,29 +107,8 @@ def test_the_link_cap_reaches_the_check_of_numbers():
 
 def refused(*overrides: str, tmp: Path) -> str:
     """experiments.run with the overrides: exit status 2, one `error:` line on stderr; returns it."""
-    env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0"}
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "experiments.run",
-            f"results_dir={tmp / 'results'}",
-            f"hydra.run.dir={tmp / 'out'}",
-            "wandb.enabled=false",
-            "model.weights=synthetic",
-            "seqlen=64",
-            *overrides,
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 2, p.stderr[-3000:]
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-3000:]
-    return lines[0]
+    p = run("wandb.enabled=false", "model.weights=synthetic", "seqlen=64", *overrides, tmp=tmp, check=False)
+    return single_error(p)
 
 
 @pytest.mark.parametrize("cap", ["0", "-21.21"])
