@@ -12,16 +12,11 @@ Per decode step and sparse layer:
 Attended tokens, budget and dense layers follow CLO's conventions (OffloadedBaseline), so that with the exact
 retriever every system attends exactly the same top-k tokens.
 
-Defaults taken from RetroInfer's public code (cache_hub/retroinfer_cache.py, current version as in the forks of
-microsoft/RetrievalAttention, e.g. River861/RetrievalAttention): a page (our block) is 8 tokens
-(`self.page_size = 8`, "1 cluster = 2 pages = 2 * 8 vectors"), and without a cache_ratio the GPU cache holds 3x
-the retrieved clusters' pages (`cache_cluster_num = ... else (nprobe + nprobe_new) * 3`). Its CPU side is
-BufferManager in library/retroinfer/retroinfer_kernels/src/wave_buffer_cpu.cpp (C++, a thread pool).
-RetroInfer retrieves clusters of its wave index and estimates the next-best ones (`retriever=wave`,
-baselines/wave_index.py); by default we retrieve tokens with the same retriever as CLO, so "retrieved blocks per
-step" is ceil(top-k / block_size), the blocks the step's tokens would fill if packed, and a step that touches more
-distinct blocks than fit admits misses in retrieval order and lets the rest bypass the cache, as RetroInfer's
-BufferManager does.
+Defaults follow RetroInfer's public code (cache_hub/retroinfer_cache.py of microsoft/RetrievalAttention: a page, our
+block, of 8 tokens; a cache of 3x the retrieved clusters' pages); docs/systems.md says where each comes from. By default
+we retrieve tokens with CLO's retriever, so "retrieved blocks per step" is ceil(top-k / block_size); a step touching
+more distinct blocks than fit admits misses in retrieval order and lets the rest bypass the cache, as RetroInfer's
+BufferManager does. `retriever=wave` is its own clustered wave index (baselines/wave_index.py).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class Records:
 
     @property
     def commits_label(self) -> str:
-        """'commit abc1234' or 'commits abc1234, def5678', for a figure's title."""
+        """'commit <id>' or 'commits <id>, <id>', for a figure's caption."""
         return f"commit{'s' if len(self.commits) > 1 else ''} {self.commit}"
 
 

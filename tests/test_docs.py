@@ -3,7 +3,10 @@ where a number came from, and results/<folder>/README.md is where numbers and th
 to a file that exists, a README short enough to be a front door; and code cites docs/, not documents a clone does not
 have (the project's old spec sections and issue numbers)."""
 
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -100,3 +103,34 @@ def test_code_cites_docs_not_specs_or_issues():
         if len(hits) > KEPT.get(rel(path), 0):
             found[rel(path)] = hits
     assert not found, f'cite docs/ instead (e.g. docs/systems.md, "Thresholds"): {found}'
+
+
+def commented_text(path: Path) -> list[tuple[int, str]]:
+    """A Python file's comments and docstrings, with their first line: what a reader takes for explanation."""
+    source = path.read_text(errors="replace")
+    out = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)]
+    out = [(line, text) for line, text in out if text.startswith("#")]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                out.append((node.body[0].lineno, doc))
+    return out
+
+
+def test_code_comments_quote_no_commit_ids():
+    """A comment or docstring explains why; the commit a number came from belongs to its record, and an id in a
+    comment outlives the history it points into. Tests are exempt: they build records with made-up ids."""
+    found = {}
+    for path in code_files():
+        if path.suffix != ".py" or path.parts[len(ROOT.parts)] == "tests":
+            continue
+        ids = [
+            (line, m.group())
+            for line, text in commented_text(path)
+            for m in HEX.finditer(text)
+            if re.search(r"\d", m.group()) and re.search(r"[a-f]", m.group())
+        ]
+        if ids:
+            found[rel(path)] = ids
+    assert not found, f"comments or docstrings quote commit ids (line, id): {found}"

@@ -20,7 +20,7 @@ PHASES = {"retrieval": 0.1, "cache_mgmt": 0.2, "transfer_exposed": 0.3, "attenti
 
 
 def record(system: str = "clo") -> dict:
-    """The parts of a run record (experiments/runner/execute.py) that log_wandb reads."""
+    """The parts of a run record (experiments/runner/execute.py, step_metrics.py) that log_wandb reads."""
     phases = {**PHASES, "other": 2.0, "total": 4.1}
     return {
         "config": {

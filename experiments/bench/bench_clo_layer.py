@@ -33,11 +33,11 @@ import torch.nn.functional as F
 
 from clo.config import PERSIST_QUERIES
 from clo.system import CLO
-from experiments.bench.common import DEV, LLAMA3, UVA_PROGRAMS
+from experiments.bench.clo_pipeline import CASES, forced, pipeline_step, pipeline_variants
+from experiments.bench.common import DEV, LLAMA3, UVA_PROGRAMS, kernel_timeline
 from experiments.runner import timing
 from experiments.runner.records import environment
-from experiments.runner.timing import capture, copy_bandwidth_gb_s, dense_work, layer_time_s, pinned_h2d_gb_s, replay_ms
-from experiments.traces.step_timeline import kernels
+from experiments.runner.timing import copy_bandwidth_gb_s, dense_work, layer_time_s, pinned_h2d_gb_s, replay_ms
 from kvoffload.kernels import radix_topk
 from kvoffload.kernels.decode_attention import decode_attention_triton
 from kvoffload.kernels.dense_ops import silu_mul
@@ -85,103 +85,6 @@ def build(
     clo.end_prefill(seqlen)
     clo.begin_step()  # the step's position and window lengths
     return clo, dense
-
-
-CASES = {"all_miss": 2.0, "all_hit": -2.0}  # the threshold that forces every cached head to miss / to hit
-
-
-def forced(stores, case: str, fn):
-    """fn() with every cached head of the layers' stores (one, or a list) forced to miss or to hit (filled slots,
-    threshold of CASES)."""
-    stores = stores if isinstance(stores, list) else [stores]
-    taus = [st.tau.clone() for st in stores]
-    for st in stores:
-        st.tau.fill_(CASES[case])
-        st.valid.fill_(True)
-    try:
-        return fn()
-    finally:
-        for st, tau in zip(stores, taus):
-            st.tau.copy_(tau)
-
-
-def pipeline_us(clo: CLO, dense_step, layers: list[int], stream: torch.cuda.Stream | None = None) -> float:
-    """Per-layer µs of consecutive sparse layers run as a decode step runs them: prepare(l + 1) (side and copy
-    streams), decode(l) (waits for l's rows, attends), then the dense work; all in one graph. The marginal time
-    per layer between all of `layers` and their first half, so that the first layer's exposed prepare cancels."""
-    n = len(layers)
-    full, half = (
-        replay_ms(pipeline_step(clo, dense_step, layers[:m]), reps=5, stream=stream) * 1e3 for m in (n, n // 2)
-    )
-    return round((full - half) / (n - n // 2), 1)
-
-
-def pipeline_step(clo: CLO, dense_step, layers: list[int]):
-    """A closure running `layers` in a decode step's order (pipeline_us)."""
-    q = torch.randn(1, LLAMA3.num_heads, LLAMA3.head_dim, dtype=torch.bfloat16, device=DEV)
-    k, v = (torch.randn(1, LLAMA3.num_kv_heads, LLAMA3.head_dim, dtype=torch.bfloat16, device=DEV) for _ in "kv")
-
-    def step():
-        clo.prepare(layers[0], q)  # what the layer before does
-        for i, layer in enumerate(layers):
-            if i + 1 < len(layers):
-                clo.prepare(layers[i + 1], q)
-            clo.decode(layer, q, k, v)
-            dense_step()
-
-    return step
-
-
-def pipeline_variants(clo: CLO, dense: Layer, layers: list[int]) -> dict:
-    """The pipeline (pipeline_us) for each persist_query as the runner runs it (the step captured on a stream at
-    the highest priority, CLO's attention stream too; kernel nodes keep their stream's priority in a graph:
-    PyTorch instantiates with cudaGraphInstantiateFlagUseNodePriority), again with every stream at the default
-    priority (the runner before it set them), and the dense work alone. (Tried at f73ec52, c6305d4 and ebdd5f6,
-    no gain then: the side and copy streams at the highest priority, an SM carveout of the GEMVs, and the dense
-    work waiting for the next layer's selection; results/history/.)"""
-    stores = [clo.stores[i] for i in layers]
-    dense_step = dense_work(dense, 1, True)
-    out = {"dense": round(replay_ms(dense_step, reps=10) * 1e3, 1)}
-
-    def sweep(tag: str = "", stream: torch.cuda.Stream | None = None) -> None:  # as out["<mode><tag>_<case>"]
-        for mode in PERSIST_QUERIES:
-            with patch.object(clo, "cfg", replace(clo.cfg, persist_query=mode)):
-                for case in CASES:
-                    out[f"{mode}{tag}_{case}"] = forced(
-                        stores, case, lambda: pipeline_us(clo, dense_step, layers, stream)
-                    )
-
-    sweep()
-    with patch.object(clo, "attn_stream", torch.cuda.Stream(DEV)):
-        sweep("_default_priority", torch.cuda.Stream(DEV))
-    return out
-
-
-def kernel_timeline(fn, path: Path) -> list[dict]:
-    """Replays `fn` (captured in a graph, 3 times) under the torch profiler: writes its Chrome trace to `path`
-    (open in Perfetto) and returns the GPU kernels of the last replay, [{name, stream, start_us, dur_us}], start
-    relative to the replay's first kernel: which part waits for which when the two streams overlap."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graph = capture(fn, 3)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(str(path))
-    ks = kernels(path)
-    if not ks:  # a profiler that does not see inside graphs
-        return []
-    last = ks[len(ks) - len(ks) // 3 :]
-    t0 = last[0]["start"]
-    return [
-        {
-            "name": k["name"][:60],
-            "stream": k["stream"],
-            "start_us": round(k["start"] - t0, 1),
-            "dur_us": round(k["end"] - k["start"], 1),
-        }
-        for k in last
-    ]
 
 
 def measure(clo: CLO, dense: Layer, layer: int, uva_programs: list[int], trace: Path | None = None) -> dict:

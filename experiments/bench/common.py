@@ -9,12 +9,14 @@ from __future__ import annotations
 import math
 import shlex
 import sys
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from experiments.runner.records import environment
-from experiments.runner.timing import median_ms
+from experiments.runner.timing import capture, median_ms
+from experiments.traces.step_timeline import kernels
 from kvoffload.errors import ConfigError
 from kvoffload.kernels.uva_gather import gather_rows_ref
 from kvoffload.model.config import ModelConfig
@@ -118,3 +120,30 @@ def volume(device, host, heads, t, threads, fraction, iters, uva_programs, pacer
         beside = f" = {row['of_cap']:.3f} of the {cap:g} GB/s cap" if cap is not None else ""
         print(f"{t:>7} tokens {path:<10} {n or '':>2} {row['gb_s']:8.2f} GB/s = {row['of_bulk']:.2f} of bulk{beside}")
     return rows
+
+
+def kernel_timeline(fn, path: Path) -> list[dict]:
+    """Replays `fn` (captured in a graph, 3 times) under the torch profiler: writes its Chrome trace to `path`
+    (open in Perfetto) and returns the GPU kernels of the last replay, [{name, stream, start_us, dur_us}], start
+    relative to the replay's first kernel: which part waits for which when the two streams overlap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = capture(fn, 3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    ks = kernels(path)
+    if not ks:  # a profiler that does not see inside graphs
+        return []
+    last = ks[len(ks) - len(ks) // 3 :]
+    t0 = last[0]["start"]
+    return [
+        {
+            "name": k["name"][:60],
+            "stream": k["stream"],
+            "start_us": round(k["start"] - t0, 1),
+            "dur_us": round(k["end"] - k["start"], 1),
+        }
+        for k in last
+    ]

@@ -1,14 +1,10 @@
-"""One run of the decode workload: validate, plan memory, build model and KV system, generate, measure."""
+"""One run of the decode workload in two halves: plan_run checks, builds and plans it without loading a weight
+(every refusal happens there); run_plan loads the model, allocates, prefills, decodes and writes the record."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import statistics
-import sys
-import time
-from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +12,17 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 from experiments.runner import preflight, run_settings
+from experiments.runner.generation import StageMarks, log, run_generation
 from experiments.runner.records import config_error, environment
 from experiments.runner.setting_types import check_system_settings
+from experiments.runner.step_metrics import metrics, trace_phases
 from experiments.runner.timing import copy_bandwidth_gb_s, link_gb_s, model_layer_time_s, paced_link
 from experiments.workloads.prompts import PROMPTS, build_prompt
 from kvoffload.errors import ConfigError
-from kvoffload.generate import Generation, generate
 from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
-from kvoffload.kv.timer import PHASES, PhaseTimer
+from kvoffload.kv.timer import PhaseTimer
 from kvoffload.model.config import ModelConfig
 from kvoffload.model.rope import rope_frequencies
 from kvoffload.model.weights import build_decoder
@@ -69,8 +65,39 @@ def build_system(system_cfg: DictConfig, system_name: str) -> KVOffloadSystem:
         raise ConfigError(f"system={system_name}: {err}") from e
 
 
+@dataclass
+class RunPlan:
+    """Everything a run needs before its weights load: checked settings, the system built and planned under the
+    budget, the measurements its plan read, the prompt. plan_run makes it; run_plan spends the long time on it."""
+
+    cfg: DictConfig
+    system_name: str
+    what: str  # the run in one line, for messages
+    numbers: run_settings.RunNumbers
+    model_cfg: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    system: KVOffloadSystem
+    spec: KVSpec
+    plan: preflight.MemoryPlan
+    decode_mode: str
+    source: str  # the weights'
+    query_process: Any
+    key_process: Any
+    tokenizer: Any
+    prompt: Any
+    link: float  # the measured bulk link, GB/s
+    stages: StageMarks
+    free_at_start: float | None
+
+
 def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
-    # ---- everything that can be refused is checked before any weight is loaded --------------------------
+    return run_plan(plan_run(cfg, system_name))
+
+
+def plan_run(cfg: DictConfig, system_name: str) -> RunPlan:
+    """Every refusal comes from here, before any weight is loaded: the settings, then the system's plan under the
+    host's RAM and the device budget, measured against the link and one layer's time."""
     run_settings.check_decode_workload(cfg)
     numbers = run_settings.check_numbers(cfg)
     run_settings.check_kv_fill(cfg, numbers.kv_fill)
@@ -153,40 +180,50 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
     prompt = build_prompt(
         cfg.workload.prompt, seqlen, batch, numbers.seed, tokenizer, model_cfg.vocab_size, numbers.needle_depth
     )
+    return RunPlan(
+        cfg, system_name, what, numbers, model_cfg, device, dtype, system, spec, plan, decode_mode, source,
+        query_process, key_process, tokenizer, prompt, link, stages, free_at_start,
+    )  # fmt: skip
 
-    # ---- long work ---------------------------------------------------------------------------------------
-    query_desc = query_process.description if query_process is not None else "the model's own queries"
-    keys_desc = key_process.description if key_process is not None else None
+
+def run_plan(p: RunPlan) -> dict[str, Any]:
+    """The long work: the weights, the system's allocation, the prefill and the decode; then the record."""
+    cfg, numbers, model_cfg, device, system, stages = p.cfg, p.numbers, p.model_cfg, p.device, p.system, p.stages
+    fill = numbers.kv_fill
+    query_desc = p.query_process.description if p.query_process is not None else "the model's own queries"
+    keys_desc = p.key_process.description if p.key_process is not None else None
     keys_line = f"; keys: {keys_desc}" if keys_desc else ""  # else the model's own keys, from its prefill
-    log(f"[run] {what} on {device} ({dtype}); loading {source} weights; queries: {query_desc}{keys_line}")
+    log(f"[run] {p.what} on {device} ({p.dtype}); loading {p.source} weights; queries: {query_desc}{keys_line}")
     hbm = numbers.hbm_gb_s or copy_bandwidth_gb_s(device)
-    unpaced = {"cap_gb_s": None, "bulk_unpaced_gb_s": round(link, 2) if device.type == "cuda" else None}
-    link_record = paced_link(device, cap, link) if cap is not None else unpaced
+    cap = numbers.link_cap_gb_s
+    unpaced = {"cap_gb_s": None, "bulk_unpaced_gb_s": round(p.link, 2) if device.type == "cuda" else None}
+    link_record = paced_link(device, cap, p.link) if cap is not None else unpaced
     stages.mark("measure")  # the link, HBM, one layer's time, the plan, the prompt: all before the weights load
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the record's peak is the run's, not its measurements' buffers
     snapshot = Path(cfg.memory_snapshot) if cfg.get("memory_snapshot") and device.type == "cuda" else None
     if snapshot is not None:
         torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
-    model, weights_desc = build_decoder(model_cfg, source, cfg.model.get("path"), numbers.seed, device, dtype)
+    model, weights_desc = build_decoder(model_cfg, p.source, cfg.model.get("path"), numbers.seed, device, p.dtype)
     stages.mark("weights")
-    model.query_process, model.key_process = query_process, key_process
-    model.prefill_chunk = chunk
+    model.query_process, model.key_process = p.query_process, p.key_process
+    model.prefill_chunk = numbers.prefill_chunk
     # Events cannot time phases inside a replayed graph: graph runs time whole steps only.
-    timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and decode_mode != "graph")
-    system.allocate(spec, timer)  # refuses a KV plan that does not fit the budget
+    timer = PhaseTimer(device, enabled=bool(cfg.profile_phases) and p.decode_mode != "graph")
+    system.allocate(p.spec, timer)  # refuses a KV plan that does not fit the budget
     stages.mark("allocate")
     # the process's memory on huge pages once its stores are pinned (by threads; CUDA only: a CPU run pins nothing)
     huge_gb = anon_huge_gib() if numbers.pin_threads and device.type == "cuda" else None
+    tokenizer = p.tokenizer
     stop = {tokenizer.eos_token_id} if tokenizer is not None and cfg.workload.stop_at_eos else set()
     trace = Path(cfg.trace_dir) / "decode_step.trace.json" if cfg.get("trace_dir") else None
     gen = run_generation(
         model,
         system,
-        prompt.tokens.to(device),
-        gen_tokens,
+        p.prompt.tokens.to(device),
+        numbers.gen_tokens,
         stop,
-        decode_mode,
+        p.decode_mode,
         trace,
         numbers.warmup_steps,
         fill,
@@ -201,13 +238,14 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
 
     text = tokenizer.decode(gen.tokens[0], skip_special_tokens=True) if tokenizer is not None else None
     state = system.describe()
+    prompt = p.prompt
     return {
-        "system": system_name,
+        "system": p.system_name,
         "model": model_cfg.name,
         "weights": weights_desc,
-        "seqlen": seqlen,
-        "batch": batch,
-        "decode_mode": decode_mode,
+        "seqlen": numbers.seqlen,
+        "batch": numbers.batch,
+        "decode_mode": p.decode_mode,
         "phases_timed": timer.enabled,
         "query_process": query_desc,
         "kv_fill": KV_FILL_TEXT[fill],
@@ -220,33 +258,21 @@ def execute(cfg: DictConfig, system_name: str) -> dict[str, Any]:
         },
         "environment": {
             **environment(device),
-            "device_free_gb_at_start": free_at_start,
+            "device_free_gb_at_start": p.free_at_start,
             "process_huge_pages_gb_after_allocate": huge_gb,
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         },
         "metrics": metrics(
-            gen, system, model_cfg, spec, seqlen, hbm, state.get("link_gb_s"), numbers.warmup_steps, fill
+            gen, system, model_cfg, p.spec, numbers.seqlen, hbm, state.get("link_gb_s"), numbers.warmup_steps, fill
         ),
         "system_state": state,
         "link": link_record,  # hardware.link_gb_s: the cap, its mechanism, the rates it let through
-        "memory_plan_gb": {k: round(v / GB, 3) for k, v in plan.__dict__.items()},
+        "memory_plan_gb": {k: round(v / GB, 3) for k, v in p.plan.__dict__.items()},
         "stages": stages.marks,
         # a graph-replayed step's phases, read from the traced step's kernels (experiments.runner.trace_phases)
         "trace_phase_ms": trace_phases(trace),
         "steps": [s.as_dict() for s in gen.steps],
     }
-
-
-def trace_phases(trace: Path | None) -> dict[str, float] | None:
-    """The traced step's phases, or None without a trace or without GPU kernels in it (a CPU run)."""
-    from experiments.runner.trace_phases import load_events, step_phases
-
-    if trace is None or not trace.is_file():
-        return None
-    try:
-        return step_phases(load_events(trace))
-    except ValueError:
-        return None
 
 
 KV_FILL_TEXT = {
@@ -269,175 +295,3 @@ def check_huge_pages(numbers: run_settings.RunNumbers) -> None:
             + f" GLIBC_TUNABLES={THP_TUNABLE}: python -m experiments.run sets it for its own config; a sweep "
             "mixing true and false needs job_process=fresh; else set or unset it in the environment"
         )
-
-
-class StageMarks:
-    """Each stage's wall time and the device's peak allocation so far at its end: startup (the process's age when
-    the run begins: imports, Hydra), device (the system's build and the host's check, then the driver's and a
-    context's start), measure, weights, allocate, fill, first_step (the first decode step, eager), decode. Where a
-    sweep's time goes, and which stage set the record's peak_device_gb."""
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device, self.last = device, time.perf_counter()
-        self.marks: dict[str, dict[str, float | None]] = {"startup": {"s": process_age_s(), "peak_gb": None}}
-
-    def mark(self, stage: str) -> None:
-        now = time.perf_counter()
-        cuda = self.device is not None and self.device.type == "cuda"
-        peak = torch.cuda.max_memory_allocated(self.device) / GB if cuda else None
-        self.marks[stage] = {"s": round(now - self.last, 3), "peak_gb": None if peak is None else round(peak, 3)}
-        self.last = now
-
-
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux's /proc), else None."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return round(uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"), 3)
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def run_generation(
-    model,
-    system,
-    tokens,
-    gen_tokens,
-    stop,
-    decode_mode,
-    trace: Path | None = None,
-    warmup: int = 0,
-    kv_fill: str = "prefill",
-    on_filled: Callable[[], None] | None = None,
-    on_first_token: Callable[[], None] | None = None,
-) -> Generation:
-    """generate() with progress bars; with `trace`, the GPU kernels of one steady decode step (the first after
-    the warm-up and a graph's capture) are written there as a Chrome trace (torch profiler; open in Perfetto)."""
-    n_layers = model.cfg.num_layers
-    # One bar at a time, so that a log (no terminal) does not interleave them: the decode bar opens once the KV is
-    # filled, between the prefill's timing and the decode's.
-    with contextlib.ExitStack() as bars, step_profiler(trace, warmup + 2) as prof:
-        bar_p = bars.enter_context(
-            tqdm(total=n_layers, desc=f"prefill {tokens.shape[1]} tokens", unit="layer", file=sys.stderr, leave=False)
-        )
-        bar_d = None
-
-        def filled():
-            nonlocal bar_d
-            if on_filled is not None:
-                on_filled()
-            bar_p.close()
-            bar_d = bars.enter_context(
-                tqdm(total=gen_tokens - 1, desc="decode", unit="tok", file=sys.stderr, leave=False)
-            )
-
-        def on_token(_):
-            if on_first_token is not None and bar_d.n == 0:
-                on_first_token()
-            bar_d.update(1)
-            if prof is not None:
-                prof.step()
-
-        return generate(
-            model,
-            system,
-            tokens,
-            gen_tokens,
-            stop,
-            decode_mode,
-            on_prefill_layer=lambda _: bar_p.update(1),
-            on_token=on_token,
-            kv_fill=kv_fill,
-            on_filled=filled,
-        )
-
-
-@contextlib.contextmanager
-def step_profiler(path: Path | None, skip: int):
-    """A torch profiler that records the GPU kernels (on CPU runs: the operators) of the decode step after `skip`
-    steps, then writes `path`."""
-    if path is None:
-        yield None
-        return
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU  # CPU: its operators
-    with profile(
-        activities=[activity],
-        schedule=schedule(wait=skip, warmup=1, active=1, repeat=1),
-        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
-    ) as prof:
-        yield prof
-
-
-def metrics(
-    gen: Generation,
-    system: KVOffloadSystem,
-    cfg: ModelConfig,
-    spec: KVSpec,
-    seqlen: int,
-    hbm_gb_s: float,
-    link_gb_s: float | None,
-    warmup: int,
-    kv_fill: str = "prefill",
-) -> dict[str, Any]:
-    # The first steps pay one-off costs (kernel JIT, allocator growth): they stay in the record, not the means.
-    # With a graph, the capture step too (it runs the step eagerly while recording it).
-    steps = gen.steps[max(warmup, gen.steady_from) :] or gen.steps
-    n = max(len(steps), 1)
-    phase_ms = {p: statistics.fmean(s.phase_ms[p] for s in steps) if steps else 0.0 for p in (*PHASES, "total")}
-    lookups, refreshes = sum(s.lookups for s in steps), sum(s.refreshes for s in steps)
-    held = system.memory_held()
-    # The HBM floor of a dense step: every weight and every held K/V byte read once per step.
-    mean_len = seqlen + n / 2
-    kv_read = cfg.kv_bytes_per_token(spec.dtype_bytes) * spec.batch * mean_len
-    floor_ms = (cfg.num_params * spec.dtype_bytes + kv_read) / (hbm_gb_s * 1e9) * 1e3
-    step_ms = phase_ms["total"]
-    # The system's own floor: the bytes it must read from device memory, the bytes it moves over the link and its
-    # own CPU work per step, each at the rate measured in this run, summed (the issue's definition of a system's own
-    # floor: a system that overlaps them can step below it; the parts are recorded too).
-    sys_bytes = system.step_device_bytes()
-    sys_floor_ms, floor_parts = None, None
-    if sys_bytes is not None:
-        h2d = sum(s.bytes_h2d for s in steps) / n
-        floor_parts = {
-            "device": (cfg.num_params * spec.dtype_bytes + sys_bytes) / (hbm_gb_s * 1e9) * 1e3,
-            "link": h2d / (link_gb_s * 1e9) * 1e3 if link_gb_s else 0.0,
-            "host_work": sum(s.host_work_ms for s in steps) / n,
-        }
-        sys_floor_ms = sum(floor_parts.values())
-    return {
-        "prefill_s": round(gen.prefill_s, 4),  # with kv_fill=projection: the fill's time, not a prefill's
-        "prefill_tokens_per_s": round(spec.batch * seqlen / gen.prefill_s, 1) if kv_fill == "prefill" else None,
-        "decode_steps": len(gen.steps),
-        "decode_steps_measured": len(steps),
-        "decode_wall_tokens_per_s": round(gen.decode_tokens_per_s, 2),  # all steps, warm-up and loop included
-        "decode_tokens_per_s": round(spec.batch * 1e3 / step_ms, 2) if step_ms else 0.0,
-        "decode_ms_per_step": round(step_ms, 3),
-        "phase_ms_per_step": {k: round(v, 4) for k, v in phase_ms.items()},
-        "hit_rate": (sum(s.hits for s in steps) / lookups) if lookups else None,
-        # the same hits over every unit the step could have served from its cache, the refreshes (fetched by design,
-        # CLO's prefetch heads) counted as fetched
-        "hit_rate_with_refreshes": (sum(s.hits for s in steps) / (lookups + refreshes)) if lookups else None,
-        "hit_unit": system.hit_unit,
-        "lookups_per_step": lookups / n,
-        "refreshes_per_step": refreshes / n,
-        "bytes_h2d_per_step": sum(s.bytes_h2d for s in steps) / n,
-        "bytes_d2h_per_step": sum(s.bytes_d2h for s in steps) / n,
-        "host_syncs_per_step": sum(s.host_syncs for s in steps) / n,
-        "kv_device_gb": round(held.device_bytes / GB, 4),
-        "kv_host_gb": round(held.host_bytes / GB, 4),
-        "peak_device_gb": round(torch.cuda.max_memory_allocated() / GB, 3) if spec.device.type == "cuda" else None,
-        "bandwidth_gb_s": round(hbm_gb_s, 1),
-        "dense_floor_ms_per_step": round(floor_ms, 4),
-        "step_over_floor": round(step_ms / floor_ms, 3),
-        "system_floor_ms_per_step": round(sys_floor_ms, 4) if sys_floor_ms else None,
-        "system_floor_parts_ms": {k: round(v, 4) for k, v in floor_parts.items()} if floor_parts else None,
-        "step_over_system_floor": round(step_ms / sys_floor_ms, 3) if sys_floor_ms else None,
-    }

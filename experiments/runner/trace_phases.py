@@ -7,7 +7,7 @@ critical path; it is divided into
   with nothing on another stream before it is the host's (launch_sync).
 The parts sum to the compute stream's span, the step's GPU time in the trace.
 
-The run's record keeps them (`trace_phase_ms`, experiments.runner.execute.trace_phases); `python -m
+The run's record keeps them (`trace_phase_ms`, experiments.runner.step_metrics.trace_phases); `python -m
 experiments.traces.step_phases <trace>` prints them for any trace."""
 
 from __future__ import annotations

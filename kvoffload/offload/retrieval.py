@@ -293,7 +293,7 @@ def select_topk(
     """scores [B, Hkv, T] over candidates starting at token `offset` -> absolute indices [B, Hkv, k], ascending
     unless `ascending=False`: attention and the gathers do not need the order, and at 128K sorting the
     indices costs more than the top-k itself, torch.topk's or the radix select's of kvoffload/kernels/radix_topk.py
-    that CUDA uses (the sort: results/LEDGER.md, row 1c33d1c_clo_layer; the top-k: results/bench/README.md). The
+    that CUDA uses (the sort and the top-k: results/LEDGER.md, results/bench/README.md). The
     radix select writes them ascending itself (its ordered last pass: one kernel more, no sort).
     torch.topk elsewhere, or everywhere with method="torch" (one launch instead of six: possibly cheaper where the
     step is launched eagerly). miss [B, nc]: the radix select's rows of the first nc heads that hit are left unset
