@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
+from plots.markdown import f1, md, source  # noqa: E402
 from plots.records import RecordError, cli, load_records, names, one_value, plot_arguments, save, tokens  # noqa: E402
 
 # (adaptive_threshold, gqa_aggregation, persistent) of conf/ablation/*.yaml
@@ -110,6 +111,42 @@ def plot(root: Path, out: Path) -> dict:
     )
     save(fig, out)
     return rows
+
+
+def table(root: Path, folder: str) -> str:
+    d = data(root)
+    gpu = d["device"] == "cuda"
+    rows = []
+    for v, r in d["variants"].items():
+        ref = paper.ABLATION_REDUCTION_PERCENT.get(v)
+        ours = -r["vs_base_percent"]
+        rows.append(
+            [
+                LABELS[v],
+                f"{r['ms_per_step']:.2f}" if gpu else None,
+                f1(-ours, "%") if gpu and v != "base" else None,
+                f1(-ref, "%") if ref else None,
+                f"{ours / ref:.2f}" if gpu and ref else None,
+                f1(r["hit_rate"] * 100, "%") if r["hit_rate"] is not None else None,
+                f1(r["mb_per_step"]),
+            ]
+        )
+    head = [
+        "variant",
+        "ms/step",
+        "vs base",
+        f"{paper.ABLATION}: vs base",
+        "ours / paper reduction",
+        "hit rate",
+        "MB/step host -> device",
+    ]
+    note = "" if gpu else "\n\nA CPU run: its latency does not stand for the paper's and is not compared."
+    return (
+        md(head, rows)
+        + note
+        + f"\n\n{d['model']} {tokens(d['seqlen'])} on {d['device']}. "
+        + source(folder, d["records"])
+    )
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots.bootstrap import paired  # noqa: E402
+from plots.markdown import source  # noqa: E402
 from plots.records import Records, cli, load_files, plot_arguments, save, tokens  # noqa: E402
 
 BASE = "clo"  # the run the paired differences are taken against: CLO at its defaults
@@ -51,7 +52,7 @@ def _ci(s: dict, scale: float = 1.0, digits: int = 4) -> str:
     return f"{show(s['mean'])} [{show(s['low'])}, {show(s['high'])}]"
 
 
-def table(records: list[dict]) -> str:
+def runs_table(records: list[dict]) -> str:
     rows = [
         "| run | documents | KL (nats/token) | top-1 agreement % | Δ log-likelihood (nats/token) | top-k recall | "
         "attention mass | hit rate | host→device KB/step | commit |",
@@ -159,7 +160,7 @@ workload (`plan_inputs` in each record), so the plan does not depend on the mach
 def tables(root: Path) -> str:
     parts = []
     for length, records in by_length(load(root)).items():
-        parts += [f"\n## {tokens(length)} documents\n", table(records)]
+        parts += [f"\n## {tokens(length)} documents\n", runs_table(records)]
         pt = paired_table(records)
         if pt:
             parts += ["\nPaired against CLO's default run:\n", pt]
@@ -168,6 +169,12 @@ def tables(root: Path) -> str:
 
 def readme(root: Path) -> str:
     return HEAD + tables(root) + "\n"
+
+
+def table(root: Path, folder: str) -> str:
+    """Per length, every run's distance from exact attention and the paired differences against CLO (the paper
+    reports none: its Table 5 is task accuracy)."""
+    return tables(root) + "\n\n" + source(folder, load(root))
 
 
 def main() -> None:

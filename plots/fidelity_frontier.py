@@ -19,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import fidelity  # noqa: E402
+from plots.markdown import f1, md  # noqa: E402
 from plots.records import SYSTEMS, RecordError, cli, load_records, save, tokens  # noqa: E402
 
 # the settings that decide what a system attends; the others say where and how fast (transfer path, threads,
@@ -120,6 +121,16 @@ def plot_results(gpu_root: Path, out: Path, cpu: str) -> list[tuple[dict, dict]]
     """plots.all's form: the GPU records' folder, the CPU records' folder relative to the results folder above it
     (results/fidelity_frontier/<point>/ and results/<cpu>)."""
     return plot(Path(gpu_root).parents[1] / cpu, gpu_root, out)
+
+
+def table(gpu_root: Path, folder: str, cpu: str = "fidelity/2k") -> str:
+    matched = pairs(gpu_root.parents[1] / cpu, gpu_root)
+    rows = [
+        [c["label"], settings(c)["topk_ratio"], f1(c["summary"]["top1"]["mean"] * 100),
+         f1(g["metrics"]["decode_tokens_per_s"])]
+        for c, g in matched
+    ]  # fmt: skip
+    return md(["run", "top-k", "top-1 agreement % (CPU)", "decode tokens/s (GPU)"], rows)
 
 
 def main() -> None:

@@ -22,11 +22,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from kvoffload.units import parse_tokens  # noqa: E402
 from plots import paper  # noqa: E402
+from plots.markdown import f1, md, source  # noqa: E402
 from plots.records import (  # noqa: E402
     ONE_EACH,
     SYSTEMS,
     RecordError,
     cli,
+    commit_of,
     fit_refusal,
     load_records,
     one_value,
@@ -275,6 +277,84 @@ def batches_at(d: dict, n: int) -> set[int]:
 def link_text(d: dict) -> str:
     """', link capped at 21.21 GB/s' where the records ran on a capped link; else nothing."""
     return f", link capped at {d['link_cap_gb_s']:g} GB/s" if d.get("link_cap_gb_s") else ""
+
+
+def table(root: Path, folder: str) -> str:
+    """Decode tokens/s of every system per point ("OOM": the preflight refused it), CLO over the best offloading
+    baseline and the paper's range. The folder may hold records of several commits (plots.all's option): each
+    point names its records' commits."""
+    d = data(root, allow_mixed=True)
+    lo, hi = paper.FIG10_SPEEDUP.get(d["model"], (None, None))
+    pts, refused, shown = by_point(d)
+    commits: dict[tuple, set] = {}
+    for r in d["records"]:
+        commits.setdefault((r["record"]["seqlen"], r["record"]["batch"]), set()).add(commit_of(r["record"]))
+    rows = []
+    for n, b in sorted({(n, b) for _, n, b in pts} | {(n, b) for _, n, b in refused}):
+        cells = [
+            f1(pts[(s, n, b)]["decode_tokens_per_s"]) if (s, n, b) in pts else refused.get((s, n, b)) for s in shown
+        ]
+        x, xm = d["speedup"].get((n, b)), d["speedup_median"].get((n, b))
+        ratios = [f"{r:.2f}x" if r else None for r in (x, xm)]
+        rows.append([tokens(n), b, *cells, *ratios, ", ".join(sorted(commits.get((n, b), ())))])
+    by_median = "by median step"
+    head = ["seqlen", "batch", *(f"{SYSTEMS[s]} tok/s" for s in shown), "CLO / best baseline", by_median, "commit"]
+    budget = f"Device budget {d['budget_gb']:g} GB (hardware.gpu_mem_gb)" if d["budget_gb"] else "No device budget"
+    ref = f"{budget}. " + (f"{paper.FIG10} ({d['model']}): {lo}-{hi}x. " if lo else "")
+    ref += "OOM: refused for the device budget; RAM: for the host's. "
+    ref += f"'{by_median}': the same ratio of each run's median step (tokens/s is its mean step)."
+    return md(head, rows) + f"\n\n{ref} " + source(folder, d["records"]) + "\n\n" + floor_table(d)
+
+
+def over_floor(m: dict, system: str) -> str | None:
+    """'step / floor = x (MB/step, hit rate)' of one run's metrics (None for a run with no floor: FullAttn)."""
+    if not m.get("system_floor_ms_per_step"):
+        return None
+    step, floor = m["decode_ms_per_step"], m["system_floor_ms_per_step"]
+    extra = [f"{m['bytes_h2d_per_step'] / 1e6:.0f} MB"]
+    if system == "clo" and m.get("hit_rate") is not None:  # its prefetch heads are fetched every step by design
+        extra.append(f"hit {m['hit_rate']:.3f} / {m['hit_rate_with_refreshes']:.3f}")
+    elif m.get("hit_rate") is not None:
+        extra.append(f"hit {m['hit_rate']:.3f}")
+    return f"{step:.2f} / {floor:.2f} = {step / floor:.2f}x ({', '.join(extra)})"
+
+
+# what a floor cell's header names beside the bytes moved, by system (its hit rate otherwise)
+FLOOR_EXTRA = {"clo": ", hit: lookups / with prefetch heads", "infinigen": ""}
+
+
+def floor_table(d: dict) -> str:
+    """Each system's step against its own floor at every Figure 10 point (the run plotted: the point's fastest),
+    and CLO's device KV over RetroInfer-style's."""
+    pts = d["points"]
+    offloading = [s for s in SYSTEMS if s != "fullattn" and any(k[0] == s for k in pts)]
+    rows = []
+    for n, b in sorted({(n, b) for _, n, b in pts}):
+        m = {s: pts[(s, n, b)]["metrics"] for s in SYSTEMS if (s, n, b) in pts}
+        kv = (
+            f"{m['clo']['kv_device_gb'] / m['retroinfer']['kv_device_gb']:.2f}x"
+            if {"clo", "retroinfer"} <= set(m) and m["retroinfer"].get("kv_device_gb")
+            else None
+        )
+        rows.append(
+            [
+                f"{tokens(n)} b{b}",
+                f"{m['fullattn']['decode_ms_per_step']:.2f}" if "fullattn" in m else "OOM",
+                *(over_floor(m[s], s) if s in m else None for s in offloading),
+                kv,
+            ]
+        )
+    head = [
+        "point",
+        "FullAttn ms/step",
+        *(f"{SYSTEMS[s]} step / floor (MB/step{FLOOR_EXTRA.get(s, ', hit')})" for s in offloading),
+        "CLO / RetroInfer-style device KV",
+    ]
+    return (
+        "Each system against its own floor (`system_floor_ms_per_step`: device bytes / HBM + link bytes / link + its "
+        "measured host work, each from the same run, summed: a system that overlaps them can step below it), ms per "
+        "step, at the run plotted:\n\n" + md(head, rows)
+    )
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
+from plots.markdown import f1, md, source  # noqa: E402
 from plots.records import (  # noqa: E402
     SYSTEMS,
     RecordError,
@@ -184,6 +185,52 @@ def plot(root: Path, out: Path) -> dict[str, dict]:
         fig.suptitle(f"Per-layer decode latency by phase: {d['model']}, {tokens(d['seqlen'])}, BSZ {d['batch']}")
         save(fig, out)
     return systems
+
+
+def table(root: Path, folder: str) -> str:
+    d = data(root)
+    rows = []
+    for n, r in d["systems"].items():
+        ref = paper.FIG2_PERCENT_OF_IDEAL.get(n)
+        lo, hi = paper.FIG2_RETROINFER_MGMT_PERCENT
+        mgmt = {"clo": f"<{paper.FIG2_CLO_MGMT_PERCENT_BELOW:g}%", "retroinfer": f"{lo}-{hi}%"}.get(n)
+        sync = r.get("launch_sync") * 1e3 if r["phases_timed"] and "launch_sync" in r else None
+        rows.append(
+            [
+                SYSTEMS[n],
+                r["decode_mode"],
+                f"{r['ms_per_step']:.2f}",
+                f1(r["percent_of_fullattn"], "%"),
+                f1(ref, "%"),
+                f"{r['percent_of_fullattn'] / ref:.2f}" if ref else None,
+                f1(r["mgmt_percent"], "%"),
+                mgmt,
+                f1(sync),
+                f1(paper.FIG2_LAUNCH_SYNC_US.get(n)),
+            ]
+        )
+    clo = d["systems"].get("clo")
+    lo, hi = paper.FIG2_SPEEDUP.get(d["model"], (None, None))
+    times = [
+        f"{SYSTEMS[b]} {d['systems'][b]['ms_per_step'] / clo['ms_per_step']:.1f}x"
+        for b in d["systems"]
+        if clo and b not in ("fullattn", "clo")
+    ]
+    note = f"\n\nTime per step as a multiple of CLO's: {', '.join(times)}"
+    note += f"; the paper: {lo}-{hi}x ({d['model']}, Fig. 2/11)."
+    head = [
+        "system",
+        "mode",
+        "ms/step",
+        "% of FullAttn",
+        f"{paper.FIG2}: % of ideal",
+        "ours / paper",
+        "cache mgmt, % of step",
+        "paper: cache mgmt",
+        "launch/sync, µs/layer",
+        "paper: launch/sync µs",
+    ]
+    return md(head, rows) + (note if times and lo else "") + "\n\n" + source(folder, d["records"])
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
+from plots.markdown import md, source  # noqa: E402
 from plots.records import RecordError, cli, load_files, plot_arguments, save, tokens  # noqa: E402
 
 PATHS = ("bulk", "uva", "cpu_gather")
@@ -79,6 +80,25 @@ def plot(root: Path, out: Path) -> dict:
     )
     save(fig, out)
     return d
+
+
+COLUMNS = (("uva", None), ("cpu_gather", paper.FIG3_PEAK_THREADS))  # the link table's paths beside the bulk copy
+
+
+def table(root: Path, folder: str) -> str:
+    d = data(root)
+    by = {(r["path"], r.get("threads"), r["tokens"]): r for r in d["rows"]}
+    rows = [
+        [
+            tokens(t),
+            by[("bulk", None, t)]["gb_s"],
+            *[by.get((p, n, t), {}).get("gb_s") for p, n in COLUMNS],
+            f"{by[(*COLUMNS[1], t)]['gb_s'] / paper.FIG3_PEAK_GB_S:.2f}" if (*COLUMNS[1], t) in by else None,
+        ]
+        for t in sorted({r["tokens"] for r in d["rows"]})
+    ]
+    head = ["tokens", "bulk GB/s", "uva GB/s", "cpu_gather 4 threads GB/s", f"4 threads / {paper.FIG3_PEAK_GB_S}"]
+    return md(head, rows) + f"\n\nOn {d['device']}. " + source(folder, d["records"])
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from plots import paper  # noqa: E402
+from plots.markdown import f1, md, source  # noqa: E402
 from plots.records import RecordError, cli, load_files, one_value, plot_arguments, save  # noqa: E402
 
 
@@ -80,6 +81,22 @@ def plot(root: Path, out: Path) -> dict:
     )
     save(fig, out)
     return d
+
+
+def table(root: Path, folder: str) -> str:
+    d = data(root)
+    cut = paper.FIG4_6_COSINE
+    rows = [
+        [f"samples (step x query head) with cosine > {cut}", f1(d["above"] * 100, "%"), paper.FIG4_6],
+        [f"heads whose mean cosine > {cut}", f1(d["heads_above"] * 100, "%"), paper.FIG4_6],
+        ["mean adjacent-step query cosine", f"{d['cos'].mean():.3f}", None],
+        ["mean adjacent-step top-k overlap", f"{d['overlap'].mean():.3f}", None],
+    ]
+    return (
+        md(["quantity", "ours", "paper"], rows)
+        + f"\n\n{d['model']}, {d['steps']} step pairs. "
+        + source(folder, d["records"])
+    )
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
+from plots.markdown import f1, md, source  # noqa: E402
 from plots.records import SYSTEMS, RecordError, cli, load_records, names, one_value, plot_arguments, save, tokens  # noqa: E402
 
 CACHED = ("clo", "retroinfer")  # the systems with a cache
@@ -80,6 +81,30 @@ def plot(root: Path, out: Path) -> list[dict]:
     ax.legend(fontsize=7, loc="lower right")
     save(fig, out)
     return rows
+
+
+TAB4_HEAD = paper.TAB4 + ": range"
+
+
+def table(root: Path, folder: str) -> str:
+    d = data(root)
+    rows = []
+    for r in d["rows"]:
+        lo, hi = paper.TAB4_HIT_RATE_PERCENT[r["system"]]
+        h = r["hit_rate"] * 100
+        rows.append(
+            [
+                SYSTEMS[r["system"]],
+                r["batch"],
+                r["needle_depth"],
+                f1(h, "%"),
+                f"{lo}-{hi}%",
+                f"{h / hi:.2f}-{h / lo:.2f}",
+                f1(r["mb_per_step"]),
+            ]
+        )
+    head = ["system", "batch", "needle depth", "hit rate", TAB4_HEAD, "ours / paper", "MB/step host -> device"]
+    return md(head, rows) + f"\n\n{d['model']} {tokens(d['seqlen'])}. " + source(folder, d["records"])
 
 
 def main() -> None:

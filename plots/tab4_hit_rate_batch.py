@@ -18,6 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import fig10_throughput, paper  # noqa: E402
+from plots.markdown import f1, md, source  # noqa: E402
 from plots.records import SYSTEMS, NoRecords, RecordError, Records, cli, plot_arguments, read_json, save, tokens  # noqa: E402
 
 PAPER_SEQLEN = 8192  # the length of the paper's Table 4
@@ -95,6 +96,52 @@ def plot(root: Path, out: Path, allow_mixed: bool = False) -> dict:
     fig.suptitle(f"Cache hit rate by batch: {d['model']}, Figure 10's runs, {budget}", fontsize=9)
     save(fig, out)
     return d
+
+
+def table(root: Path, folder: str) -> str:
+    """Hit rates by batch from Figure 10's runs: CLO's over its reuse heads' lookups and over every non-persistent
+    head (prefetch heads counted as fetched), its plan's head counts, RetroInfer-style's over blocks, MB moved."""
+    d = data(root, allow_mixed=True)
+    pct = lambda m, key: f1(m[key] * 100, "%") if m else None
+    rows = []
+    band = "{}-{}%".format(*paper.TAB4_HIT_RATE_PERCENT["clo"])
+    for r in d["rows"]:
+        c, ri, plan = r["clo"], r["retroinfer"], r["plan"]
+        rows.append(
+            [
+                tokens(r["seqlen"]),
+                r["batch"],
+                "/".join("-" if plan[k] is None else str(plan[k]) for k in ("persistent", "prefetch", "demoted"))
+                if plan
+                else None,
+                pct(c, "hit_rate"),
+                pct(c, "hit_rate_with_refreshes"),
+                f1(c["bytes_h2d_per_step"] / 1e6) if c else None,
+                pct(ri, "hit_rate"),
+                f1(ri["bytes_h2d_per_step"] / 1e6) if ri else None,
+                band if r["seqlen"] == PAPER_SEQLEN else None,
+            ]
+        )
+    head = [
+        "seqlen",
+        "batch",
+        "CLO heads persistent/prefetch/demoted",
+        "CLO hit, reuse heads",
+        "CLO hit, all non-persistent",
+        "CLO MB/step",
+        "RetroInfer-style hit (blocks)",
+        "RetroInfer-style MB/step",
+        f"{paper.TAB4}: CLO",
+    ]
+    budget = fig10_throughput.budget_text(d["budget_gb"])
+    return (
+        md(head, rows)
+        + f"\n\n{d['model']} with synthetic weights, Figure 10's workload and runs (each point's fastest), {budget}; "
+        + f"the paper's RetroInfer range is {'-'.join(map(str, paper.TAB4_HIT_RATE_PERCENT['retroinfer']))}%. "
+        + f"CLO's reuse thresholds follow its head importance ({d['importance']}; Eq. 7-9: the less important a "
+        + "head, the looser its threshold), which the real-weight SmolLM2 rows above (uniform importance) lack. "
+        + source(folder, d["records"])
+    )
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from plots.markdown import md, source  # noqa: E402
 from plots.records import (  # noqa: E402
     RecordError,
     cli,
@@ -90,6 +91,14 @@ def plot(root: Path, out: Path) -> dict:
     fig.suptitle("CLO's retriever and eta: accuracy and hit rate, SmolLM2-135M", fontsize=9)
     save(fig, out)
     return d
+
+
+def table(root: Path, folder: str) -> str:
+    """CLO's mean score and real hit rate per ablation variant over the cells every variant scored (the paper
+    gives no numbers for these)."""
+    d = data(root)
+    rows = [[v, len(d["cells"]), m, d["hit_rate"].get(v)] for v, m in d["means"].items()]
+    return md(["variant", "cells", "mean score", "real hit rate"], rows) + "\n\n" + source(folder, d["records"])
 
 
 def main() -> None:

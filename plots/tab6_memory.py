@@ -15,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from plots import paper  # noqa: E402
+from plots.markdown import f1, md, source  # noqa: E402
 from plots.records import SYSTEMS, RecordError, check_systems, cli, load_files, one_value, plot_arguments, save, tokens  # noqa: E402
 
 
@@ -97,6 +98,56 @@ def plot(root: Path, out: Path) -> dict:
     fig.suptitle(f"Device memory of the KV state: {d['model']}, BSZ 1", fontsize=9)
     save(fig, out)
     return d
+
+
+def table(root: Path, folder: str) -> str:
+    d = data(root)
+    gb = {(r["system"], r["seqlen"]): r["device_gb"] for r in d["rows"]}
+    cache = {(r["system"], r["seqlen"]): r["cache_gb"] for r in d["rows"]}
+    seqlens = sorted({n for _, n in gb})
+    shown = [s for s in SYSTEMS if s != "fullattn" and any(k[0] == s for k in gb)]
+    mean = paper.TAB6_MEAN_RATIO_PERCENT
+    rows = [
+        [
+            tokens(n),
+            *[gb.get((s, n)) for s in shown],
+            f1(d["ratio"].get(n), "%"),
+            cache.get(("clo", n)),
+            cache.get(("retroinfer", n)),
+            f1(d["cache_ratio"].get(n), "%"),
+            f"{d['cache_ratio'][n] / mean:.2f}" if n in d["cache_ratio"] else None,
+        ]
+        for n in seqlens
+    ]
+    if d["model"] == "llama3":
+        p = paper.TAB6_GB
+        rows.append(
+            [
+                f"{tokens(paper.TAB6_SEQLEN)} (paper)",
+                None,
+                None,
+                None,
+                None,
+                p["clo"],
+                p["retroinfer"],
+                f1(p["clo"] / p["retroinfer"] * 100, "%"),
+                None,
+            ]
+        )
+    head = [
+        "seqlen",
+        *[f"{SYSTEMS[s]} GB" for s in shown],
+        "CLO / RetroInfer-style",
+        "CLO cache GB",
+        "RetroInfer-style cache GB",
+        "cache: CLO / RetroInfer-style",
+        f"cache ratio / paper mean ({mean}%)",
+    ]
+    return (
+        md(head, rows)
+        + f"\n\n{d['model']}, device memory of the KV state, and of the cache alone (CLO's slots and persistent heads, "
+        "RetroInfer-style's block cache), the paper's measure. " + source(folder, d["records"])
+    )
 
 
 def main() -> None:

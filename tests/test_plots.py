@@ -15,9 +15,9 @@ from plots import (
     ablation,
     fig2_breakdown,
     fig3_13_link,
+    fig10_prefill,
     fig10_throughput,
     paper,
-    paper_tables,
     tab4_hit_rate,
     tab4_hit_rate_batch,
     tab5_ablation,
@@ -259,11 +259,9 @@ def test_committed_hit_rates_and_memory(tmp_path):
     ],
 )
 def test_the_committed_figure_10_readmes_quote_their_records(folder, min_rows, points, span, median_span):
-    """A Figure 10 folder's README.md holds the tables its records give (plots.paper_tables.fig10_table), and the
+    """A Figure 10 folder's README.md holds the tables its records give (plots.fig10_throughput.table), and the
     ranges of CLO / best baseline over the points where both ran, by throughput and by median step, are theirs."""
-    from plots import paper_tables
-
-    table = paper_tables.fig10_table(RESULTS / folder, folder)
+    table = fig10_throughput.table(RESULTS / folder, folder)
     readme = (RESULTS / folder / "README.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) > min_rows and all(row in readme for row in rows), [r for r in rows if r not in readme][:3]
@@ -276,9 +274,7 @@ def test_the_committed_prefill_readme_quotes_its_records(tmp_path):
     """results/fig10_prefill/README.md holds the table its records give: CLO within 0.8x of FullAttn's prefill
     tokens/s wherever FullAttn ran in the same sweep (the issue's target), and FullAttn's refusal at 128K BSZ 4;
     plots.fig10_prefill draws the same folder."""
-    from plots import fig10_prefill, paper_tables
-
-    table = paper_tables.fig10_prefill_table(RESULTS / "fig10_prefill", "fig10_prefill")
+    table = fig10_prefill.table(RESULTS / "fig10_prefill", "fig10_prefill")
     readme = (RESULTS / "fig10_prefill" / "README.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert len(rows) == 18 and all(row in readme for row in rows), [r for r in rows if r not in readme][:3]
@@ -334,7 +330,7 @@ def test_throughput_from_run_records(tmp_path):
     assert d["speedup_median"] == {(131072, 1): pytest.approx(1.25)}  # BSZ 4's records have no steps
     assert d["refused"] == [("clo", 131072, 64, "RAM"), ("fullattn", 131072, 16, "OOM"), ("fullattn", 786432, 1, "OOM")]
     assert d["panels"] == [131072, 786432]
-    table = paper_tables.fig10_table(tmp_path, "fig10")  # each system against its own floor, at the run plotted
+    table = fig10_throughput.table(tmp_path, "fig10")  # each system against its own floor, at the run plotted
     assert "| 128K b1 | 6.67 | 8.33 / 4.00 = 2.08x (100 MB, hit 0.800 / 0.500) | 10.00 / 4.00 = 2.50x" in table
     assert "12.50 / 4.00 = 3.12x (100 MB) | 1.00x |" in table
     assert "No device budget. " in table
@@ -346,7 +342,7 @@ def test_throughput_from_run_records(tmp_path):
         (4, 0.5, 1),
     ]
     assert len(hits["records"]) == 4  # CLO's and RetroInfer-style's runs, not the others'
-    assert "| 128K | 4 | 3/1/- | 80.0% | 50.0% | 100.0 | 80.0% | 100.0 | - |" in paper_tables.tab4_batch_table(
+    assert "| 128K | 4 | 3/1/- | 80.0% | 50.0% | 100.0 | 80.0% | 100.0 | - |" in tab4_hit_rate_batch.table(
         tmp_path, "fig10"
     )
     budgeted = run_record("clo", batch=8, **{"config.hardware": {"gpu_mem_gb": 48}})  # the paper's grid beside it
