@@ -262,6 +262,10 @@ def check_no_commit(fig) -> None:
         raise ValueError(f"a figure's titles name commits {found}: put them in its caption (plots.all writes it)")
 
 
+# what matplotlib would stamp into a file beside the drawing (a date, its version): None leaves it out
+NO_STAMPS = {".pdf": {"CreationDate": None, "Creator": None, "Producer": None}, ".png": {"Software": None}}
+
+
 def save(fig, out: Path) -> list[Path]:
     """Writes the figure to out; a path without a suffix gets both out.png and out.pdf. Returns the paths."""
     import matplotlib.pyplot as plt
@@ -272,8 +276,8 @@ def save(fig, out: Path) -> list[Path]:
     if fig.get_layout_engine() is None:  # a constrained figure lays itself out (legends outside its axes)
         fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    for p in paths:  # no dates in the files: the same records give the same bytes
-        fig.savefig(p, dpi=120, metadata={"CreationDate": None} if p.suffix == ".pdf" else None)
+    for p in paths:  # no dates or library versions in the files: the same records give the same bytes
+        fig.savefig(p, dpi=120, metadata=NO_STAMPS.get(p.suffix))
     plt.close(fig)
     return paths
 
