@@ -7,7 +7,11 @@ refused (exit 2). It reads a results/-style tree, each figure from its own folde
 fig10_throughput/, tab4_hit_rate/, ...); a sweep's own folder is drawn by that figure's module, e.g.
 `python -m plots.fig10_throughput <folder> --out fig10`.
 
-    python -m plots.all [--results results] [--out results/figures]
+It is the one command that regenerates everything drawn or written from the records: when every figure drew,
+it then writes <results>/REPORT.md (plots.report) and every results README's generated blocks (plots.readmes).
+With the same records it gives the same bytes (tests/test_regenerate.py).
+
+    python -m plots.all [--results results] [--out <results>/figures]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from plots import readmes, report
 from plots.figures import FIGURES, Figure
 from plots.records import NoRecords, RecordError, cli, commit_of, find, fit_refusal, load_files
 
@@ -82,18 +87,24 @@ def build(results: Path, out: Path, figures=FIGURES, log=print) -> dict[str, str
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=Path("results"), help="a results/-style tree of figure folders")
-    ap.add_argument("--out", type=Path, default=Path("results/figures"))
+    ap.add_argument("--out", type=Path, default=None, help="where the figures go (default: <results>/figures)")
     args = ap.parse_args(argv)
     if not args.results.is_dir():
         raise NoRecords(f"no results folder {args.results}")
-    status = build(args.results, args.out)
+    figures = args.out or args.results / "figures"
+    status = build(args.results, figures)
     if all(s == "no records" for s in status.values()):
         raise NoRecords(
             f"no figure has records under {args.results}: it reads a results/-style tree of figure folders; draw a "
             "sweep's folder with its figure's module (python -m plots.fig10_throughput <folder>)"
         )
     if any(s.startswith("failed") for s in status.values()):
+        print("REPORT.md and the READMEs not written: a figure failed", file=sys.stderr)
         sys.exit(1)
+    out = args.results / "REPORT.md"
+    out.write_text(report.report(args.results, out, figures))
+    print(f"wrote {out}")
+    readmes.run(args.results, check=False)
 
 
 if __name__ == "__main__":
