@@ -215,4 +215,5 @@ def targets(folder: Path) -> str:
     return "\n".join(out)
 
 
-BLOCKS = {"grid": grid, "table": table, "findings": findings, "targets": targets}
+def blocks(folder: Path) -> dict[str, str]:
+    return {"grid": grid(folder), "table": table(folder), "findings": findings(folder), "targets": targets(folder)}

@@ -5,9 +5,9 @@ number sits in a generated block that a function over the folder's records fills
     ...
     <!-- end generated -->
 
-READMES below names, for each folder, its blocks and the function that writes each (folder path -> markdown). A
-README's block with no function, or a function whose block is not in the README, is an error: the two are edited
-together. `--check` rewrites nothing and exits 1 naming every README and block that differs from what the records
+READMES below names, for each folder, the function that writes its blocks (folder path -> {block: markdown}). A
+README's block the function does not write, or one it writes that is not in the README, is an error: the two are
+edited together. `--check` rewrites nothing and exits 1 naming every README and block that differs from what the records
 give; without it each README is rewritten in place (only its blocks change). `python -m plots.all` runs it after
 the figures and REPORT.md.
 
@@ -31,10 +31,10 @@ BLOCK = re.compile(
     re.S,
 )
 
-Blocks = dict[str, Callable[[Path], str]]
+Blocks = Callable[[Path], dict[str, str]]
 
 READMES: dict[str, Blocks] = {
-    "fig10_throughput": fig10_readme.BLOCKS,
+    "fig10_throughput": fig10_readme.blocks,
 }
 
 
@@ -55,14 +55,14 @@ def blocks_of(text: str) -> dict[str, str]:
 def fill(text: str, folder: Path, blocks: Blocks) -> tuple[str, list[str]]:
     """The README's text with every block regenerated from the records in folder, and the names of those that
     changed."""
-    have = blocks_of(text)
-    if set(have) != set(blocks):
-        extra, missing = sorted(set(have) - set(blocks)), sorted(set(blocks) - set(have))
+    have, made = blocks_of(text), blocks(folder)
+    if set(have) != set(made):
+        extra, missing = sorted(set(have) - set(made)), sorted(set(made) - set(have))
         raise ReadmeError(f"blocks without a generator: {extra}; generators without a block: {missing}")
     changed = []
 
     def one(m: re.Match) -> str:
-        body = blocks[m["name"]](folder).rstrip("\n") + "\n"
+        body = made[m["name"]].rstrip("\n") + "\n"
         if body != m["body"]:
             changed.append(m["name"])
         return m["open"] + body + m["close"]
