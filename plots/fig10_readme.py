@@ -9,8 +9,8 @@ from pathlib import Path
 from plots import fig10_throughput, paper
 from plots.records import SYSTEMS, tokens
 
-# the issue's targets for Figure 10 (issue 16): the ratio over the best baseline, CLO's batches under the budget,
-# its step over its own floor from this batch on, its device KV over RetroInfer-style's
+# Figure 10's targets (results/fig10_throughput/README.md, "Targets"): the ratio over the best baseline, CLO's
+# batches under the budget, its step over its own floor from this batch on, its device KV over RetroInfer-style's
 TARGET_RATIO = 1.5
 TARGET_BATCH = {32768: 16, 131072: 4}
 TARGET_FLOOR, FLOOR_FROM_BATCH = 1.3, 8

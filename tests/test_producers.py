@@ -147,15 +147,6 @@ def test_the_infinigen_fetch_readme_is_current():
     assert (folder / "README.md").read_text() == readme(folder)
 
 
-def test_the_table5_readme_is_current():
-    """results/tab5_accuracy/README.md is what plots.tab5_readme makes of the records beside it."""
-    from kvoffload.paths import ROOT
-    from plots.tab5_readme import table_readme
-
-    folder = ROOT / "results" / "tab5_accuracy"
-    assert (folder / "README.md").read_text() == table_readme(folder)
-
-
 def test_the_table5_gap_interval_is_paired_and_covers_the_gap():
     """Paired: a system that scores FullAttn's sample for sample has the interval [0, 0] however the samples vary; a
     gap on some samples gives an interval around it. A system that scored the first of FullAttn's documents is paired

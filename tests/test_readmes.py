@@ -36,8 +36,6 @@ PENDING = {
     "reuse_profile_smollm2",
     "speculative_selection_smollm2",
     "tab4_hit_rate",
-    "tab5_ablation",
-    "tab5_accuracy",
     "tab6_memory",
 }
 
