@@ -3,10 +3,10 @@ plots.fig10_throughput, what the runs show and where the issue's targets stand, 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from plots import fig10_throughput, paper
+from plots.markdown import compact_source, span
 from plots.records import SYSTEMS, tokens
 
 # Figure 10's targets (results/fig10_throughput/README.md, "Targets"): the ratio over the best baseline, CLO's
@@ -21,22 +21,8 @@ def data(folder: Path) -> dict:
     return fig10_throughput.data(folder, allow_mixed=True)
 
 
-def compact_source(text: str) -> str:
-    """A table's closing 'Records: `a`, `b`, ... (commit c).' as a count: a README sits beside its records."""
-    return re.sub(
-        r"Records: ((?:`[^`]+`(?:, )?)+) \(commit ([^)]+)\)\.",
-        lambda m: f"Records: the {m[1].count('`') // 2} files here (commit {m[2]}).",
-        text,
-    )
-
-
 def point(n: int, b: int) -> str:
     return f"{tokens(n)} BSZ {b}"
-
-
-def span(xs, fmt: str = "{:.2f}", unit: str = "") -> str:
-    lo, hi = min(xs), max(xs)
-    return (fmt.format(lo) if f"{lo:.2f}" == f"{hi:.2f}" else f"{fmt.format(lo)}-{fmt.format(hi)}") + unit
 
 
 def table(folder: Path) -> str:

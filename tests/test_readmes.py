@@ -35,7 +35,6 @@ PENDING = {
     "key_profile_smollm2",
     "reuse_profile_smollm2",
     "speculative_selection_smollm2",
-    "tab4_hit_rate",
     "tab6_memory",
 }
 
