@@ -23,10 +23,14 @@ def source(folder: str, recs) -> str:
 def compact_source(text: str) -> str:
     """A table's closing 'Records: `a`, `b`, ... (commit c).' as a count: a README sits beside its records."""
     return re.sub(
-        r"Records: ((?:`[^`]+`(?:, )?)+) \(commit ([^)]+)\)\.",
-        lambda m: f"Records: the {m[1].count('`') // 2} files here (commit {m[2]}).",
+        r"Records: ((?:`[^`]+`(?:, )?)+) \(commit ([^()]+(?: \(dirty\))?)\)\.",
+        lambda m: f"Records: {files_here(m[1].count('`') // 2)} (commit {m[2]}).",
         text,
     )
+
+
+def files_here(n: int) -> str:
+    return "the one file here" if n == 1 else f"the {n} files here"
 
 
 def span(xs, fmt: str = "{:.2f}", unit: str = "") -> str:

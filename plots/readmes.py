@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from plots import fig10_readme, tab4_readme, tab5_readme
+from plots import fig10_readme, tab4_readme, tab5_readme, tab6_readme
 from plots.records import RecordError, cli
 
 BLOCK = re.compile(
@@ -38,6 +38,7 @@ READMES: dict[str, Blocks] = {
     "tab4_hit_rate": tab4_readme.blocks,
     "tab5_ablation": tab5_readme.ablation_blocks,
     "tab5_accuracy": tab5_readme.table_blocks,
+    "tab6_memory": tab6_readme.blocks,
 }
 
 

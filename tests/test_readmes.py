@@ -35,7 +35,6 @@ PENDING = {
     "key_profile_smollm2",
     "reuse_profile_smollm2",
     "speculative_selection_smollm2",
-    "tab6_memory",
 }
 
 # A measurement in prose: a number with a unit of time, size, rate or ratio, or a decimal with two or more
