@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from plots import fig10_readme, tab4_readme, tab5_readme, tab6_readme
+from plots import fig10_readme, fig10_variants_readme, tab4_readme, tab5_readme, tab6_readme
 from plots.records import RecordError, cli
 
 BLOCK = re.compile(
@@ -35,6 +35,7 @@ Blocks = Callable[[Path], dict[str, str]]
 
 READMES: dict[str, Blocks] = {
     "fig10_throughput": fig10_readme.blocks,
+    "fig10_throughput_nobudget": fig10_variants_readme.blocks,
     "tab4_hit_rate": tab4_readme.blocks,
     "tab5_ablation": tab5_readme.ablation_blocks,
     "tab5_accuracy": tab5_readme.table_blocks,
