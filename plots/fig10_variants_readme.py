@@ -5,10 +5,13 @@ from the records."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from kvoffload.units import parse_tokens
 from plots import fig10_readme, fig10_throughput
-from plots.records import SYSTEMS, commit_of, tokens
+from plots.markdown import span
+from plots.records import SYSTEMS, commit_of, fit_refusal, override_values, read_json, tokens
 
 # the points each folder's prose discusses, (seqlen, batch): why a ratio is high or low there
 DETAIL = {
@@ -82,3 +85,26 @@ def stages(folder: Path) -> str:
 
 def blocks(folder: Path) -> dict[str, str]:
     return {**fig10_readme.blocks(folder), "detail": detail(folder), "stages": stages(folder)}
+
+
+def refusals(folder: Path) -> str:
+    """Each refused point's estimate against the budget (its record's error), and the weights' share of the budget."""
+    d = fig10_readme.data(folder)
+    weights = {(r["record"].get("memory_plan_gb") or {}).get("weights") for r in d["records"]}
+    out = []
+    for path in sorted(folder.glob("record*.json")):
+        rec = read_json(path)
+        m = re.search(r"needs about (.*?) of GPU memory \((.*?)\) but the budget is ([\d.]+ GB)", str(rec.get("error")))
+        if fit_refusal(rec) and m:
+            over = override_values(rec.get("overrides", []))
+            key = (parse_tokens(over["seqlen"]), int(over["batch"]), over["system"])
+            out.append((*key, f"{m[1]} ({m[2]}) against {m[3]}"))
+    lines = [f"- {tokens(n)} BSZ {b}, {SYSTEMS[s]}: {text}" for n, b, s, text in sorted(out)]
+    weights.discard(None)
+    if weights:
+        lines.append(f"- The weights in every run's `memory_plan_gb`: {span(weights, '{:.1f}', ' GB')}.")
+    return "\n".join(lines)
+
+
+def qwen25_blocks(folder: Path) -> dict[str, str]:
+    return {**blocks(folder), "refusals": refusals(folder)}

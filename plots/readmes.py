@@ -36,6 +36,7 @@ Blocks = Callable[[Path], dict[str, str]]
 READMES: dict[str, Blocks] = {
     "fig10_throughput": fig10_readme.blocks,
     "fig10_throughput_nobudget": fig10_variants_readme.blocks,
+    "fig10_throughput_qwen25": fig10_variants_readme.qwen25_blocks,
     "tab4_hit_rate": tab4_readme.blocks,
     "tab5_ablation": tab5_readme.ablation_blocks,
     "tab5_accuracy": tab5_readme.table_blocks,

@@ -24,7 +24,6 @@ PENDING = {
     "fidelity",  # generated whole by plots.fidelity --readme; joins plots.readmes once its sweep is done
     "fig10_beyond",
     "fig10_prefill",
-    "fig10_throughput_qwen25",
     "fig2_breakdown_128k",
     "fig2_breakdown_128k_qwen25",
     "fig3_13_link",
