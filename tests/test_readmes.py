@@ -15,8 +15,6 @@ RESULTS = ROOT / "results"
 # READMEs not yet converted to generated blocks: their prose still holds hand-typed measurements. Each leaves this
 # list when plots.readmes.READMES fills it; the test below fails for one that is in both.
 PENDING = {
-    "ablation_cpu",
-    "ablation_gpu_128k",
     "accuracy_smollm2",
     "bench",
     "clo_gpu",
