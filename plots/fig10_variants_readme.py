@@ -27,6 +27,7 @@ DETAIL = {
         (524288, 2),
     ],
     "fig10_throughput_qwen25": [(8192, 1), (32768, 1), (131072, 1), (131072, 2)],
+    "fig10_beyond": [(720896, 1)],
 }
 
 
@@ -87,8 +88,9 @@ def blocks(folder: Path) -> dict[str, str]:
     return {**fig10_readme.blocks(folder), "detail": detail(folder), "stages": stages(folder)}
 
 
-def refusals(folder: Path) -> str:
-    """Each refused point's estimate against the budget (its record's error), and the weights' share of the budget."""
+def refusals(folder: Path, ways_out: bool = False) -> str:
+    """Each refused point's estimate against the budget (its record's error), and the weights' share of the budget;
+    with ways_out, the largest batch or length that fits by the same estimate (the error names them too)."""
     d = fig10_readme.data(folder)
     weights = {(r["record"].get("memory_plan_gb") or {}).get("weights") for r in d["records"]}
     out = []
@@ -98,7 +100,9 @@ def refusals(folder: Path) -> str:
         if fit_refusal(rec) and m:
             over = override_values(rec.get("overrides", []))
             key = (parse_tokens(over["seqlen"]), int(over["batch"]), over["system"])
-            out.append((*key, f"{m[1]} ({m[2]}) against {m[3]}"))
+            ways = re.search(r"Ways out that fit by this estimate: (.*?)\. Or", str(rec["error"]))
+            fits = f"; fits by it: {ways[1]}" if ways_out and ways else ""
+            out.append((*key, f"{m[1]} ({m[2]}) against {m[3]}{fits}"))
     lines = [f"- {tokens(n)} BSZ {b}, {SYSTEMS[s]}: {text}" for n, b, s, text in sorted(out)]
     weights.discard(None)
     if weights:

@@ -22,7 +22,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from plots import ablation_readme, fig10_readme, fig10_variants_readme, tab4_readme, tab5_readme, tab6_readme
+from plots import (
+    ablation_readme,
+    fig10_beyond_readme,
+    fig10_readme,
+    fig10_variants_readme,
+    tab4_readme,
+    tab5_readme,
+    tab6_readme,
+)
 from plots.records import RecordError, cli
 
 BLOCK = re.compile(
@@ -36,6 +44,7 @@ Blocks = Callable[[Path], dict[str, str]]
 READMES: dict[str, Blocks] = {
     "ablation_cpu": ablation_readme.cpu_blocks,
     "ablation_gpu_128k": ablation_readme.gpu_blocks,
+    "fig10_beyond": fig10_beyond_readme.blocks,
     "fig10_throughput": fig10_readme.blocks,
     "fig10_throughput_nobudget": fig10_variants_readme.blocks,
     "fig10_throughput_qwen25": fig10_variants_readme.qwen25_blocks,
