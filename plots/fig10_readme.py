@@ -1,5 +1,5 @@
 """The generated blocks of a Figure 10 folder's README.md (plots.readmes): the grid's size, the table of
-plots.fig10_throughput, what the runs show and where the issue's targets stand, every number from the records."""
+plots.fig10_throughput, what the runs show and where the targets stand, every number from the records."""
 
 from __future__ import annotations
 
@@ -173,7 +173,8 @@ def targets(folder: Path) -> str:
         f"{tokens(n)}: >= {b}, ran {big.get(n, 0)} ({'met' if big.get(n, 0) >= b else 'missed'})"
         for n, b in TARGET_BATCH.items()
     )
-    out.append(f"- CLO's batches under the budget ({want}).")
+    grid = "under the budget" if d["budget_gb"] else "without a device budget"  # the nobudget grid has none
+    out.append(f"- CLO's batches {grid} ({want}).")
     floors = [
         (n, b, p["metrics"]["step_over_system_floor"])
         for (s, n, b), p in sorted(pts.items())
