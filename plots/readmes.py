@@ -24,6 +24,7 @@ from pathlib import Path
 
 from plots import (
     ablation_readme,
+    fidelity,
     fig10_beyond_readme,
     fig10_readme,
     fig10_variants_readme,
@@ -44,6 +45,7 @@ Blocks = Callable[[Path], dict[str, str]]
 READMES: dict[str, Blocks] = {
     "ablation_cpu": ablation_readme.cpu_blocks,
     "ablation_gpu_128k": ablation_readme.gpu_blocks,
+    "fidelity": fidelity.blocks,
     "fig10_beyond": fig10_beyond_readme.blocks,
     "fig10_throughput": fig10_readme.blocks,
     "fig10_throughput_nobudget": fig10_variants_readme.blocks,

@@ -257,12 +257,3 @@ def test_the_frontier_pairs_a_systems_records_of_one_setting_and_refuses_two(tmp
     _write(gpu, "clo_eta", _gpu_record("clo", 0.05, 999.0, eta=0.7))  # the faster run wins, with other settings
     with pytest.raises(RecordError, match="eta=0.8.*eta=0.7"):
         fidelity_frontier.pairs(cpu, gpu)
-
-
-def test_the_committed_fidelity_readme_is_what_its_records_give():
-    """results/fidelity/README.md: plots.fidelity's README of the records beside it, word for word."""
-    from kvoffload.paths import ROOT
-    from plots.fidelity import readme
-
-    folder = ROOT / "results" / "fidelity"
-    assert (folder / "README.md").read_text() == readme(folder), "python -m plots.fidelity results/fidelity --readme"

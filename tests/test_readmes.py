@@ -19,7 +19,6 @@ PENDING = {
     "bench",
     "clo_gpu",
     "fair_baselines_128k",
-    "fidelity",  # generated whole by plots.fidelity --readme; joins plots.readmes once its sweep is done
     "fig10_prefill",
     "fig2_breakdown_128k",
     "fig2_breakdown_128k_qwen25",
@@ -42,6 +41,7 @@ SETTINGS = (
     "top-k 10 %",  # system.topk_ratio=0.1, every system's default
     "top-k 10%",
     "std 0.02",  # the synthetic weights' init (model.init_std)
+    "95 % percentile",  # the intervals' level (plots.bootstrap.LEVEL)
 )
 
 
