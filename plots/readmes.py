@@ -22,7 +22,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from plots import fig10_readme
+from plots import (
+    fig3_13_readme,
+    fig10_readme,
+)
 from plots.records import RecordError, cli
 
 BLOCK = re.compile(
@@ -35,6 +38,7 @@ Blocks = Callable[[Path], dict[str, str]]
 
 READMES: dict[str, Blocks] = {
     "fig10_throughput": fig10_readme.blocks,
+    "fig3_13_link": fig3_13_readme.blocks,
 }
 
 
