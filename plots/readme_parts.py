@@ -31,7 +31,7 @@ def machine(rec: dict, env_file: Path | None = None) -> str:
     ...' from a record's environment, the driver and triton from env_file where given."""
     env = rec.get("environment") or {}
     extra = env_txt(env_file) if env_file else {}
-    gpu = env.get("gpu") or env.get("device", "?")
+    gpu = env.get("gpu") or ("CPU only" if env.get("device") == "cpu" else env.get("device", "?"))
     inside = [f"driver {extra['driver']}"] if "driver" in extra else []
     if env.get("gpu_mem_total_gb"):
         inside.append(f"{env['gpu_mem_total_gb']} GB")

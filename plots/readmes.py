@@ -24,6 +24,7 @@ from pathlib import Path
 
 from plots import (
     fig3_13_readme,
+    fig4_6_readme,
     fig10_readme,
 )
 from plots.records import RecordError, cli
@@ -39,6 +40,7 @@ Blocks = Callable[[Path], dict[str, str]]
 READMES: dict[str, Blocks] = {
     "fig10_throughput": fig10_readme.blocks,
     "fig3_13_link": fig3_13_readme.blocks,
+    "fig4_6_similarity_smollm2": fig4_6_readme.blocks,
 }
 
 
