@@ -4,6 +4,7 @@ names the machine and commit its numbers came from, not the one its author remem
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from plots.records import commit_of
@@ -21,8 +22,11 @@ def env_txt(path: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
     lines = path.read_text().splitlines()
-    gpu = dict(zip([h.strip() for h in lines[0].split(",")], [v.strip() for v in lines[1].split(",")], strict=False))
-    versions = dict(zip(("torch", "triton", "flashinfer"), lines[2].split(), strict=False)) if len(lines) > 2 else {}
+    gpu = dict(zip([h.strip() for h in lines[0].split(",")], [v.strip() for v in lines[1].split(",")]))
+    words = lines[2].split() if len(lines) > 2 else []
+    # two layouts: bare versions in a fixed order, or "name version" pairs (older sessions)
+    named = bool(words) and words[0] == "torch"
+    versions = dict(zip(words[0::2], words[1::2])) if named else dict(zip(("torch", "triton", "flashinfer"), words))
     return {"driver": gpu.get("driver_version", "?"), **versions}
 
 
@@ -54,3 +58,10 @@ def span(xs, fmt: str = "{:.2f}", unit: str = "") -> str:
     lo, hi = min(xs), max(xs)
     a, b = fmt.format(lo), fmt.format(hi)
     return (a if a == b else f"{a}-{b}") + unit
+
+
+def pytest_summary(path: Path) -> str:
+    """A pytest log's closing tally ('15 passed, 42 deselected'), its duration left out: a count, not a timing."""
+    lines = [x for x in path.read_text().splitlines() if x.strip()]
+    last = lines[-1].strip("= ") if lines else "no output"
+    return re.sub(r" in [\d.]+s.*$", "", last)

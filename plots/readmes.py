@@ -26,6 +26,7 @@ from plots import (
     fig3_13_readme,
     fig4_6_readme,
     fig10_readme,
+    gpu_smoke_readme,
 )
 from plots.records import RecordError, cli
 
@@ -41,6 +42,7 @@ READMES: dict[str, Blocks] = {
     "fig10_throughput": fig10_readme.blocks,
     "fig3_13_link": fig3_13_readme.blocks,
     "fig4_6_similarity_smollm2": fig4_6_readme.blocks,
+    "gpu_smoke_llama3": gpu_smoke_readme.blocks,
 }
 
 
