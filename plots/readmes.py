@@ -27,6 +27,7 @@ from plots import (
     fig4_6_readme,
     fig10_readme,
     gpu_smoke_readme,
+    hata_readme,
 )
 from plots.records import RecordError, cli
 
@@ -43,6 +44,7 @@ READMES: dict[str, Blocks] = {
     "fig3_13_link": fig3_13_readme.blocks,
     "fig4_6_similarity_smollm2": fig4_6_readme.blocks,
     "gpu_smoke_llama3": gpu_smoke_readme.blocks,
+    "hata_smollm2": hata_readme.blocks,
 }
 
 
