@@ -28,6 +28,7 @@ from plots import (
     fig10_readme,
     gpu_smoke_readme,
     hata_readme,
+    key_profile_readme,
 )
 from plots.records import RecordError, cli
 
@@ -45,6 +46,7 @@ READMES: dict[str, Blocks] = {
     "fig4_6_similarity_smollm2": fig4_6_readme.blocks,
     "gpu_smoke_llama3": gpu_smoke_readme.blocks,
     "hata_smollm2": hata_readme.blocks,
+    "key_profile_smollm2": key_profile_readme.blocks,
 }
 
 
