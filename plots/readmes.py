@@ -29,6 +29,7 @@ from plots import (
     gpu_smoke_readme,
     hata_readme,
     key_profile_readme,
+    reuse_profile_readme,
 )
 from plots.records import RecordError, cli
 
@@ -47,6 +48,7 @@ READMES: dict[str, Blocks] = {
     "gpu_smoke_llama3": gpu_smoke_readme.blocks,
     "hata_smollm2": hata_readme.blocks,
     "key_profile_smollm2": key_profile_readme.blocks,
+    "reuse_profile_smollm2": reuse_profile_readme.blocks,
 }
 
 
