@@ -30,6 +30,7 @@ from plots import (
     hata_readme,
     key_profile_readme,
     reuse_profile_readme,
+    speculative_selection_readme,
 )
 from plots.records import RecordError, cli
 
@@ -49,6 +50,7 @@ READMES: dict[str, Blocks] = {
     "hata_smollm2": hata_readme.blocks,
     "key_profile_smollm2": key_profile_readme.blocks,
     "reuse_profile_smollm2": reuse_profile_readme.blocks,
+    "speculative_selection_smollm2": speculative_selection_readme.blocks,
 }
 
 

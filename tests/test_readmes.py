@@ -28,7 +28,6 @@ PENDING = {
     "fig10_throughput_qwen25",
     "fig2_breakdown_128k",
     "fig2_breakdown_128k_qwen25",
-    "speculative_selection_smollm2",
     "tab4_hit_rate",
     "tab5_ablation",
     "tab5_accuracy",
