@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from plots import (
+    accuracy_smollm2_readme,
     fig3_13_readme,
     fig4_6_readme,
     fig10_readme,
@@ -51,6 +52,7 @@ READMES: dict[str, Blocks] = {
     "key_profile_smollm2": key_profile_readme.blocks,
     "reuse_profile_smollm2": reuse_profile_readme.blocks,
     "speculative_selection_smollm2": speculative_selection_readme.blocks,
+    "accuracy_smollm2": accuracy_smollm2_readme.blocks,
 }
 
 

@@ -17,7 +17,6 @@ RESULTS = ROOT / "results"
 PENDING = {
     "ablation_cpu",
     "ablation_gpu_128k",
-    "accuracy_smollm2",
     "bench",
     "clo_gpu",
     "fair_baselines_128k",
