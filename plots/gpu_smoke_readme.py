@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plots.readme_parts import machine, pytest_summary, span
+from plots.readme_parts import machine, pipe, pytest_summary, span
 from plots.records import commit_of, load_records, tokens
 
 
@@ -26,11 +26,6 @@ def cells(m: dict) -> list[str]:
         f"{m['step_over_floor']:.2f}",
         f"{m['decode_tokens_per_s']:.1f}",
     ]
-
-
-def pipe(head: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def setup(folder: Path) -> str:

@@ -65,3 +65,9 @@ def pytest_summary(path: Path) -> str:
     lines = [x for x in path.read_text().splitlines() if x.strip()]
     last = lines[-1].strip("= ") if lines else "no output"
     return re.sub(r" in [\d.]+s.*$", "", last)
+
+
+def pipe(head: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of cells already formatted (plots.markdown.md formats numbers its own way)."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])

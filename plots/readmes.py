@@ -24,6 +24,7 @@ from pathlib import Path
 
 from plots import (
     accuracy_smollm2_readme,
+    clo_gpu_readme,
     fig3_13_readme,
     fig4_6_readme,
     fig10_readme,
@@ -53,6 +54,7 @@ READMES: dict[str, Blocks] = {
     "reuse_profile_smollm2": reuse_profile_readme.blocks,
     "speculative_selection_smollm2": speculative_selection_readme.blocks,
     "accuracy_smollm2": accuracy_smollm2_readme.blocks,
+    "clo_gpu": clo_gpu_readme.blocks,
 }
 
 
