@@ -9,6 +9,8 @@ from pathlib import Path
 
 from plots.records import commit_of
 
+TALLY = re.compile(r"^=*\s*\d+ (?:passed|failed)")
+
 
 def commit(rec: dict) -> str:
     """'commit <id>', with ' (dirty tree)' where the record says the tree had uncommitted changes."""
@@ -61,10 +63,10 @@ def span(xs, fmt: str = "{:.2f}", unit: str = "") -> str:
 
 
 def pytest_summary(path: Path) -> str:
-    """A pytest log's closing tally ('15 passed, 42 deselected'), its duration left out: a count, not a timing."""
-    lines = [x for x in path.read_text().splitlines() if x.strip()]
-    last = lines[-1].strip("= ") if lines else "no output"
-    return re.sub(r" in [\d.]+s.*$", "", last)
+    """A pytest log's last tally ('15 passed, 42 deselected'), its duration left out: a count, not a timing. Some
+    logs end with the machine's description, so the tally is searched for, not taken from the last line."""
+    tallies = [x.strip("= ") for x in path.read_text().splitlines() if TALLY.search(x)]
+    return re.sub(r" in [\d.]+s.*$", "", tallies[-1]) if tallies else "no tally in the log"
 
 
 def pipe(head: list[str], rows: list[list[str]]) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from plots import (
     accuracy_smollm2_readme,
+    bench_readme,
     clo_gpu_readme,
     fig3_13_readme,
     fig4_6_readme,
@@ -55,6 +56,7 @@ READMES: dict[str, Blocks] = {
     "speculative_selection_smollm2": speculative_selection_readme.blocks,
     "accuracy_smollm2": accuracy_smollm2_readme.blocks,
     "clo_gpu": clo_gpu_readme.blocks,
+    "bench": bench_readme.blocks,
 }
 
 

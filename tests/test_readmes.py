@@ -18,7 +18,6 @@ RESULTS = ROOT / "results"
 PENDING = {
     "ablation_cpu",
     "ablation_gpu_128k",
-    "bench",
     "fair_baselines_128k",
     "fidelity",  # generated whole by plots.fidelity --readme; joins plots.readmes once its sweep is done
     "fig10_beyond",
