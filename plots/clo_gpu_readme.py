@@ -54,7 +54,7 @@ def table(rows: list[dict]) -> str:
         own = m.get("system_floor_ms_per_step")
         body.append(
             [
-                f"`{r['file'].removesuffix('.json')}`",
+                f"`{r['file']}`",
                 commit_of(x),
                 tokens(x["seqlen"]),
                 label(x),

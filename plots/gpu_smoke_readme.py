@@ -79,7 +79,7 @@ def graph(folder: Path) -> str:
         body.append(
             [tokens(x["seqlen"]), str(x["batch"]), x.get("decode_mode", "eager")]
             + cells(x["metrics"])
-            + ["-" if att is None else f"{att:.2f}", f"`{r['file']}`", commit_of(x)]
+            + ["-" if att is None else f"{att:.2f}", f"`graph/{r['file']}`", commit_of(x)]
         )
     head = ["seqlen", "batch", "decode", "ms/step", "floor ms", "x floor", "tok/s", "attention ms", "record", "commit"]
     xs = [r["record"] for r in rs]
