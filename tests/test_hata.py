@@ -134,6 +134,7 @@ def test_the_commands_write_their_files_on_a_tiny_model(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from experiments.producers import hata_recall, train_hata
+    from plots.hata_readme import tables
     from tests.test_config import CONF
     from tests.test_reuse_profile import TINY, tiny_decode
 
@@ -164,4 +165,4 @@ def test_the_commands_write_their_files_on_a_tiny_model(tmp_path):
     rows = data["summary"]["needle_held_out"]
     assert set(rows) == {"exact", "learned_rbit16", "simhash_rbit16", "pq"} and rows["exact"]["recall"] == 1.0
     assert all(0 <= v["recall"] <= 1 and 0 <= v["mass"] <= 1 for v in rows.values())
-    assert "learned - SimHash" in hata_recall.readme(data)
+    assert "learned - SimHash" in tables(data)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from plots import readmes
+from plots.records import COMMIT_ID
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -15,20 +16,10 @@ RESULTS = ROOT / "results"
 # READMEs not yet converted to generated blocks: their prose still holds hand-typed measurements. Each leaves this
 # list when plots.readmes.READMES fills it; the test below fails for one that is in both.
 PENDING = {
-    "accuracy_smollm2",
-    "bench",
-    "clo_gpu",
     "fair_baselines_128k",
     "fig10_prefill",
     "fig2_breakdown_128k",
     "fig2_breakdown_128k_qwen25",
-    "fig3_13_link",
-    "fig4_6_similarity_smollm2",
-    "gpu_smoke_llama3",
-    "hata_smollm2",
-    "key_profile_smollm2",
-    "reuse_profile_smollm2",
-    "speculative_selection_smollm2",
 }
 
 # A measurement in prose: a number with a unit of time, size, rate or ratio, or a decimal with two or more
@@ -116,3 +107,14 @@ def test_check_names_a_stale_block_and_a_block_without_a_generator(tmp_path, mon
         readmes.ReadmeError, match=r"without a generator: \['n'\]; generators without a block: \['other'\]"
     ):
         readmes.run(tmp_path / "results", check=True)
+
+
+def test_the_results_index_states_no_measurement():
+    """results/README.md is an index of the folders: a number there would be one more copy to drift from the
+    records, so it names what each folder measures, not what it found (nor the commit it ran at)."""
+    bad = [
+        f"line {i}: {m[0]!r}"
+        for i, line in prose((RESULTS / "README.md").read_text())
+        for m in [*MEASURED.finditer(line), *COMMIT_ID.finditer(line)]
+    ]
+    assert not bad, f"results/README.md states measurements or commits: {bad[:5]}"

@@ -156,44 +156,6 @@ def measure(cfg: DictConfig, decode=decode_real) -> dict:
     }
 
 
-def readme(data: dict) -> str:
-    """The results folder's README.md, from its record alone."""
-    s = data["settings"]
-    lines = [
-        f"# Learned HATA hashes vs SimHash on {data['model']} (held-out prompts)",
-        "",
-        "Written by `python -m experiments.producers.hata_recall` from `record.json` (beside this file):",
-        "",
-        f"    {data['provenance']['command']}",
-        "",
-        f"git {data['provenance']['git'].get('commit', 'unknown')[:12]}, {data['environment']['platform']}, "
-        f"torch {data['environment']['torch']}; capture {data['wall_s']['capture']} s, "
-        f"scoring {data['wall_s']['score']} s.",
-        "",
-        f"Per decode step, layer {data['layers']} and KV head: recall = the share of the exact top-k (sum over the "
-        f"query group of q . k over the prompt's middle; k = CLO's budget at top-k {s['topk_ratio']}, sink "
-        f"{s['sink']}, recent {s['recent']}) that the hash retriever's top-k holds; mass = the softmax attention "
-        "over the middle that its top-k covers (exact: the ceiling). Means over steps, heads and prompts, then "
-        "over layers. The weights were trained by `experiments.producers.train_hata` on other prompts "
-        "(`data/hata/*.json`). `pq`: PQCache's product quantisation (2 sub-vectors x 64 centroids a KV head, "
-        "k-means on the prompt's middle keys), whose top-k ranks by the query group's summed softmax: its recall "
-        "is against a top-k of another order, its mass comparable.",
-        "",
-    ]
-    for group, rows in data["summary"].items():
-        lines += [f"## {group}", "", "| hashes | recall | mass |", "|---|---|---|"]
-        lines += [f"| {name} | {v['recall']:.4f} | {v['mass']:.4f} |" for name, v in rows.items()]
-        for rbit in sorted({n.split("rbit")[1] for n in rows if "rbit" in n}, key=int):
-            learned, simhash = rows[f"learned_rbit{rbit}"], rows[f"simhash_rbit{rbit}"]
-            lines.append(
-                f"\nrbit {rbit}: learned - SimHash = {learned['recall'] - simhash['recall']:+.4f} recall, "
-                f"{learned['mass'] - simhash['mass']:+.4f} mass."
-            )
-        lines.append("")
-    lines += ["Prompts:", "", *(f"- {p}" for p in data["prompts"]), ""]
-    return "\n".join(lines)
-
-
 def out_path(cfg: DictConfig) -> Path:
     return repo_path(cfg.get("recall_out") or f"results/hata_{cfg.model.name}/record.json")
 
@@ -208,11 +170,11 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as e:
         refuse(e)
     write_json_atomic(path, data)
-    path.with_name("README.md").write_text(readme(data))
     for group, rows in data["summary"].items():
         for name, vals in rows.items():
             print(f"{group:>16} {name:>16}: recall {vals['recall']:.4f}, mass {vals['mass']:.4f}")
-    print(f"-> {path}")
+    # the README beside it is prose around blocks that plots.readmes fills from this record
+    print(f"-> {path}; its README: python -m plots.readmes")
 
 
 if __name__ == "__main__":
