@@ -25,6 +25,7 @@ from pathlib import Path
 from plots import (
     ablation_readme,
     fig10_beyond_readme,
+    fig10_prefill_readme,
     fig10_readme,
     fig10_variants_readme,
     tab4_readme,
@@ -45,6 +46,7 @@ READMES: dict[str, Blocks] = {
     "ablation_cpu": ablation_readme.cpu_blocks,
     "ablation_gpu_128k": ablation_readme.gpu_blocks,
     "fig10_beyond": fig10_beyond_readme.blocks,
+    "fig10_prefill": fig10_prefill_readme.blocks,
     "fig10_throughput": fig10_readme.blocks,
     "fig10_throughput_nobudget": fig10_variants_readme.blocks,
     "fig10_throughput_qwen25": fig10_variants_readme.qwen25_blocks,
