@@ -52,6 +52,7 @@ READMES: dict[str, Blocks] = {
     "fig10_throughput_nobudget": fig10_variants_readme.blocks,
     "fig10_throughput_qwen25": fig10_variants_readme.qwen25_blocks,
     "fig2_breakdown_128k": fig2_readme.llama3_blocks,
+    "fig2_breakdown_128k_qwen25": fig2_readme.qwen25_blocks,
     "tab4_hit_rate": tab4_readme.blocks,
     "tab5_ablation": tab5_readme.ablation_blocks,
     "tab5_accuracy": tab5_readme.table_blocks,

@@ -20,7 +20,6 @@ PENDING = {
     "clo_gpu",
     "fair_baselines_128k",
     "fidelity",  # generated whole by plots.fidelity --readme; joins plots.readmes once its sweep is done
-    "fig2_breakdown_128k_qwen25",
     "fig3_13_link",
     "fig4_6_similarity_smollm2",
     "gpu_smoke_llama3",
