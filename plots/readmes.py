@@ -46,6 +46,7 @@ Blocks = Callable[[Path], dict[str, str]]
 READMES: dict[str, Blocks] = {
     "ablation_cpu": ablation_readme.cpu_blocks,
     "ablation_gpu_128k": ablation_readme.gpu_blocks,
+    "fair_baselines_128k": fig2_readme.fair_blocks,
     "fig10_beyond": fig10_beyond_readme.blocks,
     "fig10_prefill": fig10_prefill_readme.blocks,
     "fig10_throughput": fig10_readme.blocks,

@@ -18,7 +18,6 @@ PENDING = {
     "accuracy_smollm2",
     "bench",
     "clo_gpu",
-    "fair_baselines_128k",
     "fidelity",  # generated whole by plots.fidelity --readme; joins plots.readmes once its sweep is done
     "fig3_13_link",
     "fig4_6_similarity_smollm2",
