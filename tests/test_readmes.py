@@ -13,15 +13,6 @@ from plots.records import COMMIT_ID
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 
-# READMEs not yet converted to generated blocks: their prose still holds hand-typed measurements. Each leaves this
-# list when plots.readmes.READMES fills it; the test below fails for one that is in both.
-PENDING = {
-    "fair_baselines_128k",
-    "fig10_prefill",
-    "fig2_breakdown_128k",
-    "fig2_breakdown_128k_qwen25",
-}
-
 # A measurement in prose: a number with a unit of time, size, rate or ratio, or a decimal with two or more
 # places (a hit rate, a ratio of steps).
 MEASURED = re.compile(
@@ -55,10 +46,9 @@ def prose(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def test_every_results_readme_is_generated_or_pending():
+def test_every_results_readme_has_its_generator():
     assert set(readmes.READMES) <= set(folders()), "a generator for a README that does not exist"
-    assert not set(readmes.READMES) & PENDING, "converted READMEs stay in PENDING: take them out"
-    assert set(folders()) - set(readmes.READMES) == PENDING, "a new results README: fill it from plots.readmes"
+    assert set(folders()) == set(readmes.READMES), "a new results README: fill its numbers from plots.readmes"
 
 
 @pytest.mark.parametrize("name", sorted(readmes.READMES))
@@ -68,7 +58,7 @@ def test_a_readmes_blocks_are_what_its_records_give(name):
     assert not changed, f"{path}: blocks {changed} differ from the records': python -m plots.readmes"
 
 
-@pytest.mark.parametrize("name", sorted(set(folders()) - PENDING))
+@pytest.mark.parametrize("name", folders())
 def test_a_readmes_prose_states_no_measurement(name):
     bad = []
     for i, line in prose((RESULTS / name / "README.md").read_text()):
