@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from kvoffload.paths import repo_path
+from plots.readme_blocks import fill
 from plots.records import load_files
 
 NAMES = {
@@ -158,8 +159,6 @@ def blocks(folder: Path) -> dict[str, str]:
 
 def readme(data: dict) -> str:
     """A new folder's README: TEMPLATE with its blocks filled from data."""
-    from plots.readmes import fill  # plots.readmes imports this module for its registry
-
     return fill(TEMPLATE.format(model=data["model"]), Path(), lambda _: blocks_of(data))[0]
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from plots import readmes
+from plots import readme_blocks, readmes
 from plots.records import COMMIT_ID
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def folders() -> list[str]:
 
 def prose(text: str) -> list[tuple[int, str]]:
     """(line number, line) of a README's prose: outside its generated blocks, code blocks and `code spans`."""
-    text = readmes.BLOCK.sub(lambda m: "\n" * m[0].count("\n"), text)
+    text = readme_blocks.BLOCK.sub(lambda m: "\n" * m[0].count("\n"), text)
     out, fenced, code, blank = [], False, False, True
     for i, line in enumerate(text.splitlines(), 1):
         if line.startswith("```"):
