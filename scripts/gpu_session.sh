@@ -62,8 +62,9 @@ stage() {  # stage <name> <seconds> <command...>
 # results/investigations/infinigen_threads/); its log gives the first-touch rate
 stage host_warmup 150 python3 scripts/touch_host_memory.py ${HOST_WARMUP_GB:+--gb $HOST_WARMUP_GB}
 stage pytest_gpu ${PYTEST_SECS:-420} python3 -m pytest -m gpu -q --durations=15 tests/
-# FOCUS picks tests by name (-k), FOCUS_FILES the files (default tests/test_gpu.py)
-stage pytest_focus 200 python3 -m pytest -m gpu -q ${FOCUS_FILES:-tests/test_gpu.py} \
+# FOCUS picks tests by name (-k), FOCUS_FILES the files (default tests/test_gpu.py, test_uva_gpu.py, test_clo_gpu.py)
+gpu_tests="tests/test_gpu.py tests/test_uva_gpu.py tests/test_clo_gpu.py"
+stage pytest_focus 200 python3 -m pytest -m gpu -q ${FOCUS_FILES:-$gpu_tests} \
   -k "${FOCUS:-retroinfer or fullattn or uva}"
 stage bench_attn 240 python3 -m experiments.bench.bench_decode_attention --batches 1,2,4,8,16 --lengths 32k,64k,128k \
   --out "$out/decode_attention.json"
@@ -91,7 +92,7 @@ stage skew_eigh 60 python3 -m experiments.bench.bench_skew_eigh --out "$out/skew
 # RetroInfer-style's block copy against CLO's row gather and a bulk copy of the same bytes (Figure 10's shapes)
 stage block_copy 120 python3 -m experiments.bench.bench_block_copy --out "$out/block_copy.json"
 stage bench_clo 60 python3 -m experiments.bench.bench_clo --out "$out/bench_clo.json"
-stage pytest_clo_gpu 120 python3 -m pytest -m gpu -q tests/test_gpu.py -k clo
+stage pytest_clo_gpu 120 python3 -m pytest -m gpu -q tests/test_gpu.py tests/test_clo_gpu.py -k clo
 stage pytest_gemv 120 python3 -m pytest -m gpu -q tests/test_gemv.py
 stage tune_gemv 240 python3 -m experiments.bench.tune_gemv --out "$out/gemv_tuning.json"
 stage tune 180 python3 -m experiments.bench.tune_retrieval_kernels --out "$out/retrieval_tuning.json"

@@ -11,4 +11,5 @@ if [[ ! -d "$site/triton" ]]; then
   .venv/bin/python -m pip install -q --no-deps --target "$site" triton==3.6.0 numpy==2.2.6
 fi
 PYTHONPATH="$site" TRITON_INTERPRET=1 exec .venv/bin/python -m pytest -q -p no:cacheprovider \
-  tests/test_clo_kernels.py tests/test_kernels.py tests/test_dense_ops.py tests/test_gemv.py tests/test_fp8_kernels.py "$@"
+  tests/test_clo_kernels.py tests/test_clo_select_kernels.py tests/test_kernels.py tests/test_dense_ops.py \
+  tests/test_gemv.py tests/test_fp8_kernels.py "$@"

@@ -8,7 +8,7 @@ import pytest
 
 from experiments.runner.run_settings import check_writable
 from kvoffload.errors import ConfigError
-from tests.test_run_command import FAST, run, single_error
+from tests.run_helpers import FAST, run, single_error
 
 
 def given(tmp: Path) -> Path:

@@ -14,7 +14,7 @@ from kvoffload.kernels import fp8_rows
 from kvoffload.kv.interface import GB, KVSpec, check_kv_dtype
 from kvoffload.kv.timer import PhaseTimer
 from kvoffload.model.rope import rope_frequencies
-from tests.test_run_command import FAST, run, single_error
+from tests.run_helpers import FAST, run, single_error
 from tests.test_system_contract import build, prefill_random
 
 OFFLOADING = ["clo", "infinigen", "pqcache", "retroinfer", "shadowkv"]

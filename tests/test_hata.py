@@ -23,7 +23,7 @@ from kvoffload.offload.retrieval import (
     simhash_weights,
 )
 from kvoffload.paths import ROOT
-from tests.test_baselines import feed
+from tests.baseline_helpers import feed
 
 B, H, HKV, D, L, T0, STEPS = 2, 8, 2, 16, 3, 123, 4
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
 from experiments.runner.records import SweepSummary
-from tests.test_run_command import FAST, ROOT, records
+from tests.run_helpers import FAST, ROOT, records
 
 LONG = "workload.gen_tokens=5000"  # a decode that Ctrl-C stops long before its end
 

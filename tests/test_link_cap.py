@@ -11,7 +11,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.kernels.link_pacer import chunk_rows, claim_ref, quantum_bytes, simulate_ref, slot_ns
 from kvoffload.kv.interface import KVSpec
 from kvoffload.offload.link import LinkPacer, link_pacer
-from tests.test_run_command import run, single_error
+from tests.run_helpers import run, single_error
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9

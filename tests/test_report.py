@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from experiments import report
-from tests.test_plots import RESULTS, fig2_folder, refused, run_record, write
+from tests.plot_helpers import RESULTS, fig2_folder, refused, run_record, write
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@ an ascending select (a sort after it, or its ordered last pass) at RetroInfer-st
 at InfiniGen-style's (bf16 scores: torch.topk and a sort, or the radix select of the widened scores).
 The scores and the select are also timed together, with the select's first pass counted by the scores' kernel or
 by a pass of its own. The defaults in kvoffload/kernels/ are chosen from this table; the kernels' correctness is
-tests/test_clo_kernels.py's.
+tests/test_clo_select_kernels.py's.
 
     python -m experiments.bench.tune_retrieval_kernels --out results/bench/retrieval_tuning.json
 """
