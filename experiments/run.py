@@ -185,6 +185,9 @@ def release_memory() -> None:
     gc.collect()
     if torch.cuda.is_initialized():  # is_available() would initialise the driver: a later fork's CUDA would fail
         torch.cuda.synchronize()
+        # cuBLAS keeps a workspace per handle and stream it ran on, allocated from the caching allocator and held
+        # there, so empty_cache() alone cannot return them
+        getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
         torch.cuda.empty_cache()
         empty_host_cache()
 
