@@ -4,7 +4,7 @@
 #   bash results/investigations/sweep_hygiene/probe.sh   # on a GPU machine, from the repository root
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv
-for sweep in "seqlen=4k system=clo,fullattn" "seqlen=4k system=fullattn,clo" "seqlen=4k,8k system=fullattn"; do
+for sweep in "seqlen=4k system=clo,fullattn" "seqlen=4k system=fullattn,clo" "seqlen=2k,4k system=fullattn"; do
   d=$(mktemp -d)
   python3 -m experiments.run --multirun model.weights=synthetic workload.gen_tokens=4 wandb.enabled=false \
     results_dir="$d" job_process=inline $sweep > "$d/sweep.log" 2>&1 || tail -5 "$d/sweep.log"
