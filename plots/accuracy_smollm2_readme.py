@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from plots import tab5_accuracy
-from plots.readme_parts import commit, machine, span
+from plots.markdown import span
+from plots.readme_parts import commit, machine
 from plots.records import SYSTEMS, tokens
 
 ORDER = ("fullattn", "clo")

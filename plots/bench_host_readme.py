@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plots.readme_parts import machine, pipe, span
+from plots.markdown import md, span
+from plots.readme_parts import machine
 from plots.records import commit_of, read_json
 
 GIB = 1 << 30
@@ -49,7 +50,7 @@ def pin(folder: Path, name: str) -> str:
         f"`{name}.json`: commit {commit_of(rec)}, {machine(rec)}; {size:.0f} GiB in {rows[0]['layers']} buffers of "
         f"{size / rows[0]['layers']:.0f} GiB, {rec['link_tokens']} rows of one "
         f"layer for the link's rates; one run each.\n\n"
-        + pipe(head, body)
+        + md(head, body)
         + f"\n\nAgainst the first row, pinning is {span(faster, '{:.1f}')}x faster; CLO's UVA gather reads the "
         f"others' memory at {span([link(r)['uva']['gb_s'] / link(base)['uva']['gb_s'] for r in rows[1:]])}x its "
         "rate on the first row's."

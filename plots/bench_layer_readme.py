@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plots.readme_parts import machine, pipe
+from plots.markdown import md
+from plots.readme_parts import machine
 from plots.records import commit_of, read_json, tokens
 
 RUNS = ("clo_layer.json", "clo_layer_np0_speculative.json")
@@ -60,7 +61,7 @@ def layer(folder: Path) -> str:
             + [f"{u[f'{q}_default_priority_all_hit']:.1f}" for u in p]
         )
     head = ["part (µs)"] + [f"`{f}` (`persist_query={r['persist_query']}`)" for f, r in zip(RUNS, recs)]
-    return pipe(head, body)
+    return md(head, body)
 
 
 def setup(folder: Path) -> str:

@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 
 from plots import bench_host_readme, bench_layer_readme
-from plots.readme_parts import machine, pipe, pytest_summary, span
+from plots.markdown import md, span
+from plots.readme_parts import machine, pytest_summary
 from plots.records import commit_of, read_json, tokens
 
 ATTENTION = (
@@ -54,7 +55,7 @@ def attention(folder: Path) -> str:
     return (
         ran(rec, "decode_attention.json")
         + f" Device copy bandwidth {rec['copy_bandwidth_gb_s']:.0f} GB/s, measured in the run.\n\n"
-        + pipe(head, body)
+        + md(head, body)
         + f"\n\nOur Triton kernel and flashinfer's tensor-core batch decode are within {span(gap, '{:.0f}', ' %')} of "
         f"each other and at {span(big)}x the floor from 64K tokens or BSZ 2 on; at BSZ 1, {tokens(keys[0][0])} "
         f"{span(small)}x. flashinfer's CUDA-core batch decode is {span(slow)}x the tensor-core one."
@@ -88,7 +89,7 @@ def mechanisms(folder: Path) -> str:
     return (
         ran(rec, "clo_mechanisms.json")
         + f" UVA rows bit-exact against the reference gather: {'all' if exact else '**not all**'}.\n\n"
-        + pipe(head, body)
+        + md(head, body)
         + f"\n\nFused lookup + label update: {lk['lookup_us']} µs = {lk['fraction_of_layer']:.2%} of one layer's dense "
         f"compute ({lk['layer_us']} µs, replayed from a graph). Hash scoring of {tokens(rt['tokens'])} tokens: "
         f"{rt['hash_score_us']} µs against a {rt['floor_us']} µs memory floor. The top-k of those scores: "
@@ -121,7 +122,7 @@ def gemv(folder: Path) -> str:
     return (
         ran(rec, "gemv_tuning.json")
         + f" Device copy of the same run: {rec['hbm_gb_s']:.0f} GB/s.\n\n"
-        + pipe(["projection (Llama-3-8B)", "cuBLAS µs", "ours µs", "ours, of copy"], body)
+        + md(["projection (Llama-3-8B)", "cuBLAS µs", "ours µs", "ours, of copy"], body)
         + f"\n\nThe defaults are at most {worst:.1%} slower than the sweep's fastest for each projection."
     )
 
@@ -173,7 +174,7 @@ def retrieval(folder: Path) -> str:
     return (
         ran(rec, "retrieval_tuning.json")
         + f" {tokens(rec['seqlen'])}, k = {rec['k']}, rbit {rec['rbit']}.\n\n"
-        + pipe(["kernel", "variants (µs, 6 heads unless named)"], body)
+        + md(["kernel", "variants (µs, 6 heads unless named)"], body)
     )
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from plots.readme_parts import machine, pipe, pytest_summary, span
+from plots.markdown import md, span
+from plots.readme_parts import machine, pytest_summary
 from plots.records import SYSTEMS, commit_of, load_records, tokens
 
 FIG2 = "fig2_breakdown_128k"  # Figure 2's 128K pair, the same workload in its own sweep
@@ -69,7 +70,7 @@ def table(rows: list[dict]) -> str:
             ]
         )
     machines = sorted({machine(r["record"]) for r in rows})
-    return pipe(head, body) + "\n\nOn " + "; ".join(machines) + "."
+    return md(head, body) + "\n\nOn " + "; ".join(machines) + "."
 
 
 def query_process(rec: dict) -> str:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from plots import fig3_13_link, paper
-from plots.readme_parts import commit, machine, span
+from plots.markdown import span
+from plots.readme_parts import commit, machine
 from plots.records import tokens
 
 MIB = 1 << 20

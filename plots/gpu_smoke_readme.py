@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plots.readme_parts import machine, pipe, pytest_summary, span
+from plots.markdown import md, span
+from plots.readme_parts import machine, pytest_summary
 from plots.records import commit_of, load_records, tokens
 
 
@@ -53,7 +54,7 @@ def eager(folder: Path) -> str:
     ]
     head = ["seqlen", "attention", "phase events", "ms/step", "floor ms", "x floor", "tok/s"]
     commits = sorted({commit_of(x) for x in rows})
-    return f"Commit {', '.join(commits)}; {machines(rows)}.\n\n" + pipe(head, body)
+    return f"Commit {', '.join(commits)}; {machines(rows)}.\n\n" + md(head, body)
 
 
 def eager_findings(folder: Path) -> str:
@@ -86,7 +87,7 @@ def graph(folder: Path) -> str:
     bw = [x["metrics"]["bandwidth_gb_s"] / 1000 for x in xs]
     return (
         f"{machines(xs)}.\n\n"
-        + pipe(head, body)
+        + md(head, body)
         + f"\n\nThe copy bandwidth the floors use, measured in each run: {span(bw, unit=' TB/s')}. "
         + "'attention ms': where the run timed its phases."
     )

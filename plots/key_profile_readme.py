@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from kvoffload.paths import repo_path
-from plots.readme_parts import commit, machine, span
+from plots.markdown import span
+from plots.readme_parts import commit, machine
 from plots.records import load_files, read_json
 
 DENSE = 2  # the systems' dense layers: the record's overlaps and the quantities below leave them out

@@ -55,21 +55,8 @@ def machine(rec: dict, env_file: Path | None = None) -> str:
     return ", ".join(parts)
 
 
-def span(xs, fmt: str = "{:.2f}", unit: str = "") -> str:
-    """'lo-hi' of xs in fmt (one value where both print the same), then unit."""
-    lo, hi = min(xs), max(xs)
-    a, b = fmt.format(lo), fmt.format(hi)
-    return (a if a == b else f"{a}-{b}") + unit
-
-
 def pytest_summary(path: Path) -> str:
     """A pytest log's last tally ('15 passed, 42 deselected'), its duration left out: a count, not a timing. Some
     logs end with the machine's description, so the tally is searched for, not taken from the last line."""
     tallies = [x.strip("= ") for x in path.read_text().splitlines() if TALLY.search(x)]
     return re.sub(r" in [\d.]+s.*$", "", tallies[-1]) if tallies else "no tally in the log"
-
-
-def pipe(head: list[str], rows: list[list[str]]) -> str:
-    """A markdown table of cells already formatted (plots.markdown.md formats numbers its own way)."""
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
