@@ -38,6 +38,10 @@ def said(d: tuple[float, float, float], unit: str = " points", digits: int = 2) 
     return span if low > 0 or high < 0 else f"{span}, none measurable"
 
 
+def hit(rec: dict) -> str:
+    return "–" if rec["hit_rate"] is None else f"{rec['hit_rate']:.3f}"
+
+
 def findings(records: list[dict]) -> list[str]:
     by = {r["label"]: r for r in records}
     base = by.get(BASE)
@@ -66,10 +70,10 @@ def findings(records: list[dict]) -> list[str]:
     if etas:
         eta = lambda r: r["label"].rsplit("eta", 1)[1]  # noqa: E731
         out.append(
-            "CLO's eta (default 0.8: top-1, hit rate, host→device KB a step): "
+            "CLO's eta (default 0.8: top-1, hit rate (–: no step reused a selection), host→device KB a step): "
             + "; ".join(
                 f"{eta(r) if r is not base else '0.8'}: {100 * r['summary']['top1']['mean']:.2f} %, "
-                f"{r['hit_rate']:.3f}, {r['bytes_h2d_per_step'] / 1e3:.0f}"
+                f"{hit(r)}, {r['bytes_h2d_per_step'] / 1e3:.0f}"
                 for r in sorted([*etas, base], key=lambda r: eta(r) if r is not base else "0.8")
             )
             + "."

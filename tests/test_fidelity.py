@@ -192,7 +192,7 @@ def test_the_command_end_to_end_on_the_python_documentation(tmp_path):
     ]  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    from plots.fidelity import by_length, load, readme
+    from plots.fidelity import blocks, by_length, load
 
     records = by_length(load(tmp_path))[512]
     assert [r["label"] for r in records] == ["fullattn", "clo"]
@@ -201,7 +201,7 @@ def test_the_command_end_to_end_on_the_python_documentation(tmp_path):
     assert [d["name"] for d in full["documents"]] == [d["name"] for d in clo["documents"]]
     assert all(len(d["sha256"]) == 64 for d in full["documents"])
     assert clo["plan_inputs"]["pinned"] == {"link_gb_s": True, "layer_time_ms": True}
-    assert "| clo | 2 |" in readme(tmp_path)
+    assert "| clo | 2 |" in blocks(tmp_path)["tables"]
 
 
 def _fidelity_record(system: str, ratio: float, top1: float, **settings) -> dict:
