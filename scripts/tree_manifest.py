@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# what decides what a run computes: the code and its configuration (results and data files are inputs or outputs)
+# what decides what a run computes: the code and its configuration (results and data files are inputs or outputs);
+# experiments.runner.records.CODE_SUFFIXES, spelled here so that this script needs no torch
 CODE_SUFFIXES = (".py", ".yaml", ".sh", ".toml", ".cfg")
 
 

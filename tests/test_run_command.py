@@ -163,6 +163,29 @@ def test_the_launchers_commit_wins_over_a_stale_git(monkeypatch):
     assert git_commit(ROOT)["commit"] == got["local_git_head"]
 
 
+def test_a_local_run_is_dirty_only_for_changed_code(tmp_path):
+    """A record's dirty flag counts the code files the manifest would (scripts/tree_manifest.py): a sweep that
+    rewrites a committed record leaves its tree clean; a changed .py or .yaml does not."""
+    import subprocess
+
+    from experiments.runner.records import CODE_SUFFIXES, git_commit
+
+    script = (ROOT / "scripts" / "tree_manifest.py").read_text()
+    assert repr(CODE_SUFFIXES).replace("'", '"') in script, "scripts/tree_manifest.py counts other files as code"
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "record.json").write_text("{}")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    (tmp_path / "results" / "record.json").unlink()
+    assert git_commit(tmp_path)["dirty"] is False
+    (tmp_path / "a.py").write_text("x = 2\n")
+    got = git_commit(tmp_path)
+    assert got["dirty"] is True and got["changed"] == ["a.py"]
+
+
 def test_a_copy_of_the_tree_is_checked_against_its_manifest(tmp_path):
     """On the GPU machine's copy (CLO_GIT_COMMIT set, a stale .git) the carried manifest of the commit's code files
     (scripts/tree_manifest.py) tells a record whether the files are that commit's: dirty False, True naming the

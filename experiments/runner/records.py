@@ -140,9 +140,9 @@ def git_commit(repo: Path) -> dict[str, Any]:
 
     try:
         commit = git("rev-parse", "--verify", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        changed = code_files(git("diff", "--name-only", "HEAD").splitlines())
     except (OSError, subprocess.SubprocessError):
-        commit, dirty = "", None
+        commit, changed = "", None
     # The launcher's word wins: the GPU machine's copy of the tree may carry a stale .git (or none) whose HEAD
     # is not the commit its files come from; the manifest carried with it (scripts/tree_manifest.py) says whether
     # its files are that commit's
@@ -154,7 +154,18 @@ def git_commit(repo: Path) -> dict[str, Any]:
             "from": "CLO_GIT_COMMIT",
             "local_git_head": commit or None,
         }
-    return {"commit": commit, "dirty": dirty}
+    if changed is None:
+        return {"commit": commit, "dirty": None}
+    return {"commit": commit, "dirty": bool(changed), "changed": changed[:20]}
+
+
+# what decides what a run computes, as scripts/tree_manifest.py counts it: the code and its configuration; results
+# and data files are a run's outputs or inputs (a sweep that rewrites its own records leaves the code clean)
+CODE_SUFFIXES = (".py", ".yaml", ".sh", ".toml", ".cfg")
+
+
+def code_files(paths: list[str]) -> list[str]:
+    return sorted(p for p in paths if p.endswith(CODE_SUFFIXES) and not p.startswith("results/"))
 
 
 @functools.cache
