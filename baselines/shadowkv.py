@@ -342,6 +342,7 @@ class ShadowKV(KVOffloadSystem):
             "geometry": None if g is None else {**vars(g), "landmarks": g.landmarks},
             "rank": self.rank,
             "rebuilt_chunks_per_layer_step": self.missed / max(self.stepped, 1),
+            "link_gb_s": None if self.g is None else self.spec.link_bytes_per_s / 1e9,  # what its floor divides by
             "defaults_source": "bytedance-seed/ShadowKV models/kv_cache.py (ShadowKVCache_CPU): sparse_budget 2048, "
             "rank 160, chunk_size 8, local_chunk 4, outlier_chunk (sparse_budget // 1024) * 24",
             "memory_parts": self.memory_parts(),

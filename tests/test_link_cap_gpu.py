@@ -94,8 +94,10 @@ def test_cpu_gather_and_block_copies_keep_to_the_cap():
         with moving(pacer, count=src, unit_bytes=blocks[0].nbytes):
             uva_copy_blocks(blocks, src, cache, dst)
 
+    # 4 KB blocks may copy slower than the cap on their own: paced, the copy runs at the slower of the two
+    own = gb_s(2048 * blocks[0].nbytes, lambda: uva_copy_blocks(blocks, src, cache, dst))
     got = gb_s(2048 * blocks[0].nbytes, copy)
-    assert abs(got - cap) / cap <= TOLERANCE, (got, cap)
+    assert min(cap, own) * (1 - TOLERANCE) <= got <= cap * (1 + TOLERANCE), (got, cap, own)
     want = torch.zeros_like(cache)
     copy_blocks_ref(blocks, src.cpu(), want, dst.cpu())
     assert torch.equal(cache, want)
