@@ -45,7 +45,14 @@ class Geometry:
 
 
 def outlier_rule(budget: int, fixed: int | None) -> int:
-    return fixed if fixed is not None else (budget // 1024) * OUTLIERS_PER_1024
+    """`fixed`, else the original's rule; below a 1024-token budget, where that rule keeps no outlier (the original
+    never runs there), the same share of the budget rounded up: the outliers hold the chunks no landmark stands for,
+    the attention sink's among them, and a matched budget on a short prompt would otherwise lose them all."""
+    if fixed is not None:
+        return fixed
+    if budget >= 1024:
+        return (budget // 1024) * OUTLIERS_PER_1024
+    return math.ceil(budget * OUTLIERS_PER_1024 / 1024)
 
 
 def geometry(

@@ -10,7 +10,15 @@ import torch
 
 from baselines.fullattn import dense_decode_attention
 from baselines.shadowkv import ShadowKV
-from baselines.shadowkv_parts import geometry, landmarks_and_outliers, low_rank, rebuild, slot_assignment, unrotate
+from baselines.shadowkv_parts import (
+    geometry,
+    landmarks_and_outliers,
+    low_rank,
+    outlier_rule,
+    rebuild,
+    slot_assignment,
+    unrotate,
+)
 from kvoffload.errors import ConfigError
 from kvoffload.kernels.dense_ops import apply_rotary, cos_sin
 from kvoffload.kv.interface import KVSpec
@@ -137,7 +145,9 @@ def test_the_originals_geometry_and_a_budget_from_the_ratio():
         geo = geometry(t0, 8, 4, 2048, 0.1, None)
         attended = geo.local + (geo.outliers + geo.select) * 8
         assert math.ceil(0.1 * t0) - 8 < attended <= math.ceil(0.1 * t0)
-        assert geo.outliers == geo.budget // 1024 * 24 and geo.select * 8 == geo.budget
+        assert geo.outliers == outlier_rule(geo.budget, None) and geo.select * 8 == geo.budget
+    assert outlier_rule(2048, None) == 48 and outlier_rule(1536, None) == 24  # the original's rule from 1024 up
+    assert geometry(3000, 8, 4, 2048, 0.1, None).outliers == 5  # its share below: ceil(200 * 24 / 1024)
 
 
 @pytest.mark.parametrize(
