@@ -42,13 +42,20 @@ def hit(rec: dict) -> str:
     return "–" if rec["hit_rate"] is None else f"{rec['hit_rate']:.3f}"
 
 
+def at_default_budget(label: str) -> bool:
+    """A system at the workload's top-k, as run with no override, or with only a budget matched to the others' (a
+    system whose own default is not a top-k ratio: ShadowKV-style's token budget)."""
+    _, *overrides = label.split(" ")
+    return not overrides or (len(overrides) == 1 and overrides[0].startswith("system.topk_ratio="))
+
+
 def findings(records: list[dict]) -> list[str]:
     by = {r["label"]: r for r in records}
     base = by.get(BASE)
     if base is None:
         return []
     out = []
-    systems = [r for r in records if " " not in r["label"] and r["label"] not in ("fullattn", BASE)]
+    systems = [r for r in records if at_default_budget(r["label"]) and r["label"] not in ("fullattn", BASE)]
     if systems:
         ranked = sorted([base, *systems], key=lambda r: -r["summary"]["top1"]["mean"])
         out.append(
