@@ -32,7 +32,7 @@ from baselines.shadowkv_parts import (
     unrotate,
 )
 from kvoffload.errors import ConfigError
-from kvoffload.kernels.fp8_rows import dequantize_rows, quantize_rows
+from kvoffload.kernels.fp8_rows import dequantize_rows
 from kvoffload.kv.interface import KVOffloadSystem, KVSpec
 from kvoffload.offload import host as host_memory
 from kvoffload.offload.budget import check_budget
@@ -200,11 +200,12 @@ class ShadowKV(KVOffloadSystem):
         for j, x in enumerate((k, v)):
             rows = x[:, :, :n].reshape(b, h, g.context, c, d).gather(2, at)
             self.outlier_kv[layer][:, :, :, j] = rows.reshape(b, h, g.outliers * c, d)
-        values = quantize_rows(v[:, :, :n, None])[:, :, :, 0] if self.spec.fp8 else v[:, :, :n]
-        if self.pacer is None:
-            self.host_v[layer].copy_(values)
-        else:  # the device -> host clock; the static path's gathers read the store on the same stream, after it
-            self.pacer.copy_(self.host_v[layer], values)
+        # on the device -> host clock under a cap; under kv_dtype=fp8 each value row quantised on its way, a bounded
+        # number at a time. The static path's gathers read the store on the same stream, after the copy; the
+        # reference path reads it on the host
+        host_memory.copy_rows(self.pacer, self.host_v[layer][..., None, :], v[:, :, :n, None])
+        if not self.static and self.spec.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
 
     # ---- decode ---------------------------------------------------------------------------------------------
     def begin_step(self) -> None:

@@ -166,3 +166,36 @@ def test_the_systems_offering_fp8_are_the_offloading_ones():
 def test_a_bad_kv_dtype_is_one_error_line(tmp_path, args, message):
     line = single_error(run(*args, "seqlen=64", *FAST, tmp=tmp_path, check=False))
     assert message in line and "shadowkv" in line
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_rows_are_quantised_on_their_way_a_bounded_number_at_a_time(monkeypatch, contiguous):
+    """copy_rows stores what quantize_rows makes of the whole layer at once, in chunks of QUANTIZE_ROWS rows (here a
+    few, so that chunks cross sequence and head boundaries, or stay inside them where kv is a strided view)."""
+    from kvoffload.offload import host as host_memory
+
+    monkeypatch.setattr(host_memory, "QUANTIZE_ROWS", 5)
+    calls = []
+    quantize = host_memory.quantize_rows
+    monkeypatch.setattr(host_memory, "quantize_rows", lambda x: calls.append(x.shape[0]) or quantize(x))
+    kv = torch.randn(2, 3, 13 if contiguous else 20, 2, 8, dtype=torch.bfloat16)
+    kv = kv if contiguous else kv[:, :, :13]
+    host = torch.zeros(2, 3, 13, 2, fp8_rows.packed_width(8), dtype=torch.uint8)
+    host_memory.copy_rows(None, host, kv)
+    assert torch.equal(host, fp8_rows.quantize_rows(kv))
+    assert max(calls) <= 5 and sum(calls) == 2 * 3 * 13
+
+
+def test_the_preflight_counts_the_quantisation_beside_the_prefill():
+    from kvoffload.offload.host import quantize_peak_bytes
+
+    system, m = llama3("clo")
+    plans = {}
+    for kv_dtype in ("model", "fp8"):
+        spec = KVSpec(
+            m.num_layers, 1, 4096 + 16, m.num_heads, m.num_kv_heads, m.head_dim, torch.bfloat16,
+            torch.device("cuda"), prompt_len=4096, rope_inv_freq=rope_frequencies(m), kv_dtype=kv_dtype,
+            **preflight.UNMEASURED,
+        )  # fmt: skip
+        plans[kv_dtype] = preflight.plan_memory(m, system, spec, 4096)
+    assert plans["fp8"].activations - plans["model"].activations == quantize_peak_bytes(m.head_dim) > 0

@@ -14,6 +14,7 @@ import torch
 from kvoffload.errors import ConfigError
 from kvoffload.kv.interface import GB, KVOffloadSystem, KVSpec
 from kvoffload.model.config import ModelConfig
+from kvoffload.offload.host import quantize_peak_bytes
 from kvoffload.units import tokens_text
 
 
@@ -118,9 +119,11 @@ def plan_memory(
     kv_fill: str = "prefill",
 ) -> MemoryPlan:
     est = system.estimate_memory(spec)
+    # an FP8 host store's rows are quantised on the offload stream while the next layer's prefill runs
+    quantize = quantize_peak_bytes(spec.head_dim) if spec.fp8 else 0
     return MemoryPlan(
         weights=cfg.num_params * spec.dtype_bytes,
-        activations=activation_bytes(cfg, seqlen, spec.batch, spec.dtype_bytes, chunk, kv_fill),
+        activations=activation_bytes(cfg, seqlen, spec.batch, spec.dtype_bytes, chunk, kv_fill) + quantize,
         kv_device=est.device_bytes,
         kv_host=est.host_bytes,
         kv_host_pinned=system.pinned_host_bytes(spec) if spec.device.type == "cuda" else est.host_bytes,

@@ -168,6 +168,32 @@ def layer_store(
     return stores[layer]
 
 
+# Rows [2, D] quantised at once on their way to a packed FP8 store: quantize_rows holds a few fp32 copies of what it
+# quantises, which for a batch's whole layer at once would be tens of GB beside the prefill
+QUANTIZE_ROWS = 1 << 15
+QUANTIZE_BYTES_PER_ELEMENT = 16  # the input in fp32, its scaled and clamped copies, the e4m3 values and the output
+
+
+def quantize_peak_bytes(head_dim: int) -> int:
+    """The device memory copy_rows' quantisation holds at once (the preflight adds it under kv_dtype=fp8)."""
+    return QUANTIZE_ROWS * 2 * head_dim * QUANTIZE_BYTES_PER_ELEMENT
+
+
+def copy_rows(pacer: LinkPacer | None, host: torch.Tensor, kv: torch.Tensor) -> None:
+    """host <- kv [B, Hkv, T, 2, D] (host contiguous, kv's rows contiguous within a sequence and head); where the
+    host store is packed FP8 (uint8), quantised on the way, QUANTIZE_ROWS rows at a time: all the rows at once where
+    kv is contiguous too, else each (sequence, head)'s in turn, so that every copy lands in a contiguous range."""
+    if host.dtype != torch.uint8 or kv.dtype == torch.uint8:
+        paced_copy(pacer, host, kv)
+        return
+    if kv.is_contiguous():
+        host, kv = host.view(1, -1, *host.shape[-2:]), kv.view(1, -1, *kv.shape[-2:])
+    h, k = host.flatten(0, -4), kv.flatten(0, -4)  # [blocks, rows, 2, D], views
+    for i in range(h.shape[0]):
+        for a in range(0, h.shape[1], QUANTIZE_ROWS):
+            paced_copy(pacer, h[i, a : a + QUANTIZE_ROWS], quantize_rows(k[i, a : a + QUANTIZE_ROWS]))
+
+
 class Offload:
     """On CUDA, a layer's host copy (into pinned memory: the copy engine, beside the compute stream's kernels) and
     its encoding run on a stream of their own, behind the layer's compute, while the decoder goes on to the next
@@ -185,15 +211,14 @@ class Offload:
         store (kv_dtype=fp8) takes kv quantised here, on the device and on this stream: the rows are quantised where
         they leave the device, once, and the link carries the packed bytes."""
         encode = encode or (lambda: None)
-        packed = host.dtype == torch.uint8 and kv.dtype != torch.uint8
         if self.stream is None:
-            host.copy_(quantize_rows(kv) if packed else kv)
+            copy_rows(None, host, kv)
             encode()
             return
         self.finish()
         self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            paced_copy(self.pacer, host, quantize_rows(kv) if packed else kv)
+        with torch.cuda.stream(self.stream):  # each chunk's quantised rows freed on this stream, after their copy
+            copy_rows(self.pacer, host, kv)
             encode()
             done = torch.cuda.Event()
             done.record()
