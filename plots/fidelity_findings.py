@@ -99,8 +99,10 @@ def findings(records: list[dict]) -> list[str]:
     widths = {r["label"]: (high - low) / 2 for r in records if r is not base for _, low, high in [diff(r, base)[0]]}
     if widths:
         wide = sorted((w, label) for label, w in widths.items() if w > TARGET_HALF_WIDTH)
+        shared = sorted({len(set(per_doc(r, "top1")) & set(per_doc(base, "top1"))) for r in records if r is not base})
+        docs = f"{shared[0]}" if len(shared) == 1 else f"{shared[0]} to {shared[-1]}"
         out.append(
-            f"Paired top-1 intervals against CLO ({len(base['per_document'])} documents) have half-widths "
+            f"Paired top-1 intervals against CLO ({docs} documents shared) have half-widths "
             f"{min(widths.values()):.2f} to {max(widths.values()):.2f} points; above the {TARGET_HALF_WIDTH} points "
             "a comparison needs: " + (", ".join(f"{label} {w:.2f}" for w, label in wide) or "none") + "."
         )
