@@ -55,6 +55,7 @@ def findings(records: list[dict]) -> list[str]:
     if base is None:
         return []
     out = []
+    against = {r["label"]: diff(r, base) for r in records if r is not base}  # each paired bootstrap once
     systems = [r for r in records if at_default_budget(r["label"]) and r["label"] not in ("fullattn", BASE)]
     if systems:
         ranked = sorted([base, *systems], key=lambda r: -r["summary"]["top1"]["mean"])
@@ -62,12 +63,14 @@ def findings(records: list[dict]) -> list[str]:
             "By top-1 agreement: "
             + ", ".join(f"{r['label']} {100 * r['summary']['top1']['mean']:.2f} %" for r in ranked)
             + ". Each baseline minus CLO, paired (top-1; KL): "
-            + "; ".join(f"{r['label']} {said(diff(r, base)[0])}; {said(diff(r, base)[1], '', 4)}" for r in systems)
+            + "; ".join(
+                f"{r['label']} {said(against[r['label']][0])}; {said(against[r['label']][1], '', 4)}" for r in systems
+            )
             + "."
         )
     for label, what in VARIANTS.items():
         if label in by:
-            t, k = diff(by[label], base)
+            t, k = against[label]
             plan = by[label].get("system_state", {}).get("plan", {})
             why = ""
             if label.endswith("persist_speculative") and plan.get("persistent_heads") == 0:
@@ -90,13 +93,12 @@ def findings(records: list[dict]) -> list[str]:
         out.append(
             "FP8 host rows minus the same system's model-dtype rows (top-1; KL): "
             + "; ".join(
-                f"{r['label'].split()[0]} {said(diff(r, ref)[0])}; {said(diff(r, ref)[1], '', 4)}"
-                for r, ref in fp8
-                if ref is not None
+                f"{r['label'].split()[0]} {said(t)}; {said(k, '', 4)}"
+                for r, (t, k) in ((r, diff(r, ref)) for r, ref in fp8 if ref is not None)
             )
             + "."
         )
-    widths = {r["label"]: (high - low) / 2 for r in records if r is not base for _, low, high in [diff(r, base)[0]]}
+    widths = {label: (t[2] - t[1]) / 2 for label, (t, _) in against.items()}
     if widths:
         wide = sorted((w, label) for label, w in widths.items() if w > TARGET_HALF_WIDTH)
         shared = sorted({len(set(per_doc(r, "top1")) & set(per_doc(base, "top1"))) for r in records if r is not base})
@@ -108,7 +110,7 @@ def findings(records: list[dict]) -> list[str]:
         )
     ig = by.get("infinigen")
     if ig is not None:
-        gap, low, high = diff(ig, base)[1]
+        gap, low, high = against["infinigen"][1]
         share = (high - low) / 2 / abs(gap)
         verdict = "within" if share <= TARGET_KL_SHARE else "not within"
         out.append(
