@@ -3,7 +3,7 @@
 #   run(command="bash scripts/gpu_session.sh <commit> <stage ...>", carry=[".whl"], timeout_s=600)
 # Stages: host_warmup (before host-bound runs) pytest_gpu (~5 min) fig3_13 link_cap pytest_link_cap (LINK_CAPS) bench_attn (FullAttn's kernels, BSZ 1-16, 32K-128K) pytest_clo_gpu (its CLO tests alone, ~1 min) pytest_gemv tune_gemv bench_clo tune bench_clo_layer (~1.5 min together)
 # bench_clo_layer_speculative, clo_graph (SEQLENS=32k,128k), clo_persist_query (128K, both persist_query modes)
-# memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) fig10_beyond (FIG10B) multi_gpu (MULTI; several GPUs, ~4 min) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather lru block_copy (~1 min each) pin_alloc (~4 min) skew_eigh (seconds) fig2 fig2_untimed (~3.5 min each) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
+# memory_peak (PEAK_SYSTEM/BATCH/SEQLEN) query_process fig10 (FIG10) link_sensitivity (LINKS) fig10_beyond (FIG10B) multi_gpu (MULTI; several GPUs, ~4 min) fig10_trace (FIG10T) fig10_prefill (FIG10P) host_gather lru block_copy (~1 min each) pin_alloc (~4 min) skew_eigh (seconds) fig2 fig2_untimed (~3.5 min each) ablation (~3 min) topk_ab (~3 min) clo_512k fullattn_512k (~4 min each). Name the ones that fit one call's
 # 10 minutes; with none named, all run (more than one call holds).
 # It installs the carried wheels (docs/gpu.md), runs the GPU tests, the kernel benchmarks and the system runs,
 # and packs every record and log into $OUT/gpu_session.tgz (one file: the device returns at most 8).
@@ -137,6 +137,9 @@ stage trace_baselines 240 $run +experiment=fig2_breakdown system=retroinfer,infi
 # or names several, ";" between them, run in turn (the blocks of a grid still missing, e.g. "seqlen=32k batch=32 ;
 # seqlen=512k"); FIG10_SECS bounds them together (a timeout around this script would end the script, not the sweep)
 stage fig10 ${FIG10_SECS:-540} bash -c 'sweeps "$@"' _ fig10_throughput "${FIG10:-}"
+# every system's step and CLO's plan against the link cap at 128K BSZ 1 (LINKS narrows it or names more sweeps, ";"
+# between them, e.g. "seqlen=32k batch=8" for the second point; LINKS_SECS bounds them together)
+stage link_sensitivity ${LINKS_SECS:-540} bash -c 'sweeps "$@"' _ link_sensitivity "${LINKS:-}"
 # beyond the paper's grid (BSZ 128/256 at 1K-4K; FIG10B='seqlen=704k,768k batch=1' for the long line; ";" as FIG10)
 stage fig10_beyond ${FIG10B_SECS:-540} bash -c 'sweeps "$@"' _ fig10_beyond "${FIG10B:-}"
 # one sweep across every GPU of the host (hydra/launcher=gpus), then on one GPU, wall times compared;
