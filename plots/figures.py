@@ -76,6 +76,12 @@ FIGURES = (
         {"allow_mixed": True},
     ),
     Figure("tab6_memory", "tab6_memory", tab6_memory.plot, "paper Tab. 6: device memory of the KV state"),
+    Figure(
+        "tab6_memory_link21",
+        "tab6_memory_link21",
+        tab6_memory.plot,
+        "paper Tab. 6 with CLO planned for the paper's 21.21 GB/s link",
+    ),
     Figure("fig4_6_similarity", "fig4_6_similarity_smollm2", fig4_6_similarity.plot, "paper Fig. 4-6: query reuse"),
     Figure("fig3_13_link", "fig3_13_link", fig3_13_link.plot, "paper Fig. 3/13: link bandwidth"),
     Figure(

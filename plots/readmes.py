@@ -73,6 +73,7 @@ READMES: dict[str, Blocks] = {
     "tab5_ablation": tab5_readme.ablation_blocks,
     "tab5_accuracy": tab5_readme.table_blocks,
     "tab6_memory": tab6_readme.blocks,
+    "tab6_memory_link21": tab6_readme.blocks,
 }
 
 

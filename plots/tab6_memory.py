@@ -124,9 +124,7 @@ def table(root: Path, folder: str) -> str:
         rows.append(
             [
                 f"{tokens(paper.TAB6_SEQLEN)} (paper)",
-                None,
-                None,
-                None,
+                *[None] * len(shown),
                 None,
                 p["clo"],
                 p["retroinfer"],

@@ -19,10 +19,14 @@ def how(d: dict) -> str:
     estimated = sorted({r["seqlen"] for r in rows if r["source"] == "estimate_parts"})
     equal = [r["estimate_equals_buffers"] for r in rows if r["source"] == "allocated buffers"]
     clo = override_values(rec.get("clo_overrides", []))
-    return (
+    sources = (
         f"Measured from the allocated buffers: {', '.join(tokens(n) for n in measured)} "
         f"(`estimate_equals_buffers` true in {sum(equal)} of {len(equal)} rows); `estimate_parts` alone: "
-        f"{', '.join(tokens(n) for n in estimated)}. CLO's plan from a layer's dense compute of "
+        if measured
+        else "Every row from `estimate_parts` (no buffers allocated): "
+    )
+    return (
+        f"{sources}{', '.join(tokens(n) for n in estimated)}. CLO's plan from a layer's dense compute of "
         f"{clo['system.layer_time_ms']} ms and a pinned copy of {clo['system.link_gb_s']} GB/s. Commit "
         f"{commit_of(rec)}, {rec['environment']['device']}."
     )
@@ -63,7 +67,7 @@ def findings(d: dict) -> str:
     out.append(
         f"- The target (CLO's cache <= {TARGET_PERCENT} % of RetroInfer-style's at every length): "
         + (f"met at {', '.join(met)}" if met else "met nowhere")
-        + (" only." if len(met) < len(ns) else ".")
+        + (" only." if met and len(met) < len(ns) else ".")
     )
     return "\n".join(out)
 
