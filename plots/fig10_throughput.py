@@ -66,6 +66,12 @@ def data(root: Path, allow_mixed: bool = False) -> dict:
         raise RecordError(
             f"records of several link caps under {root} ({shown}; hardware.link_gb_s): a figure draws one; " + ONE_EACH
         )
+    dtypes = {kv_dtype_of(r["record"]) for r in recs}
+    if len(dtypes) > 1:  # a point's fastest run would pick one dtype's run and hide the other's
+        raise RecordError(
+            f"records of several host KV dtypes under {root} ({', '.join(sorted(dtypes))}; kv_dtype): a figure "
+            "draws one; " + ONE_EACH
+        )
     points: dict[tuple, dict] = {}
     for r in recs:
         rec = r["record"]
@@ -127,6 +133,11 @@ def budget_of(rec: dict) -> float | None:
 def link_cap_of(rec: dict) -> float | None:
     """The link cap a run record ran under (hardware.link_gb_s; None: the real link)."""
     return (rec.get("config") or {}).get("hardware", {}).get("link_gb_s")
+
+
+def kv_dtype_of(rec: dict) -> str:
+    """The host KV rows' dtype a run record ran with (kv_dtype; "model": the model's own)."""
+    return (rec.get("config") or {}).get("kv_dtype", "model")
 
 
 def refusals(root: Path) -> list[tuple[tuple[str, int, int, str], float | None]]:

@@ -1,6 +1,6 @@
 """Figure 10 (decode and prefill throughput) from records: the committed READMEs quote the tables and speedup
 ranges their records give, and over fake records the throughput, the refusals (device budget, host RAM), Table 4
-by batch, mixed budgets or link caps refused, and each panel's ticks, ratio row and refusal legend."""
+by batch, mixed budgets, link caps or KV dtypes refused, and each panel's ticks, ratio row and refusal legend."""
 
 import pytest
 
@@ -77,6 +77,10 @@ def test_throughput_from_run_records(tmp_path):
     capped = run_record("clo", batch=8, **{"config.hardware": {"link_gb_s": 21.21}})  # a slower link beside it
     write(tmp_path / "clo_8", {"record.json": capped})
     with pytest.raises(RecordError, match=r"several link caps .*\(none, 21.21 GB/s; hardware.link_gb_s\)"):
+        fig10_throughput.data(tmp_path)
+    fp8 = run_record("clo", batch=8, **{"config.kv_dtype": "fp8"})  # FP8 host rows beside the model's dtype
+    write(tmp_path / "clo_8", {"record.json": fp8})
+    with pytest.raises(RecordError, match=r"several host KV dtypes .*\(fp8, model; kv_dtype\)"):
         fig10_throughput.data(tmp_path)
 
 
