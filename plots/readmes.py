@@ -38,6 +38,7 @@ from plots import (
     key_profile_readme,
     link_cap_readme,
     reuse_profile_readme,
+    shadowkv_readme,
     speculative_selection_readme,
     tab4_readme,
     tab5_readme,
@@ -72,6 +73,7 @@ READMES: dict[str, Blocks] = {
     "tab4_hit_rate": tab4_readme.blocks,
     "tab5_ablation": tab5_readme.ablation_blocks,
     "tab5_accuracy": tab5_readme.table_blocks,
+    "shadowkv": shadowkv_readme.blocks,
     "tab6_memory": tab6_readme.blocks,
     "tab6_memory_link21": tab6_readme.blocks,
 }
