@@ -90,9 +90,9 @@ def table(root: Path, folder: str = "") -> str:
     d = data(root)
     out = []
     for (seqlen, batch), by_system in d["points"].items():
-        systems = [s for s in SYSTEMS if s in by_system]
-        links = sorted({link_of(r) for runs in by_system.values() for r in runs if len(runs) > 1},
-                       key=lambda c: (c is None, c or 0))  # fmt: skip
+        systems = list(by_system)  # in SYSTEMS' order (data)
+        capped = {link_of(r) for runs in by_system.values() for r in runs if len(runs) > 1}
+        links = sorted(capped, key=lambda c: (c is None, c or 0))
         rows = []
         for link in links:
             at = {s: next((r for r in runs if link_of(r) == link), None) for s, runs in by_system.items()}
@@ -101,8 +101,9 @@ def table(root: Path, folder: str = "") -> str:
             p = plan(clo) if clo else {}
             heads = f"{p['prefetch_heads']} / {p['persistent_heads']}" if p else "–"
             kv = f"{clo['metrics']['kv_device_gb']:.2f}" if clo else "–"
-            rows.append([f"{link:g}" if link else f"{NATIVE} ({x_of(clo or next(r for r in at.values() if r)):.1f})",
-                         *cells, heads, kv, lead(at)])  # fmt: skip
+            any_run = clo or next(r for r in at.values() if r)
+            name = f"{link:g}" if link else f"{NATIVE} ({x_of(any_run):.1f})"
+            rows.append([name, *cells, heads, kv, lead(at)])
         head = ["link (GB/s)", *(SYSTEMS[s] for s in systems), "CLO prefetch / persistent heads"]
         head += ["CLO device KV (GB)", "CLO / best baseline"]
         out.append(f"**{tokens(seqlen)} BSZ {batch}**, tokens/s (step over its own floor):\n\n" + md(head, rows))
