@@ -91,8 +91,8 @@ def table(root: Path, folder: str = "") -> str:
     out = []
     for (seqlen, batch), by_system in d["points"].items():
         systems = list(by_system)  # in SYSTEMS' order (data)
-        capped = {link_of(r) for runs in by_system.values() for r in runs if len(runs) > 1}
-        links = sorted(capped, key=lambda c: (c is None, c or 0))
+        seen = {link_of(r) for runs in by_system.values() for r in runs if len(runs) > 1}
+        links = sorted(seen, key=lambda c: (c is None, c or 0))
         rows = []
         for link in links:
             at = {s: next((r for r in runs if link_of(r) == link), None) for s, runs in by_system.items()}
