@@ -49,6 +49,11 @@ def at_default_budget(label: str) -> bool:
     return not overrides or (len(overrides) == 1 and overrides[0].startswith("system.topk_ratio="))
 
 
+def model_twin(by: dict, label: str) -> dict | None:
+    """The run of an FP8 run's system in the model's dtype: kv_dtype=model named or left at its default."""
+    return by.get(label.replace("kv_dtype=fp8", "kv_dtype=model")) or by.get(label.replace(" kv_dtype=fp8", ""))
+
+
 def findings(records: list[dict]) -> list[str]:
     by = {r["label"]: r for r in records}
     base = by.get(BASE)
@@ -88,7 +93,7 @@ def findings(records: list[dict]) -> list[str]:
             )
             + "."
         )
-    fp8 = [(r, by.get(r["label"].replace(" kv_dtype=fp8", ""))) for r in records if r["label"].endswith("kv_dtype=fp8")]
+    fp8 = [(r, model_twin(by, r["label"])) for r in records if r["label"].endswith("kv_dtype=fp8")]
     if fp8:
         out.append(
             "FP8 host rows minus the same system's model-dtype rows (top-1; KL): "
