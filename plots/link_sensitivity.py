@@ -22,9 +22,12 @@ from plots.records import SYSTEMS, RecordError, cli, load_records, paper_style, 
 NATIVE = "native"
 
 
-def link_of(rec: dict) -> float | None:
-    """The cap a run ran under (None: the real link, unpaced)."""
-    return rec["config"]["hardware"].get("link_gb_s")
+link_of = fig10_throughput.link_cap_of  # the cap a run ran under (None: the real link, unpaced)
+
+
+def link_order(cap: float | None) -> tuple:
+    """Caps from the slowest, the real link last."""
+    return (cap is None, cap or 0)
 
 
 def x_of(rec: dict) -> float:
@@ -35,7 +38,7 @@ def x_of(rec: dict) -> float:
 def data(root: Path) -> dict:
     """{(seqlen, batch): {system: [record, ...] by link, the native run last}} of one commit and one budget."""
     recs = load_records(Path(root))
-    budgets = {r["record"]["config"]["hardware"].get("gpu_mem_gb") for r in recs}
+    budgets = {fig10_throughput.budget_of(r["record"]) for r in recs}
     if len(budgets) > 1:
         raise RecordError(f"records of several device budgets under {root} ({sorted(map(str, budgets))})")
     points: dict = {}
@@ -45,7 +48,7 @@ def data(root: Path) -> dict:
         by_system.setdefault(rec["system"], []).append(rec)
     for key, by_system in points.items():
         for runs in by_system.values():
-            runs.sort(key=lambda rec: (link_of(rec) is None, link_of(rec) or 0))
+            runs.sort(key=lambda rec: link_order(link_of(rec)))
         points[key] = {s: by_system[s] for s in SYSTEMS if s in by_system}
     return {"points": dict(sorted(points.items(), key=lambda p: (-p[0][0], p[0][1]))), "records": recs}
 
@@ -92,7 +95,7 @@ def table(root: Path, folder: str = "") -> str:
     for (seqlen, batch), by_system in d["points"].items():
         systems = list(by_system)  # in SYSTEMS' order (data)
         seen = {link_of(r) for runs in by_system.values() for r in runs if len(runs) > 1}
-        links = sorted(seen, key=lambda c: (c is None, c or 0))
+        links = sorted(seen, key=link_order)
         rows = []
         for link in links:
             at = {s: next((r for r in runs if link_of(r) == link), None) for s, runs in by_system.items()}
