@@ -23,6 +23,7 @@ from experiments.runner.records import environment
 from experiments.runner.run_settings import parse_tokens
 from kvoffload.kv.interface import GB, KVSpec, split_host
 from kvoffload.model.config import ModelConfig
+from kvoffload.model.rope import rope_frequencies
 from kvoffload.paths import ROOT, write_json_atomic
 
 CONF = ROOT / "conf"
@@ -44,6 +45,7 @@ def measure(system_name: str, overrides: list[str], seqlen: int, gen: int, estim
         torch.bfloat16,
         cpu,
         prompt_len=seqlen,
+        rope_inv_freq=rope_frequencies(mc),  # ShadowKV-style un-rotates keys before its SVD
     )
     estimate = system.estimate_parts(spec)
     if estimate_only:  # CLO's plan (which heads are persistent) without allocating: plan_for is what allocate uses
