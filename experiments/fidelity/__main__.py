@@ -10,8 +10,10 @@ Bad input is one `error:` line and exit status 2, before the weights are loaded.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -113,7 +115,8 @@ def run(cfg: DictConfig, system_name: str, identity: list[str]) -> dict:
         batches.append(cost)
         top1 = sum(r["top1"] for r in results) / len(results)
         print(
-            f"[fidelity] {system_name}: documents {at + 1}-{at + len(group)} of {len(chosen)}, top-1 {top1:.3f}",
+            f"[fidelity] {system_name}: documents {at + 1}-{at + len(group)} of {len(chosen)}, top-1 {top1:.3f}"
+            f"{resident()}",
             file=sys.stderr,
         )
     for d in per_doc:
@@ -174,6 +177,15 @@ def label(system_name: str, identity: list[str]) -> str:
     """The system and the settings that tell this run from the others of its sweep (not the workload's)."""
     shared = ("workload.", "workload=", "system=", "+experiment=")
     return " ".join([system_name, *(o for o in identity if not o.startswith(shared))])
+
+
+def resident() -> str:
+    """The process's resident memory, for the progress line: a long sweep that grows shows it before it is refused."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):  # not Linux
+        return ""
+    return f", resident {pages * os.sysconf('SC_PAGE_SIZE') / GB:.2f} GB"
 
 
 def _mean(values):
