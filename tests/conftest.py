@@ -8,6 +8,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("WANDB_SILENT", "true")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: N workers share the cores, each computes on one of them
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+# one cluster for the module: under `pytest -n`, its tests share one worker (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("slurm")
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "slurm_local.sh"
 COMMANDS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scancel")
