@@ -113,6 +113,27 @@ def test_step_metrics_by_hand():
     assert m[3].item() == pytest.approx(ref[0, 0].item())
 
 
+def test_a_system_refused_for_memory_gets_the_reference_caches():
+    """An 8K sweep was refused on its third batch while the reference cache held the first two batches' documents:
+    the cache gives its memory up before the run stops; with nothing cached the refusal stands."""
+    from experiments.accuracy.backbone import Prefill, PrefillCache
+    from experiments.fidelity.__main__ import planned
+
+    class Backbone:  # refuses while the cache holds anything, as a host short by the cache's size would
+        def system(self, *args):
+            if cache.used:
+                raise ConfigError("host RAM short")
+            return args
+
+    cache = PrefillCache(max_bytes=1 << 20)
+    cache.put((1, 2), Prefill(torch.zeros(1), [torch.zeros(4)], [torch.zeros(4)], 0.0))
+    assert cache.used and planned(Backbone(), cache, "clo", 7) == ("clo", 7)
+    assert cache.used == 0 and not cache.entries
+    with pytest.raises(ConfigError, match="host RAM short"):
+        cache.used = 1  # short for another reason than the cache: refused
+        planned(Backbone(), cache, "clo", 7)
+
+
 def test_interval_covers_the_mean_and_shrinks_with_documents():
     rng = np.random.default_rng(1)
     few, many = rng.normal(1.0, 1.0, 10), rng.normal(1.0, 1.0, 400)

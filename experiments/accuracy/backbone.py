@@ -106,6 +106,12 @@ class PrefillCache:
         self.misses += p is None
         return p
 
+    def clear(self) -> None:
+        """Drops every entry (a run that needs the memory comes before the saved recomputation)."""
+        self.entries.clear()
+        self.last_job.clear()
+        self.used = 0
+
     def put(self, ids: tuple[int, ...], p: Prefill) -> None:
         if p.nbytes > self.max_bytes:
             return

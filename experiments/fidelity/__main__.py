@@ -80,6 +80,19 @@ def references(gb: float) -> PrefillCache:
     return _REFERENCES
 
 
+def planned(backbone, cache: PrefillCache, *args) -> KVOffloadSystem:
+    """backbone.system(*args); a system refused while the reference cache holds documents gets the cache's memory:
+    the cache only saves recomputing references for the sweep's next jobs, so it must not stop this one."""
+    try:
+        return backbone.system(*args)
+    except ConfigError:
+        if not cache.entries:
+            raise
+        print(f"[fidelity] {cache.used / GB:.1f} GB of cached references dropped for the system", file=sys.stderr)
+        cache.clear()
+        return backbone.system(*args)
+
+
 def run(cfg: DictConfig, system_name: str, identity: list[str]) -> dict:
     s = settings(cfg)
     # the system's own settings and kv_dtype refused now, before the weights load
@@ -107,7 +120,7 @@ def run(cfg: DictConfig, system_name: str, identity: list[str]) -> dict:
         # the documents share a batch only to share the CPU's weight reads: each is planned as one sequence (Eq. 12
         # divides a layer's time among the batch's sequences, so the batch gets the time of as many layers)
         layer_s = backbone.layer_time_s * len(group)
-        system = backbone.system(cfg.system, system_name, s["prefix"], s["steps"], len(group), layer_s)
+        system = planned(backbone, cache, cfg.system, system_name, s["prefix"], s["steps"], len(group), layer_s)
         results, cost = teacher_forced(backbone, system, group, refs, window(cfg.system, system, s["prefix"]))
         state = system.describe()
         del system, refs
