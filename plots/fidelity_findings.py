@@ -18,6 +18,10 @@ VARIANTS = {  # CLO's variant -> what it changes, in words
     "clo +clo_ablation=nocache": "no reuse (SimHash top-k every step)",
     "clo +clo_ablation=learned": "HATA's learned hash in place of SimHash",
     "clo +clo_ablation=persist_speculative": "the speculative query for the persistent heads' prefetch",
+    # the paper's ablation steps (conf/ablation): each adds one of CLO's policies, the last being CLO itself
+    "clo +ablation=base": "none of its three policies (one threshold, the GQA minimum, no persistent heads)",
+    "clo +ablation=t": "importance-aware thresholds alone (+T)",
+    "clo +ablation=tg": "+T and the importance-weighted GQA mean (+T+G), no persistent heads",
 }
 
 
