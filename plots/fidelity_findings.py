@@ -60,7 +60,7 @@ def model_twin(by: dict, label: str) -> dict | None:
 
 def findings(records: list[dict]) -> list[str]:
     by = {r["label"]: r for r in records}
-    base = by.get(BASE)
+    base = by.get(BASE) or by.get(f"{BASE} kv_dtype=model")  # CLO at its defaults, its dtype named or not
     if base is None:
         return []
     out = []
@@ -112,9 +112,11 @@ def findings(records: list[dict]) -> list[str]:
         wide = sorted((w, label) for label, w in widths.items() if w > TARGET_HALF_WIDTH)
         shared = sorted({len(set(per_doc(r, "top1")) & set(per_doc(base, "top1"))) for r in records if r is not base})
         docs = f"{shared[0]}" if len(shared) == 1 else f"{shared[0]} to {shared[-1]}"
+        lo, hi = f"{min(widths.values()):.2f}", f"{max(widths.values()):.2f}"
         out.append(
-            f"Paired top-1 intervals against CLO ({docs} documents shared) have half-widths "
-            f"{min(widths.values()):.2f} to {max(widths.values()):.2f} points; above the {TARGET_HALF_WIDTH} points "
+            f"Paired top-1 intervals against CLO ({docs} documents shared) have "
+            + (f"a half-width of {lo}" if lo == hi else f"half-widths {lo} to {hi}")
+            + f" points; above the {TARGET_HALF_WIDTH} points "
             "a comparison needs: " + (", ".join(f"{label} {w:.2f}" for w, label in wide) or "none") + "."
         )
     ig = by.get("infinigen")

@@ -278,3 +278,19 @@ def test_the_frontier_pairs_a_systems_records_of_one_setting_and_refuses_two(tmp
     _write(gpu, "clo_eta", _gpu_record("clo", 0.05, 999.0, eta=0.7))  # the faster run wins, with other settings
     with pytest.raises(RecordError, match="eta=0.8.*eta=0.7"):
         fidelity_frontier.pairs(cpu, gpu)
+
+
+def test_findings_pair_fp8_with_a_clo_run_that_names_its_dtype():
+    """At 8K the model-dtype run is `clo kv_dtype=model`: it is CLO at its defaults, the base FP8 is paired with;
+    without any CLO at its defaults a length has no findings (and the README no empty heading)."""
+    from plots.fidelity_findings import findings
+
+    def rec(label, top1):
+        docs = [{"doc": f"d{i}", "top1": t, "kl": 0.1 * (1 - t)} for i, t in enumerate(top1)]
+        return {"label": label, "per_document": docs, "summary": {"top1": {"mean": sum(top1) / len(top1)}}}
+
+    model, fp8 = rec("clo kv_dtype=model", [0.9, 0.8, 0.95, 0.7]), rec("clo kv_dtype=fp8", [0.9, 0.8, 0.9, 0.7])
+    said = findings([model, fp8])
+    assert said[0].startswith("FP8 host rows minus the same system's model-dtype rows")
+    assert "clo -1.25 points" in said[0]
+    assert findings([fp8]) == []
