@@ -16,8 +16,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from plots import fig10_throughput  # noqa: E402
 from plots.bootstrap import paired  # noqa: E402
-from plots.fidelity_findings import findings, per_doc  # noqa: E402
+from plots.fidelity_findings import at_default_budget, findings, per_doc  # noqa: E402
 from plots.markdown import source  # noqa: E402
 from plots.records import Records, cli, load_files, plot_arguments, save, tokens  # noqa: E402
 
@@ -94,28 +95,46 @@ def paired_table(records: list[dict], base: str = BASE) -> str | None:
     return "\n".join(rows)
 
 
+VARIANT_MARKERS = "^v<>DPX*hpd"  # a system's runs with other settings, in the order the records list them
+
+
+def styles(records: list[dict]) -> list[dict]:
+    """Each run's colour (its system's, as in every figure) and marker: a filled circle at the system's own settings
+    (a matched budget, or kv_dtype=model, included), an open square with FP8 host rows, another marker per variant."""
+    out, variants = [], iter(VARIANT_MARKERS * 2)
+    for rec in records:
+        system, *overrides = rec["label"].split(" ")
+        style = {"color": fig10_throughput.colour(system), "fmt": "o"}
+        if overrides == ["kv_dtype=fp8"]:
+            style.update(fmt="s", mfc="white")
+        elif overrides and overrides != ["kv_dtype=model"] and not at_default_budget(rec["label"]):
+            style["fmt"] = next(variants)
+        out.append(style)
+    return out
+
+
 def plot(root: Path, out: Path) -> Records:
     recs = load(root)
     lengths = by_length(recs)
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(7.5 * len(lengths), 4.2), squeeze=False)
     for ax, (length, records) in zip(axes[0], lengths.items()):
-        for i, rec in enumerate(r for r in records if r["summary"]["kl"]["mean"] > 0):
+        drawn = [r for r in records if r["summary"]["kl"]["mean"] > 0]
+        for rec, style in zip(drawn, styles(drawn)):
             kl, top1 = rec["summary"]["kl"], rec["summary"]["top1"]
             ax.errorbar(
                 kl["mean"],
                 top1["mean"] * 100,
                 xerr=[[kl["mean"] - kl["low"]], [kl["high"] - kl["mean"]]],
                 yerr=[[(top1["mean"] - top1["low"]) * 100], [(top1["high"] - top1["mean"]) * 100]],
-                fmt="o",
-                color=f"C{i % 10}",
                 label=rec["label"],
                 capsize=2,
+                **style,
             )
         ax.set_xscale("log")
         ax.set_xlabel("KL from exact attention (nats/token, log scale)")
         ax.set_ylabel("top-1 agreement with exact attention (%)")
         ax.set_title(f"{tokens(length)} documents, 95 % intervals over documents", fontsize=9)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)  # beside: no point hidden
     fig.suptitle(
         "Fidelity against exact attention, SmolLM2-135M (FullAttn: KL 0, top-1 100 %)",
         fontsize=9,
