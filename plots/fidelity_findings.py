@@ -84,6 +84,12 @@ def findings(records: list[dict]) -> list[str]:
             why = ""
             if label.endswith("persist_speculative") and plan.get("persistent_heads") == 0:
                 why = f" (its plan has no persistent heads: Eq. 12's N_p of {plan['n_p']} covers every hard head)"
+            if label.startswith("clo +ablation="):  # the policies are about reuse: what it costs the link too
+                r = by[label]
+                why = (
+                    f" (hit rate {hit(r)} against {hit(base)}; host→device {r['bytes_h2d_per_step'] / 1e3:.0f} "
+                    f"against {base['bytes_h2d_per_step'] / 1e3:.0f} KB a step)"
+                )
             out.append(f"CLO with {what}, minus CLO: top-1 {said(t)}; KL {said(k, '', 4)}{why}.")
     etas = sorted((r for r in records if r["label"].startswith("clo +clo_ablation=eta")), key=lambda r: r["label"])
     if etas:
