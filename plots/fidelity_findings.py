@@ -90,6 +90,12 @@ def findings(records: list[dict]) -> list[str]:
                     f" (hit rate {hit(r)} against {hit(base)}; host→device {r['bytes_h2d_per_step'] / 1e3:.0f} "
                     f"against {base['bytes_h2d_per_step'] / 1e3:.0f} KB a step)"
                 )
+                none = by.get("clo +ablation=base")
+                if r is not none and none is not None and r["per_document"] == none["per_document"]:
+                    why += (  # +T's thresholds come from the heads' importance: uniform, every head keeps eta
+                        ", document for document the same as with none of the policies: its importance is "
+                        f"{r.get('system_state', {}).get('importance', 'unrecorded')}"
+                    )
             out.append(f"CLO with {what}, minus CLO: top-1 {said(t)}; KL {said(k, '', 4)}{why}.")
     etas = sorted((r for r in records if r["label"].startswith("clo +clo_ablation=eta")), key=lambda r: r["label"])
     if etas:
