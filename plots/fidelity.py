@@ -9,6 +9,7 @@ top-1 agreement), one panel per length. Its README's tables and findings are gen
 
 from __future__ import annotations
 
+from itertools import cycle
 from pathlib import Path
 
 import matplotlib
@@ -101,7 +102,7 @@ VARIANT_MARKERS = "^v<>DPX*hpd"  # a system's runs with other settings, in the o
 def styles(records: list[dict]) -> list[dict]:
     """Each run's colour (its system's, as in every figure) and marker: a filled circle at the system's own settings
     (a matched budget, or kv_dtype=model, included), an open square with FP8 host rows, another marker per variant."""
-    out, variants = [], iter(VARIANT_MARKERS * 2)
+    out, variants = [], cycle(VARIANT_MARKERS)
     for rec in records:
         system, *overrides = rec["label"].split(" ")
         style = {"color": fig10_throughput.colour(system), "fmt": "o"}

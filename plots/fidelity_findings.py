@@ -7,6 +7,7 @@ difference whose interval holds 0 is said to be none measurable."""
 from __future__ import annotations
 
 from plots.bootstrap import paired
+from plots.markdown import span
 
 BASE = "clo"
 TARGET_HALF_WIDTH = 0.5  # points of top-1 agreement: the paired interval a comparison needs (docs/fidelity.md)
@@ -124,12 +125,11 @@ def findings(records: list[dict]) -> list[str]:
         wide = sorted((w, label) for label, w in widths.items() if w > TARGET_HALF_WIDTH)
         shared = sorted({len(set(per_doc(r, "top1")) & set(per_doc(base, "top1"))) for r in records if r is not base})
         docs = f"{shared[0]}" if len(shared) == 1 else f"{shared[0]} to {shared[-1]}"
-        lo, hi = f"{min(widths.values()):.2f}", f"{max(widths.values()):.2f}"
         out.append(
-            f"Paired top-1 intervals against CLO ({docs} documents shared) have "
-            + (f"a half-width of {lo}" if lo == hi else f"half-widths {lo} to {hi}")
-            + f" points; above the {TARGET_HALF_WIDTH} points "
-            "a comparison needs: " + (", ".join(f"{label} {w:.2f}" for w, label in wide) or "none") + "."
+            f"Paired top-1 intervals against CLO ({docs} documents shared) have half-widths of "
+            f"{span(widths.values())} points; above the {TARGET_HALF_WIDTH} points a comparison needs: "
+            + (", ".join(f"{label} {w:.2f}" for w, label in wide) or "none")
+            + "."
         )
     ig = by.get("infinigen")
     if ig is not None:

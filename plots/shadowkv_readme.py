@@ -9,6 +9,7 @@ from pathlib import Path
 
 from plots import fidelity, fig10_throughput, tab6_memory
 from plots.fidelity_findings import diff, said
+from plots.markdown import span
 from plots.records import NoRecords, RecordError, tokens
 
 MATCHED = "shadowkv system.topk_ratio=0.1"  # its fidelity run at the others' top-k (its own default is a token budget)
@@ -23,12 +24,11 @@ def memory(results: Path) -> list[str]:
     gb = {k: r["device_gb"] for k, r in rows.items()}
     dev = ", ".join(f"{tokens(n)} {gb['shadowkv', n]:.2f} / {gb['clo', n]:.2f}" for n in ns)
     host = [rows["shadowkv", n]["host_gb"] / rows["clo", n]["host_gb"] for n in ns]
-    share = f"{min(host):.0%}" if f"{min(host):.0%}" == f"{max(host):.0%}" else f"{min(host):.0%}-{max(host):.0%}"
     return [
         f"- **Device memory** of the KV state, ShadowKV-style / CLO (GB, BSZ 1): {dev}. ShadowKV-style keeps "
         "low-rank keys, landmarks, outliers and the window on the device, CLO a cache of selected rows and its "
         "persistent heads.",
-        f"- **Host memory**: ShadowKV-style's store is {share} of CLO's (it offloads the "
+        f"- **Host memory**: ShadowKV-style's store is {span(host, '{:.0%}')} of CLO's (it offloads the "
         "values only; the keys are rebuilt from the low-rank factors), so the host's RAM holds about "
         f"{1 / max(host):.1f}x the sequences before it refuses a batch.",
     ]
